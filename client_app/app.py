@@ -1,0 +1,108 @@
+"""The ClientApp: loads the node's partition and runs the local work the server asks for.
+
+The node's partition comes from ``node_config`` (``partition-id``, ``num-partitions``), set by
+the simulation engine, by ``flower-supernode --node-config`` in deployment, or by the in-process
+engine. Everything else (data spec, model, local recipe, seed) travels in the message config,
+so a node needs no run configuration of its own.
+
+Replies: ``train`` returns the *delta* of the trainable parameters plus ``num-examples``,
+``partition-id``, ``base-version`` and training metrics; ``evaluate`` returns the global
+model's loss and accuracy on the partition; ``query`` returns the node's partition id.
+An exception inside a handler becomes an error reply (``CLIENT_APP_RAISED_EXCEPTION``).
+"""
+
+from __future__ import annotations
+
+import functools
+import traceback
+from collections.abc import Callable
+from logging import ERROR
+
+from flwr.app import Context, Error, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common import log
+from flwr.common.constant import ErrorCode
+from torch import nn
+
+from common.data import ArrayDataset, DataSpec, client_partition, load_dataset
+from common.models import build_model
+from common.params import ParamSpec
+from common.training import LocalRecipe, evaluate, train
+from common.protocol import ARRAYS, BASE_VERSION, CONFIG, METRICS, MODEL, NUM_EXAMPLES, PARTITION_ID, TRAIN_SEED, VERSION
+
+app = ClientApp()
+
+Handler = Callable[[Message, Context], Message]
+
+
+def error_replies(handler: Handler) -> Handler:
+    """Turn an exception inside `handler` into an error reply, logged with its traceback."""
+
+    @functools.wraps(handler)
+    def guarded(msg: Message, context: Context) -> Message:
+        try:
+            return handler(msg, context)
+        except Exception as err:  # noqa: BLE001 - any failure on the device becomes an error reply
+            log(ERROR, "ClientApp %s failed: %s", msg.metadata.message_type, traceback.format_exc())
+            reason = f"{type(err).__name__}: {err}"
+            return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
+
+    return guarded
+
+
+def node_partition(context: Context) -> tuple[int, int]:
+    """(partition-id, num-partitions) of this node, with a clear error when they are missing."""
+    cfg = context.node_config
+    if "partition-id" not in cfg or "num-partitions" not in cfg:
+        raise ValueError("node_config needs 'partition-id' and 'num-partitions' "
+                         "(flower-supernode --node-config 'partition-id=0 num-partitions=N')")
+    return int(cfg["partition-id"]), int(cfg["num-partitions"])
+
+
+def _load(msg: Message, context: Context) -> tuple[int, ArrayDataset, nn.Module, ParamSpec]:
+    """This node's partition and the model, with the message's parameters loaded into it."""
+    config = msg.content[CONFIG]
+    spec = DataSpec.from_config(config)
+    pid, num_partitions = node_partition(context)
+    if num_partitions != spec.num_partitions:
+        raise ValueError(f"node has num-partitions={num_partitions} but the run splits the data into "
+                         f"{spec.num_partitions} partitions (num-clients)")
+    data = client_partition(spec, pid)
+    full = load_dataset(spec.dataset)
+    model = build_model(str(config[MODEL]), full.x.shape[1], full.x.shape[2], full.num_classes, seed=0)
+    pspec = ParamSpec.of(model)
+    pspec.load_into(model, pspec.from_record(msg.content[ARRAYS]))
+    return pid, data, model, pspec
+
+
+@app.train()
+@error_replies
+def train_handler(msg: Message, context: Context) -> Message:
+    """Local training from the received global model; replies with the parameter delta."""
+    config = msg.content[CONFIG]
+    pid, data, model, pspec = _load(msg, context)
+    start = pspec.flatten(model)
+    metrics = train(model, data, LocalRecipe.from_config(config), seed=int(config[TRAIN_SEED]))
+    delta = pspec.flatten(model) - start
+    reply = MetricRecord({NUM_EXAMPLES: len(data), PARTITION_ID: pid, BASE_VERSION: int(config[VERSION]), **metrics})
+    return Message(RecordDict({ARRAYS: pspec.to_record(delta), METRICS: reply}), reply_to=msg)
+
+
+@app.evaluate()
+@error_replies
+def evaluate_handler(msg: Message, context: Context) -> Message:
+    """Loss and accuracy of the received model on this node's partition."""
+    pid, data, model, _ = _load(msg, context)
+    result = evaluate(model, data)
+    metrics = MetricRecord({NUM_EXAMPLES: len(data), PARTITION_ID: pid,
+                            "eval-loss": result["loss"], "eval-accuracy": result["accuracy"]})
+    return Message(RecordDict({METRICS: metrics}), reply_to=msg)
+
+
+@app.query()
+@error_replies
+def query_handler(msg: Message, context: Context) -> Message:
+    """Which partition this node holds (the server maps node ids to stable client ids with it)."""
+    pid, num_partitions = node_partition(context)
+    return Message(RecordDict({METRICS: MetricRecord({PARTITION_ID: pid, "num-partitions": num_partitions})}),
+                   reply_to=msg)

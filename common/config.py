@@ -1,0 +1,183 @@
+"""Run configuration: one typed schema, loaded from a YAML preset plus `flwr run -c` overrides.
+
+A run's configuration is built in three layers, each overriding the one before:
+
+1. the defaults of :class:`RunConfig` (mirrored in ``[tool.flwr.app.config]`` of pyproject.toml),
+2. the YAML preset named by ``preset`` (``configs/<preset>.yaml``),
+3. the keys the user gave explicitly (``flwr run -c 'k=v'``, or a dict in the in-process engine).
+
+Keys are spelled the same everywhere: YAML, pyproject and ``-c`` use ``num-rounds``; the
+dataclass field is ``num_rounds`` (hyphens become underscores, nothing else changes).
+Every value is checked at start-up; a bad one raises :class:`ConfigError` naming the key,
+the value and what is allowed.
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names key, value and what is allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str) -> None:
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"config key '{key}' = {value!r} is not allowed: expected {allowed}")
+
+
+@dataclass(frozen=True)
+class Range:
+    """A numeric interval; `low_open` excludes the lower bound."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+
+    def ok(self, v: float) -> bool:
+        return (v > self.low if self.low_open else v >= self.low) and v <= self.high
+
+    def describe(self) -> str:
+        lo = "(" if self.low_open else "["
+        return f"a value in {lo}{self.low}, {self.high}]"
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """A name from a registry; `names` is called lazily so registries can live in other packages."""
+
+    names: Callable[[], Iterable[str]]
+
+    def ok(self, v: str) -> bool:
+        return v in set(self.names())
+
+    def describe(self) -> str:
+        return "one of " + ", ".join(repr(n) for n in sorted(self.names()))
+
+
+def _datasets() -> Iterable[str]:
+    from common.data import DATASETS
+
+    return DATASETS
+
+
+def _models() -> Iterable[str]:
+    from common.models import MODELS
+
+    return MODELS
+
+
+def _strategies() -> Iterable[str]:
+    from strategies import STRATEGIES
+
+    return STRATEGIES
+
+
+def _partitioners() -> Iterable[str]:
+    from common.data import PARTITIONERS
+
+    return PARTITIONERS
+
+
+def _presets() -> Iterable[str]:
+    return [p.stem for p in CONFIG_DIR.glob("*.yaml")]
+
+
+def _opt(default: Any, check: Range | OneOf | None = None, doc: str = "") -> Any:
+    return field(default=default, metadata={"check": check, "doc": doc})
+
+
+POSITIVE = Range(0, math.inf, low_open=True)
+COUNT = Range(1)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a run needs to know; see README "Configuration" for what each key does."""
+
+    preset: str = _opt("fedavg-digits", OneOf(_presets), "YAML preset in configs/ applied before overrides")
+    seed: int = _opt(0, Range(0), "fixes partitions, sampling, initialisation and local shuffling")
+    dataset: str = _opt("digits", OneOf(_datasets), "dataset name (common/data.py)")
+    partitioner: str = _opt("dirichlet", OneOf(_partitioners), "how client data is split")
+    dirichlet_alpha: float = _opt(0.5, POSITIVE, "Dirichlet concentration (smaller = more skewed)")
+    num_clients: int = _opt(10, COUNT, "number of client partitions (= SuperNodes)")
+    test_fraction: float = _opt(0.2, Range(0, 1, low_open=True), "fraction of the data kept as the server's test split")
+    central_size: int = _opt(0, Range(0), "samples moved from the test split to the server's central split")
+    model: str = _opt("cnn", OneOf(_models), "model name (common/models.py)")
+    strategy: str = _opt("fedavg", OneOf(_strategies), "aggregation strategy (strategies/)")
+    num_rounds: int = _opt(20, COUNT, "server rounds")
+    clients_per_round: int = _opt(10, COUNT, "clients sampled per round")
+    local_epochs: int = _opt(1, COUNT, "local epochs per client update")
+    batch_size: int = _opt(32, COUNT, "local mini-batch size")
+    optimizer: str = _opt("sgd", OneOf(lambda: ("sgd", "adam")), "local optimizer")
+    lr: float = _opt(0.05, POSITIVE, "local learning rate")
+    momentum: float = _opt(0.9, Range(0, 1), "SGD momentum (ignored by adam)")
+    eval_every: int = _opt(1, COUNT, "evaluate the global model on the test split every this many rounds")
+    round_timeout_s: float = _opt(600.0, POSITIVE, "seconds a round waits for replies before going on")
+    wait_nodes_s: float = _opt(120.0, POSITIVE, "seconds to wait for num-clients nodes to connect")
+    output_dir: str = _opt("outputs", None, "where outputs/<run>/ is written (absolute in deployment)")
+    run_name: str = _opt("", None, "name of the run folder; empty = <preset>-s<seed>-<timestamp>")
+
+    @staticmethod
+    def keys() -> list[str]:
+        return [to_key(f.name) for f in dataclasses.fields(RunConfig)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {to_key(k): v for k, v in dataclasses.asdict(self).items()}
+
+
+def to_key(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _coerce(key: str, value: Any, kind: type) -> Any:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if type(value) is not kind:  # bool is not an int here, and "3" is not 3
+        raise ConfigError(key, value, f"a {kind.__name__}")
+    if kind is float and not math.isfinite(value):
+        raise ConfigError(key, value, "a finite float")
+    return value
+
+
+def read_preset(name: str) -> dict[str, Any]:
+    """The key/value mapping of ``configs/<name>.yaml``."""
+    path = CONFIG_DIR / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError("preset", name, OneOf(_presets).describe())
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError("preset", name, f"a YAML mapping in {path}")
+    return data
+
+
+def load_config(overrides: Mapping[str, Any] | None = None) -> RunConfig:
+    """Build and validate the run configuration: defaults <- preset <- `overrides`.
+
+    `overrides` are the keys the user set explicitly (Flower's ``Run.override_config``).
+    """
+    overrides = dict(overrides or {})
+    fields = {to_key(f.name): f for f in dataclasses.fields(RunConfig)}
+    preset = overrides.get("preset", RunConfig.preset)
+    _coerce("preset", preset, str)
+    layered = {**read_preset(preset), **overrides, "preset": preset}
+    values: dict[str, Any] = {}
+    for key, value in layered.items():
+        if key not in fields:
+            raise ConfigError(key, value, "a known key: " + ", ".join(sorted(fields)))
+        f = fields[key]
+        value = _coerce(key, value, f.type)
+        check = f.metadata["check"]
+        if check is not None and not check.ok(value):
+            raise ConfigError(key, value, check.describe())
+        values[f.name] = value
+    cfg = RunConfig(**values)
+    if cfg.clients_per_round > cfg.num_clients:
+        raise ConfigError("clients-per-round", cfg.clients_per_round, f"at most num-clients = {cfg.num_clients}")
+    return cfg

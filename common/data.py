@@ -1,0 +1,161 @@
+"""Datasets, the server's splits and client partitions.
+
+Every dataset is loaded into memory as float32 images ``(N, C, H, W)`` and int64 labels.
+The data is then split, deterministically from the run's seed, into
+
+* ``test``    — the server's test split (the evaluation set of the global model),
+* ``central`` — the server's held-out central split (taken from the test split, as the papers do),
+* ``train``   — the decentralised data, partitioned over the clients.
+
+Client partitions come from flwr-datasets partitioners run on an in-memory ``datasets.Dataset``,
+so a node computes its own partition from the same spec and its ``partition-id``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ArrayDataset:
+    """Images ``x`` (N, C, H, W) float32 and labels ``y`` (N,) int64."""
+
+    x: np.ndarray
+    y: np.ndarray
+    num_classes: int
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def subset(self, idx: np.ndarray) -> ArrayDataset:
+        return ArrayDataset(self.x[idx], self.y[idx], self.num_classes)
+
+
+def _digits() -> ArrayDataset:
+    # scikit-learn ships the UCI digits inside its wheel: real data, no download.
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = (d.images.astype(np.float32) / 16.0)[:, None, :, :]
+    return ArrayDataset(x, d.target.astype(np.int64), 10)
+
+
+def _synthetic() -> ArrayDataset:
+    """Four Gaussian classes of 8x8 images, fixed forever (its own seed), for fast unit tests."""
+    rng = np.random.default_rng(1234)
+    num_classes, per_class = 4, 100
+    means = rng.normal(0.0, 1.0, size=(num_classes, 1, 8, 8)).astype(np.float32)
+    y = np.repeat(np.arange(num_classes), per_class)
+    x = means[y] + rng.normal(0.0, 0.7, size=(len(y), 1, 8, 8)).astype(np.float32)
+    return ArrayDataset(x.astype(np.float32), y.astype(np.int64), num_classes)
+
+
+DATASETS: dict[str, Callable[[], ArrayDataset]] = {"digits": _digits, "synthetic": _synthetic}
+PARTITIONERS = ("iid", "dirichlet")
+
+
+@lru_cache(maxsize=4)
+def load_dataset(name: str) -> ArrayDataset:
+    """The whole dataset `name`, cached per process."""
+    if name not in DATASETS:
+        raise KeyError(f"unknown dataset {name!r}; known: {sorted(DATASETS)}")
+    return DATASETS[name]()
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What a node needs to rebuild the same splits and its own partition. Travels in the message config."""
+
+    dataset: str
+    seed: int
+    partitioner: str
+    dirichlet_alpha: float
+    num_partitions: int
+    test_fraction: float
+    central_size: int
+
+    def to_config(self) -> dict[str, int | float | str]:
+        return {f"data-{k.replace('_', '-')}": v for k, v in self.__dict__.items()}
+
+    @staticmethod
+    def from_config(config: dict) -> DataSpec:
+        names = DataSpec.__dataclass_fields__
+        return DataSpec(**{k: config[f"data-{k.replace('_', '-')}"] for k in names})
+
+
+@dataclass(frozen=True)
+class Splits:
+    train: ArrayDataset
+    test: ArrayDataset
+    central: ArrayDataset
+
+
+def _stratified_split(y: np.ndarray, fraction: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Indices (rest, taken) with `fraction` of every class taken."""
+    taken = []
+    for c in np.unique(y):
+        idx = rng.permutation(np.flatnonzero(y == c))
+        taken.append(idx[: int(round(fraction * len(idx)))])
+    taken_idx = np.sort(np.concatenate(taken))
+    return np.setdiff1d(np.arange(len(y)), taken_idx), taken_idx
+
+
+@lru_cache(maxsize=8)
+def make_splits(spec: DataSpec) -> Splits:
+    """Train / test / central splits of the spec's dataset, fixed by the spec's seed."""
+    full = load_dataset(spec.dataset)
+    rng = np.random.default_rng([spec.seed, 0])
+    train_idx, test_idx = _stratified_split(full.y, spec.test_fraction, rng)
+    if spec.central_size > len(test_idx):
+        raise ValueError(f"central-size {spec.central_size} exceeds the test split ({len(test_idx)} samples)")
+    test_idx = rng.permutation(test_idx)
+    central_idx, test_idx = np.sort(test_idx[: spec.central_size]), np.sort(test_idx[spec.central_size :])
+    return Splits(full.subset(train_idx), full.subset(test_idx), full.subset(central_idx))
+
+
+@lru_cache(maxsize=8)
+def partition_indices(spec: DataSpec) -> tuple[np.ndarray, ...]:
+    """Indices into the train split for every partition (every sample in exactly one partition)."""
+    from datasets import Dataset
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
+
+    labels = make_splits(spec).train.y
+    n, k = len(labels), spec.num_partitions
+    if n < k:
+        raise ValueError(f"{n} training samples cannot fill {k} partitions")
+    if spec.partitioner == "iid":
+        part = IidPartitioner(num_partitions=k)
+        # IidPartitioner splits in order; shuffle first so the seed decides who gets what.
+        order = np.random.default_rng([spec.seed, 1]).permutation(n)
+    elif spec.partitioner == "dirichlet":
+        part = DirichletPartitioner(
+            num_partitions=k,
+            partition_by="label",
+            alpha=spec.dirichlet_alpha,
+            min_partition_size=min(10, max(1, n // (2 * k))),
+            self_balancing=False,
+            shuffle=True,
+            seed=spec.seed,
+        )
+        order = np.arange(n)
+    else:
+        raise KeyError(f"unknown partitioner {spec.partitioner!r}; known: {PARTITIONERS}")
+    part.dataset = Dataset.from_dict({"label": labels[order].tolist(), "index": order.tolist()})
+    return tuple(np.sort(np.asarray(part.load_partition(i)["index"], dtype=np.int64)) for i in range(k))
+
+
+def client_partition(spec: DataSpec, partition_id: int) -> ArrayDataset:
+    """The training data of client `partition_id`."""
+    if not 0 <= partition_id < spec.num_partitions:
+        raise ValueError(f"partition-id {partition_id} outside [0, {spec.num_partitions})")
+    return make_splits(spec).train.subset(partition_indices(spec)[partition_id])
+
+
+def data_spec(cfg) -> DataSpec:
+    """The :class:`DataSpec` of a :class:`common.config.RunConfig`."""
+    return DataSpec(cfg.dataset, cfg.seed, cfg.partitioner, cfg.dirichlet_alpha, cfg.num_clients,
+                    cfg.test_fraction, cfg.central_size)

@@ -1,0 +1,11 @@
+"""Names of the records and keys in the messages between the ServerApp and the ClientApp."""
+
+# Records of a message's RecordDict.
+ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
+
+# Keys of a train reply's metrics (besides the training metrics themselves).
+NUM_EXAMPLES, PARTITION_ID, BASE_VERSION = "num-examples", "partition-id", "base-version"
+REPLY_KEYS = (NUM_EXAMPLES, PARTITION_ID, BASE_VERSION)
+
+# Keys of a train message's config (besides the local recipe and the data spec).
+VERSION, TRAIN_SEED, MODEL = "version", "train-seed", "model"

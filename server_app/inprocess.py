@@ -1,0 +1,113 @@
+"""The in-process engine: a Flower ``Grid`` that hands each ``Message`` to a ClientApp in this process.
+
+It runs the real ServerApp and ClientApp objects with no SuperLink, no Ray and no threads, so a
+run is deterministic and fast: tests and benchmarks use it. Each node has its own ``Context``
+(``node_config`` with ``partition-id``/``num-partitions``, persistent ``state``), as in Flower's
+runtimes. Pushed messages are executed lazily, when their replies are pulled.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
+from flwr.serverapp import Grid, ServerApp
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+
+class InProcessGrid(Grid):
+    """A Grid over `num_nodes` in-process nodes running `client_app`.
+
+    Args:
+        client_app: the ClientApp every node runs.
+        num_nodes: node i holds partition i of `num_nodes`.
+        override_config: what ``run.override_config`` reports (the user's run-config overrides).
+        run_id: the run's id.
+    """
+
+    def __init__(self, client_app: ClientApp, num_nodes: int, override_config: Mapping[str, Any] | None = None,
+                 run_id: int = 1) -> None:
+        self.client_app = client_app
+        self._run = Run.create_empty(run_id)
+        self._run.override_config = dict(override_config or {})
+        # Messages take their sender from the process's task identity, as in Flower's ServerApp process.
+        TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, run_id, SUPERLINK_NODE_ID
+        # Node ids unrelated to partition ids, as in Flower's runtimes.
+        ids = random.Random(run_id).sample(range(1, 2**31), num_nodes)
+        self.contexts = {
+            node: Context(run_id=run_id, node_id=node, node_config={"partition-id": i, "num-partitions": num_nodes},
+                          state=RecordDict(), run_config={})
+            for i, node in enumerate(ids)
+        }
+        self._pending: dict[str, Message] = {}
+        self._count = 0
+
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def get_nodes(self) -> Iterable[Any]:
+        return []
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for msg in messages:
+            self._count += 1
+            msg_id = f"in-process-{self._count}"
+            msg.metadata.__dict__["_message_id"] = msg_id
+            msg.metadata.__dict__["_run_id"] = self._run.run_id
+            self._pending[msg_id] = msg
+            ids.append(msg_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return [self._execute(self._pending.pop(i)) for i in message_ids if i in self._pending]
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self.pull_messages(self.push_messages(messages))
+
+    def _execute(self, msg: Message) -> Message:
+        node = msg.metadata.dst_node_id
+        if node not in self.contexts:
+            reply = Message(Error(ErrorCode.NODE_UNAVAILABLE, f"node {node} is not connected"), reply_to=msg)
+        else:
+            try:
+                reply = self.client_app(msg, self.contexts[node])
+            except Exception as err:  # noqa: BLE001 - as Flower's runtimes do: failures become error replies
+                reply = Message(Error(ErrorCode.UNKNOWN, f"{type(err).__name__}: {err}"), reply_to=msg)
+        self._count += 1
+        reply.metadata.__dict__["_message_id"] = f"in-process-{self._count}"
+        return reply
+
+
+def run_inprocess(overrides: Mapping[str, Any] | None = None, client_app: ClientApp | None = None,
+                  server_app: ServerApp | None = None) -> Path:
+    """Run the ServerApp over in-process nodes with these run-config overrides; return the output folder."""
+    from client_app.app import app as default_client_app
+    from common.config import load_config
+    from server_app.app import RUN_STATE
+    from server_app.app import app as default_server_app
+
+    overrides = dict(overrides or {})
+    cfg = load_config(overrides)
+    grid = InProcessGrid(client_app or default_client_app, cfg.num_clients, overrides)
+    context = Context(run_id=grid.run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    (server_app or default_server_app)(grid, context)
+    return Path(str(context.state[RUN_STATE]["output-dir"]))

@@ -1,0 +1,73 @@
+"""The run's outputs: ``outputs/<run>/{metrics.jsonl, summary.json, model.pt, accuracy.png}``."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from common.config import RunConfig
+
+
+def run_dir(cfg: RunConfig) -> Path:
+    """``<output-dir>/<run-name>``; an empty run-name becomes ``<preset>-s<seed>-<timestamp>``."""
+    name = cfg.run_name or f"{cfg.preset}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path = Path(cfg.output_dir).expanduser().resolve() / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def papers_metric(accuracies: list[float]) -> float | None:
+    """The Feddle papers' reported number: the max over the last five evaluations."""
+    return max(accuracies[-5:]) if accuracies else None
+
+
+class Recorder:
+    """Appends one JSON line per round and writes the summary, the model and the plot at the end."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows: list[dict[str, Any]] = []
+        (path / "metrics.jsonl").write_text("")
+
+    def round(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        with open(self.path / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def finish(self, summary: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+        evals = [r for r in self.rows if "test-accuracy" in r]
+        accs = [r["test-accuracy"] for r in evals]
+        totals = {k: sum(r.get(k, 0) for r in self.rows) for k in ("accepted", "failures", "rejected", "timeouts")}
+        summary = {
+            **summary,
+            "final-test-accuracy": accs[-1] if accs else None,
+            "final-test-loss": evals[-1]["test-loss"] if evals else None,
+            "best-test-accuracy": max(accs) if accs else None,
+            "max-last-5-evals": papers_metric(accs),
+            **{f"total-{k}": v for k, v in totals.items()},
+        }
+        (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        torch.save(model.state_dict(), self.path / "model.pt")
+        self._plot(evals)
+        return summary
+
+    def _plot(self, evals: list[dict[str, Any]]) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["round"] for r in evals], [r["test-accuracy"] for r in evals], marker="o", ms=3)
+        ax.set_xlabel("round")
+        ax.set_ylabel("test accuracy")
+        ax.set_title(self.path.name, fontsize=9)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(self.path / "accuracy.png", dpi=100)
+        plt.close(fig)
