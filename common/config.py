@@ -136,13 +136,16 @@ def to_key(name: str) -> str:
     return name.replace("_", "-")
 
 
+_KIND = {int: "an integer", float: "a number", str: "a string"}
+
+
 def _coerce(key: str, value: Any, kind: type) -> Any:
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if type(value) is not kind:  # bool is not an int here, and "3" is not 3
-        raise ConfigError(key, value, f"a {kind.__name__}")
+        raise ConfigError(key, value, _KIND[kind])
     if kind is float and not math.isfinite(value):
-        raise ConfigError(key, value, "a finite float")
+        raise ConfigError(key, value, "a finite number")
     return value
 
 

@@ -110,7 +110,7 @@ class HybridStrategy(FlowerStrategy):
         self.version = 0
         self.spec: ParamSpec | None = None
         self._rng = random.Random(seed)
-        self._flower_failures = 0
+        self.rejected_replies = 0  # replies aggregate_train could not use (Flower-driven runs)
 
     # -- the hybridfl interface ------------------------------------------------------------
     def initialize(self, params: torch.Tensor, spec: ParamSpec) -> None:
@@ -172,7 +172,7 @@ class HybridStrategy(FlowerStrategy):
             try:
                 update = parse_reply(msg, self.spec)
             except RejectedReply as err:
-                self._flower_failures += 1
+                self.rejected_replies += 1
                 log(WARNING, "round %d: rejected reply from node %s: %s", server_round, msg.metadata.src_node_id, err)
                 continue
             self.receive(update)

@@ -1,0 +1,29 @@
+# The README's commands. Each creates .venv (and installs the project into it) when missing.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: install demo test simulate deploy clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# (1) the main job: FedAvg on digits with `flwr run .` (local simulation); ARGS='num-rounds=5 ...'
+demo: $(STAMP)
+	$(PY) -m scripts.simulate $(ARGS)
+
+# (2) the whole test suite (unit + end-to-end); PYTEST_ARGS='-m "not e2e"' for the fast part only
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Local deployment: one SuperLink and N SuperNodes on loopback; ARGS='--supernodes 3 num-rounds=5'
+deploy: $(STAMP)
+	$(PY) -m scripts.deploy_local $(ARGS)
+
+clean:
+	rm -rf $(VENV) .flwr outputs .pytest_cache

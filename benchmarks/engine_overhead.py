@@ -1,0 +1,219 @@
+"""Engine overhead: the same federated job through the in-process engine and as a bare PyTorch loop.
+
+    python -m benchmarks.engine_overhead [--rounds 10] [--repeats 3] [--flwr-run]
+
+The job is a preset (default ``fedavg-digits``: 10 clients, Dirichlet 0.5, 2 local epochs, batch 32,
+SGD) for ``--rounds`` rounds. It runs, in this one process:
+
+* engine: ``run_inprocess(overrides)`` end to end: the real ServerApp and ClientApp exchanging
+  Flower Messages (ArrayRecord serialisation, config validation, per-message model and partition
+  loading, metrics.jsonl / summary.json / model.pt / accuracy.png written to a temp folder);
+* bare: the same work with the project's functions and no Flower: per round the runner's client
+  sampling, per client ``common.training.train`` from the global model with the runner's seed
+  (``derive_seed(seed, client, dispatch count)``), the FedAvg strategy's aggregation, and the
+  ServerApp's evaluations (test split at round 0 and every ``eval-every`` rounds and the last,
+  then every client's partition at the end). Partitions are loaded and the client model built once.
+
+Each path is warmed up once untimed, then timed ``--repeats`` times (wall clock, perf_counter) in
+alternating order (engine, bare, bare, engine, ...). It prints the median of each, the ratio
+engine/bare (goal: <= 1.10), and checks that both paths end with bitwise the same global model
+and the same evaluations. ``--flwr-run`` also runs the job through ``flwr run`` on a simulation
+SuperLink (``scripts.simulate``, temporary FLWR_HOME) and prints its total wall time (SuperLink,
+Ray, FAB install included) and the ServerApp's own ``wall-seconds`` from its summary.json.
+Exits 1 if the engine and bare runs disagree (the comparison would not be like with like).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.config import RunConfig, load_config
+from common.data import client_partition, data_spec, load_dataset, make_splits
+from common.models import build_model
+from common.params import ParamSpec
+from common.training import LocalRecipe, derive_seed, evaluate, train
+from server_app.inprocess import run_inprocess
+from strategies import build_strategy
+from strategies.base import Update, weighted_mean
+
+
+@dataclass
+class Outcome:
+    """What a run produced, for the like-with-like check."""
+
+    seconds: float
+    params: torch.Tensor  # final global model, flat
+    evals: list[tuple[int, float, float]]  # (round, test-loss, test-accuracy) of every server evaluation
+    client_eval: dict[str, float]  # example-weighted eval-loss / eval-accuracy over all clients
+
+
+def _global_model(cfg: RunConfig) -> tuple[torch.nn.Module, ParamSpec]:
+    full = load_dataset(cfg.dataset)
+    model = build_model(cfg.model, full.x.shape[1], full.x.shape[2], full.num_classes, seed=cfg.seed)
+    return model, ParamSpec.of(model)
+
+
+def read_outcome(out: Path, cfg: RunConfig, seconds: float) -> Outcome:
+    """The outcome of a ServerApp run from what it wrote to `out`."""
+    model, pspec = _global_model(cfg)
+    model.load_state_dict(torch.load(out / "model.pt"))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [(r["round"], r["test-loss"], r["test-accuracy"]) for r in rows if "test-accuracy" in r]
+    ce = json.loads((out / "summary.json").read_text())["client-eval"]
+    return Outcome(seconds, pspec.flatten(model), evals, {k: ce[k] for k in ("eval-loss", "eval-accuracy")})
+
+
+def run_engine(overrides: dict[str, Any]) -> Outcome:
+    """The job through the in-process engine; outputs are read back after the clock stops."""
+    t0 = time.perf_counter()
+    out = run_inprocess(overrides)
+    return read_outcome(out, load_config(overrides), time.perf_counter() - t0)
+
+
+def run_bare(cfg: RunConfig) -> Outcome:
+    """The same work as the ServerApp + ClientApps of `cfg`, as a plain loop over the project's functions."""
+    t0 = time.perf_counter()
+    spec = data_spec(cfg)
+    test = make_splits(spec).test
+    model, pspec = _global_model(cfg)  # the server's model: initial weights, test evaluations
+    local, _ = _global_model(cfg)  # one client model, reloaded with the global weights per update
+    strategy = build_strategy(cfg)
+    strategy.initialize(pspec.flatten(model), pspec)
+    recipe = LocalRecipe.from_config(cfg.to_dict())
+    clients = list(range(cfg.num_clients))
+    parts = {c: client_partition(spec, c) for c in clients}
+    rng = random.Random(cfg.seed)  # the SyncRunner's client sampling
+    dispatches = dict.fromkeys(clients, 0)
+
+    def test_eval(rnd: int) -> tuple[int, float, float]:
+        pspec.load_into(model, strategy.params)
+        m = evaluate(model, test)
+        return rnd, m["loss"], m["accuracy"]
+
+    evals = [test_eval(0)]
+    for rnd in range(1, cfg.num_rounds + 1):
+        sampled = sorted(rng.sample(clients, min(cfg.clients_per_round, len(clients))))
+        updates = []
+        for c in sampled:
+            pspec.load_into(local, strategy.params)
+            start = pspec.flatten(local)
+            metrics = train(local, parts[c], recipe, seed=derive_seed(cfg.seed, c, dispatches[c]))
+            dispatches[c] += 1
+            updates.append(Update(c, strategy.version, pspec.flatten(local) - start, len(parts[c]), metrics))
+        for u in updates:
+            strategy.receive(u)
+        strategy.close_round()
+        strategy.aggregate()
+        weighted_mean((u.num_examples, u.metrics) for u in updates)  # the round's train metrics, as logged
+        if rnd % cfg.eval_every == 0 or rnd == cfg.num_rounds:
+            evals.append(test_eval(rnd))
+    # Federated evaluation of the final model on every client's partition, in client order.
+    pspec.load_into(local, strategy.params)
+    per_client = []
+    for c in clients:
+        m = evaluate(local, parts[c])
+        per_client.append((float(len(parts[c])), {"eval-loss": m["loss"], "eval-accuracy": m["accuracy"]}))
+    client_eval = weighted_mean(per_client)
+    return Outcome(time.perf_counter() - t0, strategy.params.clone(), evals, client_eval)
+
+
+def run_flwr(overrides: dict[str, Any]) -> tuple[Outcome, float]:
+    """The job through ``flwr run`` (simulation): its outcome (total wall s) and the ServerApp's wall-seconds."""
+    from scripts.simulate import simulate
+
+    with tempfile.TemporaryDirectory(prefix="flwr-home-") as home:
+        t0 = time.perf_counter()
+        out = simulate(overrides, Path(home))
+        total = time.perf_counter() - t0
+    server_wall = float(json.loads((out / "summary.json").read_text())["wall-seconds"])
+    return read_outcome(out, load_config(overrides), total), server_wall
+
+
+def same(a: Outcome, b: Outcome) -> list[str]:
+    """What differs between two outcomes (empty: bitwise the same model and evaluations)."""
+    diffs = []
+    if not torch.equal(a.params, b.params):
+        diffs.append(f"final models differ (max |diff| {float((a.params - b.params).abs().max()):.3g})")
+    if a.evals != b.evals:
+        diffs.append(f"test evaluations differ: {a.evals[-1]} vs {b.evals[-1]} (last)")
+    if a.client_eval != b.client_eval:
+        diffs.append(f"client evaluations differ: {a.client_eval} vs {b.client_eval}")
+    return diffs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="fedavg-digits", help="configs/<preset>.yaml (default: fedavg-digits)")
+    parser.add_argument("--rounds", type=int, default=10, help="server rounds (default: 10)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each path (default: 3)")
+    parser.add_argument("--flwr-run", action="store_true", help="also time the job through `flwr run` (~30 s)")
+    parser.add_argument("--verbose", action="store_true", help="keep Flower's INFO logs of the engine runs")
+    args = parser.parse_args(argv)
+    if not args.verbose:
+        logging.getLogger("flwr").setLevel(logging.WARNING)
+
+    tmp = Path(tempfile.mkdtemp(prefix="engine-overhead-"))
+    base = {"preset": args.preset, "num-rounds": args.rounds, "output-dir": str(tmp)}
+    cfg = load_config(base)
+    runs = iter(range(10**6))
+
+    def engine() -> Outcome:
+        return run_engine({**base, "run-name": f"engine-{next(runs)}"})
+
+    def bare() -> Outcome:
+        return run_bare(cfg)
+
+    print(f"job: {args.preset}, {cfg.num_clients} clients ({cfg.clients_per_round}/round), {args.rounds} rounds, "
+          f"{cfg.local_epochs} local epochs, batch {cfg.batch_size}, {cfg.optimizer}; torch threads "
+          f"{torch.get_num_threads()}; outputs in {tmp}", flush=True)
+    reference = {"engine": engine(), "bare": bare()}  # warm-up (dataset, partitions, imports), untimed
+    times: dict[str, list[float]] = {"engine": [], "bare": []}
+    paths: dict[str, Callable[[], Outcome]] = {"engine": engine, "bare": bare}
+    for i in range(args.repeats):
+        for name in ("engine", "bare") if i % 2 == 0 else ("bare", "engine"):
+            gc.collect()
+            result = paths[name]()
+            times[name].append(result.seconds)
+            if diffs := same(result, reference[name]):
+                print(f"warning: {name} run {i} is not reproducible: {'; '.join(diffs)}")
+            print(f"  {name:6s} run {i}: {result.seconds:.3f} s", flush=True)
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med["engine"] / med["bare"]
+    print(f"\n{'path':8s} {'median s':>9s} {'min s':>7s} {'max s':>7s}")
+    for k in ("engine", "bare"):
+        print(f"{k:8s} {med[k]:9.3f} {min(times[k]):7.3f} {max(times[k]):7.3f}")
+    print(f"ratio engine/bare: {ratio:.3f} (goal <= 1.10) over {args.repeats} repeats")
+
+    diffs = same(reference["engine"], reference["bare"])
+    e = reference["engine"]
+    print(f"final test accuracy: engine {e.evals[-1][2]:.4f}, bare {reference['bare'].evals[-1][2]:.4f}; "
+          f"client eval accuracy {e.client_eval['eval-accuracy']:.4f}")
+    print("engine vs bare: " + ("bitwise identical final model and evaluations" if not diffs else "; ".join(diffs)))
+
+    if args.flwr_run:
+        flwr, server_wall = run_flwr({**base, "run-name": "flwr-run"})
+        flwr_diffs = same(flwr, reference["bare"])
+        print(f"\nflwr run (simulation): {flwr.seconds:.1f} s total (SuperLink, Ray, FAB install included); "
+              f"ServerApp wall-seconds {server_wall:.1f} s; final test accuracy {flwr.evals[-1][2]:.4f}")
+        print("flwr run vs bare: " + ("bitwise identical final model and evaluations" if not flwr_diffs
+                                      else "; ".join(flwr_diffs)))
+    return 1 if diffs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

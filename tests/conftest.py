@@ -1,0 +1,35 @@
+"""Shared fixtures: small, fast in-process runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from flwr.common.logger import FLOWER_LOGGER
+
+
+@pytest.fixture(autouse=True)
+def _quiet_flower():
+    FLOWER_LOGGER.setLevel(logging.WARNING)
+    yield
+    FLOWER_LOGGER.setLevel(logging.INFO)
+
+
+SMALL = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 4, "num-rounds": 3, "local-epochs": 1,
+         "batch-size": 16, "eval-every": 1}
+
+
+@pytest.fixture
+def small_run(tmp_path: Path):
+    """Run the in-process engine on the synthetic set; returns (output folder, summary)."""
+    from server_app.inprocess import run_inprocess
+
+    def run(name: str = "run", client_app=None, **overrides: Any) -> tuple[Path, dict]:
+        out = run_inprocess({**SMALL, "output-dir": str(tmp_path), "run-name": name, **overrides},
+                            client_app=client_app)
+        return out, json.loads((out / "summary.json").read_text())
+
+    return run

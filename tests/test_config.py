@@ -1,0 +1,72 @@
+"""Configuration: defaults, presets, overrides, and one clear error per bad value."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from common.config import CONFIG_DIR, ConfigError, RunConfig, load_config, read_preset
+from scripts.flower import PROJECT_DIR
+
+
+def test_pyproject_run_config_mirrors_schema_defaults():
+    pyproject = tomllib.loads((PROJECT_DIR / "pyproject.toml").read_text())
+    assert pyproject["tool"]["flwr"]["app"]["config"] == RunConfig().to_dict()
+
+
+def test_preset_overrides_defaults_and_user_overrides_preset():
+    preset = read_preset("fedavg-digits")
+    assert preset["local-epochs"] != RunConfig().local_epochs  # the layer below is really overridden
+    cfg = load_config({})
+    assert cfg.preset == "fedavg-digits" and cfg.local_epochs == preset["local-epochs"]
+    assert load_config({"local-epochs": 5}).local_epochs == 5
+
+
+def test_int_given_for_float_is_accepted():
+    assert load_config({"lr": 1}).lr == 1.0 and isinstance(load_config({"lr": 1}).lr, float)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+def test_every_preset_loads(name):
+    assert load_config({"preset": name}).preset == name
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "allowed"),
+    [
+        ("num-roundz", 3, "a known key"),
+        ("lr", "fast", "a number"),
+        ("num-rounds", 2.5, "an integer"),
+        ("num-rounds", True, "an integer"),
+        ("lr", 0.0, "(0, inf]"),
+        ("lr", float("nan"), "a finite number"),
+        ("dirichlet-alpha", -1.0, "(0, inf]"),
+        ("test-fraction", 1.5, "(0, 1]"),
+        ("num-clients", 0, "[1, inf]"),
+        ("dataset", "cifar11", "'digits'"),
+        ("strategy", "fedfoo", "'fedavg'"),
+        ("model", "resnet1000", "'cnn'"),
+        ("partitioner", "random", "'dirichlet'"),
+        ("optimizer", "lbfgs", "'adam'"),
+        ("preset", "no-such-preset", "'fedavg-digits'"),
+    ],
+)
+def test_bad_value_names_key_value_and_what_is_allowed(key, value, allowed):
+    with pytest.raises(ConfigError) as info:
+        load_config({key: value})
+    msg = str(info.value)
+    assert info.value.key == key
+    assert f"'{key}'" in msg and repr(value) in msg and allowed in msg
+
+
+def test_cross_field_check():
+    with pytest.raises(ConfigError, match="clients-per-round.*at most num-clients = 4"):
+        load_config({"num-clients": 4, "clients-per-round": 5})
+
+
+def test_bad_key_inside_a_preset_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setattr("common.config.CONFIG_DIR", tmp_path)
+    (tmp_path / "broken.yaml").write_text("num-rounds: 3\nlearning-rate: 0.1\n")
+    with pytest.raises(ConfigError, match="'learning-rate'"):
+        load_config({"preset": "broken"})

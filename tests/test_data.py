@@ -1,0 +1,83 @@
+"""Splits and partitions: deterministic from the seed, every training sample in exactly one partition."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from common.data import DataSpec, client_partition, load_dataset, make_splits, partition_indices
+
+
+def spec(**kw) -> DataSpec:
+    base = dict(dataset="digits", seed=0, partitioner="dirichlet", dirichlet_alpha=0.5, num_partitions=10,
+                test_fraction=0.2, central_size=100)
+    return DataSpec(**{**base, **kw})
+
+
+def test_digits_is_the_real_uci_set():
+    d = load_dataset("digits")
+    assert d.x.shape == (1797, 1, 8, 8) and d.x.dtype == np.float32 and d.num_classes == 10
+    assert 0.0 <= d.x.min() and d.x.max() <= 1.0 and np.bincount(d.y).min() >= 170
+
+
+def test_splits_are_disjoint_stratified_and_central_comes_from_test():
+    s = make_splits(spec())
+    full = load_dataset("digits")
+    assert len(s.train) + len(s.test) + len(s.central) == len(full)
+    assert len(s.central) == 100
+    # Row sets are disjoint (digits has a few duplicate images, so compare multisets by count).
+    rows = lambda d: {r.tobytes() for r in d.x.reshape(len(d), -1)}  # noqa: E731
+    assert len(rows(s.train) & rows(s.test)) < 5
+    assert abs(len(s.test) + len(s.central) - 0.2 * len(full)) <= 10
+    test_share = np.bincount(np.concatenate([s.test.y, s.central.y]), minlength=10) / (len(s.test) + len(s.central))
+    np.testing.assert_allclose(test_share, np.bincount(full.y) / len(full), atol=0.01)
+    without_central = make_splits(spec(central_size=0))
+    assert len(without_central.test) == len(s.test) + len(s.central)
+
+
+def test_central_larger_than_test_split_is_an_error():
+    with pytest.raises(ValueError, match="central-size"):
+        make_splits(spec(central_size=10_000))
+
+
+@pytest.mark.parametrize("partitioner", ["iid", "dirichlet"])
+def test_every_training_sample_in_exactly_one_partition(partitioner):
+    s = spec(partitioner=partitioner)
+    parts = partition_indices(s)
+    assert len(parts) == 10 and all(len(p) > 0 for p in parts)
+    merged = np.concatenate(parts)
+    assert len(merged) == len(make_splits(s).train) and len(np.unique(merged)) == len(merged)
+
+
+@pytest.mark.parametrize("partitioner", ["iid", "dirichlet"])
+def test_partitions_are_fixed_by_the_seed(partitioner):
+    a, b, c = (partition_indices(spec(partitioner=partitioner, seed=sd)) for sd in (3, 3, 4))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+
+
+def label_skew(s: DataSpec) -> float:
+    """Mean total-variation distance between client label distributions and the global one."""
+    y = make_splits(s).train.y
+    glob = np.bincount(y, minlength=10) / len(y)
+    return float(np.mean([0.5 * np.abs(np.bincount(y[p], minlength=10) / len(p) - glob).sum()
+                          for p in partition_indices(s)]))
+
+
+def test_lower_alpha_gives_more_skewed_labels_and_iid_is_balanced():
+    iid, mild, strong = label_skew(spec(partitioner="iid")), label_skew(spec(dirichlet_alpha=5.0)), \
+        label_skew(spec(dirichlet_alpha=0.1))
+    assert iid < 0.1 < mild < strong
+
+
+def test_client_partition_matches_indices_and_checks_its_id():
+    s = spec()
+    part = client_partition(s, 3)
+    np.testing.assert_array_equal(part.y, make_splits(s).train.y[partition_indices(s)[3]])
+    with pytest.raises(ValueError, match="partition-id 10"):
+        client_partition(s, 10)
+
+
+def test_spec_round_trips_through_message_config():
+    s = spec()
+    assert DataSpec.from_config(s.to_config()) == s

@@ -1,0 +1,140 @@
+"""End to end through the in-process engine: the real ServerApp and ClientApp objects in one process."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from client_app.app import app as client_app
+from common.config import load_config
+from common.data import data_spec, load_dataset, make_splits
+from common.models import build_model
+from common.params import ParamSpec
+from common.protocol import ARRAYS, METRICS, MODEL, TRAIN_SEED, VERSION
+from common.training import evaluate
+from server_app.inprocess import InProcessGrid, run_inprocess
+from strategies import FedAvg, build_strategy
+
+
+def digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_same_seed_gives_byte_identical_models_and_another_seed_does_not(small_run):
+    a, _ = small_run("a", seed=5)
+    b, _ = small_run("b", seed=5)
+    c, _ = small_run("c", seed=6)
+    assert digest(a / "model.pt") == digest(b / "model.pt")
+    assert digest(a / "model.pt") != digest(c / "model.pt")
+    ma, mc = torch.load(a / "model.pt"), torch.load(c / "model.pt")
+    assert any(not torch.equal(ma[k], mc[k]) for k in ma)
+
+
+def test_outputs_written(small_run):
+    out, summary = small_run("outputs", **{"num-rounds": 4, "eval-every": 2})
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [("test-accuracy" in r) for r in rows] == [True, False, True, False, True]
+    assert all(r["accepted"] == 4 for r in rows[1:])
+    assert summary["final-version"] == 4 and summary["total-accepted"] == 16
+    assert summary["final-test-accuracy"] == rows[-1]["test-accuracy"]
+    assert summary["max-last-5-evals"] == max(r["test-accuracy"] for r in rows if "test-accuracy" in r)
+    assert summary["client-eval"]["replies"] == 4
+    assert (out / "accuracy.png").read_bytes()[:4] == b"\x89PNG"
+    state = torch.load(out / "model.pt")
+    assert set(state) == {n for n, _ in build_model("cnn", 1, 8, 4, 0).named_parameters()}
+    # The saved model is the one whose accuracy the summary reports.
+    cfg = load_config({"dataset": "synthetic", "num-clients": 4, "clients-per-round": 4})
+    model = build_model("cnn", 1, 8, 4, 0)
+    model.load_state_dict(state)
+    acc = evaluate(model, make_splits(data_spec(cfg)).test)["accuracy"]
+    assert acc == pytest.approx(summary["final-test-accuracy"])
+
+
+def faulty_client_app() -> ClientApp:
+    """Partition 1 raises on the device; partition 2 sends NaN; partition 3 sends a wrong shape."""
+    faulty = ClientApp()
+
+    @faulty.train()
+    def train(msg: Message, context: Context) -> Message:
+        pid = context.node_config["partition-id"]
+        if pid == 1:
+            raise RuntimeError("device out of memory")
+        reply = client_app(msg, context)
+        if pid in (2, 3) and not reply.has_error():
+            arrays = {k: torch.from_numpy(v.numpy().copy()) for k, v in reply.content[ARRAYS].items()}
+            name = next(iter(arrays))
+            arrays[name] = arrays[name] * float("nan") if pid == 2 else arrays[name][:1]
+            reply.content[ARRAYS] = ArrayRecord(arrays)
+        return reply
+
+    for kind in ("evaluate", "query"):
+        getattr(faulty, kind)()(lambda msg, context: client_app(msg, context))
+    return faulty
+
+
+def test_bad_replies_are_counted_and_the_run_goes_on(small_run):
+    out, summary = small_run("faulty", client_app=faulty_client_app(), **{"num-clients": 5, "clients-per-round": 5})
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert [(r["accepted"], r["failures"], r["rejected"]) for r in rows] == [(2, 1, 2)] * 3
+    assert summary["total-failures"] == 3 and summary["total-rejected"] == 6 and summary["final-version"] == 3
+    assert np.isfinite(summary["final-test-loss"])
+
+
+def test_client_exception_becomes_an_error_reply():
+    grid = InProcessGrid(client_app, num_nodes=2)
+    node = next(iter(grid.get_node_ids()))
+    # A train message without its config: the handler raises, the reply carries the error.
+    msg = Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=node, message_type="train")
+    (reply,) = grid.send_and_receive([msg])
+    assert reply.has_error() and reply.error.code == 2 and "KeyError" in reply.error.reason
+
+
+def test_unknown_node_gets_node_unavailable():
+    grid = InProcessGrid(client_app, num_nodes=1)
+    (reply,) = grid.send_and_receive([Message(RecordDict(), dst_node_id=12345, message_type="train")])
+    assert reply.has_error() and reply.error.code == 5
+
+
+def test_strategy_runs_under_flowers_own_start():
+    """`strategy.start(grid, ...)` works the way Flower users expect (Flower's round loop, our FedAvg)."""
+    cfg = load_config({"dataset": "synthetic", "num-clients": 4, "clients-per-round": 4, "local-epochs": 1,
+                       "batch-size": 16})
+    grid = InProcessGrid(client_app, num_nodes=4)
+    full, spec = load_dataset("synthetic"), data_spec(cfg)
+    model = build_model("cnn", 1, 8, full.num_classes, seed=0)
+    pspec = ParamSpec.of(model)
+    strategy = build_strategy(cfg)
+    assert isinstance(strategy, FedAvg)
+    test = make_splits(spec).test
+
+    def evaluate_fn(rnd: int, arrays: ArrayRecord):
+        pspec.load_into(model, pspec.from_record(arrays))
+        from flwr.app import MetricRecord
+        return MetricRecord(evaluate(model, test))
+
+    train_config = ConfigRecord({**spec.to_config(), **strategy.train_config, MODEL: "cnn", TRAIN_SEED: 1})
+    result = strategy.start(grid=grid, initial_arrays=pspec.to_record(pspec.flatten(model)), num_rounds=3,
+                            train_config=train_config, evaluate_config=ConfigRecord({**spec.to_config(), MODEL: "cnn"}),
+                            evaluate_fn=evaluate_fn)
+    accs = [result.evaluate_metrics_serverapp[r]["accuracy"] for r in range(4)]
+    assert accs[-1] > accs[0] + 0.3
+    assert strategy.version == 3
+    assert set(result.evaluate_metrics_clientapp[3]) >= {"eval-accuracy", "eval-loss"}
+    assert all(m["train-loss"] > 0 for m in result.train_metrics_clientapp.values())
+    assert VERSION and METRICS  # keys used by the messages above
+
+
+@pytest.mark.e2e
+def test_main_job_reaches_085_in_process(tmp_path):
+    """README command (1)'s job (FedAvg, digits, 10 clients, Dirichlet 0.5) through the in-process engine."""
+    out = run_inprocess({"output-dir": str(tmp_path), "run-name": "main"})
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["preset"] == "fedavg-digits" and summary["config"]["num-clients"] == 10
+    assert summary["final-test-accuracy"] >= 0.85
