@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import logging
+import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -55,7 +58,8 @@ from strategies.base import Update, weighted_mean
 class Outcome:
     """What a run produced, for the like-with-like check."""
 
-    seconds: float
+    seconds: float  # wall clock
+    cpu: float  # CPU time of this process (all threads): less sensitive to other load on the machine
     params: torch.Tensor  # final global model, flat
     evals: list[tuple[int, float, float]]  # (round, test-loss, test-accuracy) of every server evaluation
     client_eval: dict[str, float]  # example-weighted eval-loss / eval-accuracy over all clients
@@ -67,26 +71,26 @@ def _global_model(cfg: RunConfig) -> tuple[torch.nn.Module, ParamSpec]:
     return model, ParamSpec.of(model)
 
 
-def read_outcome(out: Path, cfg: RunConfig, seconds: float) -> Outcome:
+def read_outcome(out: Path, cfg: RunConfig, seconds: float, cpu: float) -> Outcome:
     """The outcome of a ServerApp run from what it wrote to `out`."""
     model, pspec = _global_model(cfg)
     model.load_state_dict(torch.load(out / "model.pt"))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [(r["round"], r["test-loss"], r["test-accuracy"]) for r in rows if "test-accuracy" in r]
     ce = json.loads((out / "summary.json").read_text())["client-eval"]
-    return Outcome(seconds, pspec.flatten(model), evals, {k: ce[k] for k in ("eval-loss", "eval-accuracy")})
+    return Outcome(seconds, cpu, pspec.flatten(model), evals, {k: ce[k] for k in ("eval-loss", "eval-accuracy")})
 
 
 def run_engine(overrides: dict[str, Any]) -> Outcome:
     """The job through the in-process engine; outputs are read back after the clock stops."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = run_inprocess(overrides)
-    return read_outcome(out, load_config(overrides), time.perf_counter() - t0)
+    return read_outcome(out, load_config(overrides), time.perf_counter() - t0, time.process_time() - c0)
 
 
 def run_bare(cfg: RunConfig) -> Outcome:
     """The same work as the ServerApp + ClientApps of `cfg`, as a plain loop over the project's functions."""
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     spec = data_spec(cfg)
     test = make_splits(spec).test
     model, pspec = _global_model(cfg)  # the server's model: initial weights, test evaluations
@@ -128,7 +132,7 @@ def run_bare(cfg: RunConfig) -> Outcome:
         m = evaluate(local, parts[c])
         per_client.append((float(len(parts[c])), {"eval-loss": m["loss"], "eval-accuracy": m["accuracy"]}))
     client_eval = weighted_mean(per_client)
-    return Outcome(time.perf_counter() - t0, strategy.params.clone(), evals, client_eval)
+    return Outcome(time.perf_counter() - t0, time.process_time() - c0, strategy.params.clone(), evals, client_eval)
 
 
 def run_flwr(overrides: dict[str, Any]) -> tuple[Outcome, float]:
@@ -140,7 +144,7 @@ def run_flwr(overrides: dict[str, Any]) -> tuple[Outcome, float]:
         out = simulate(overrides, Path(home))
         total = time.perf_counter() - t0
     server_wall = float(json.loads((out / "summary.json").read_text())["wall-seconds"])
-    return read_outcome(out, load_config(overrides), total), server_wall
+    return read_outcome(out, load_config(overrides), total, float("nan")), server_wall
 
 
 def same(a: Outcome, b: Outcome) -> list[str]:
@@ -169,35 +173,34 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="engine-overhead-"))
     base = {"preset": args.preset, "num-rounds": args.rounds, "output-dir": str(tmp)}
     cfg = load_config(base)
-    runs = iter(range(10**6))
-
-    def engine() -> Outcome:
-        return run_engine({**base, "run-name": f"engine-{next(runs)}"})
-
-    def bare() -> Outcome:
-        return run_bare(cfg)
+    names = itertools.count()
+    paths: dict[str, Callable[[], Outcome]] = {
+        "engine": lambda: run_engine({**base, "run-name": f"engine-{next(names)}"}),
+        "bare": lambda: run_bare(cfg),
+    }
 
     print(f"job: {args.preset}, {cfg.num_clients} clients ({cfg.clients_per_round}/round), {args.rounds} rounds, "
-          f"{cfg.local_epochs} local epochs, batch {cfg.batch_size}, {cfg.optimizer}; torch threads "
-          f"{torch.get_num_threads()}; outputs in {tmp}", flush=True)
-    reference = {"engine": engine(), "bare": bare()}  # warm-up (dataset, partitions, imports), untimed
-    times: dict[str, list[float]] = {"engine": [], "bare": []}
-    paths: dict[str, Callable[[], Outcome]] = {"engine": engine, "bare": bare}
+          f"{cfg.local_epochs} local epochs, batch {cfg.batch_size}, {cfg.optimizer}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; load average {os.getloadavg()[0]:.2f}", flush=True)
+    reference = {k: run() for k, run in paths.items()}  # warm-up (dataset, partitions, imports), untimed
+    runs: dict[str, list[Outcome]] = {"engine": [], "bare": []}
     for i in range(args.repeats):
         for name in ("engine", "bare") if i % 2 == 0 else ("bare", "engine"):
             gc.collect()
             result = paths[name]()
-            times[name].append(result.seconds)
+            runs[name].append(result)
             if diffs := same(result, reference[name]):
                 print(f"warning: {name} run {i} is not reproducible: {'; '.join(diffs)}")
-            print(f"  {name:6s} run {i}: {result.seconds:.3f} s", flush=True)
+            print(f"  {name:6s} run {i}: {result.seconds:.3f} s wall, {result.cpu:.3f} s CPU", flush=True)
 
-    med = {k: statistics.median(v) for k, v in times.items()}
-    ratio = med["engine"] / med["bare"]
-    print(f"\n{'path':8s} {'median s':>9s} {'min s':>7s} {'max s':>7s}")
+    wall = {k: statistics.median(r.seconds for r in v) for k, v in runs.items()}
+    cpu = {k: statistics.median(r.cpu for r in v) for k, v in runs.items()}
+    print(f"\n{'path':8s} {'median wall s':>14s} {'min':>7s} {'max':>7s} {'median CPU s':>13s}")
     for k in ("engine", "bare"):
-        print(f"{k:8s} {med[k]:9.3f} {min(times[k]):7.3f} {max(times[k]):7.3f}")
-    print(f"ratio engine/bare: {ratio:.3f} (goal <= 1.10) over {args.repeats} repeats")
+        secs = [r.seconds for r in runs[k]]
+        print(f"{k:8s} {wall[k]:14.3f} {min(secs):7.3f} {max(secs):7.3f} {cpu[k]:13.3f}")
+    print(f"ratio engine/bare: {wall['engine'] / wall['bare']:.3f} wall, {cpu['engine'] / cpu['bare']:.3f} CPU "
+          f"(goal <= 1.10; medians of {args.repeats}; load average now {os.getloadavg()[0]:.2f})")
 
     diffs = same(reference["engine"], reference["bare"])
     e = reference["engine"]
@@ -212,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
               f"ServerApp wall-seconds {server_wall:.1f} s; final test accuracy {flwr.evals[-1][2]:.4f}")
         print("flwr run vs bare: " + ("bitwise identical final model and evaluations" if not flwr_diffs
                                       else "; ".join(flwr_diffs)))
+    shutil.rmtree(tmp, ignore_errors=True)
     return 1 if diffs else 0
 
 

@@ -107,7 +107,7 @@ class RunConfig:
     partitioner: str = _opt("dirichlet", OneOf(_partitioners), "how client data is split")
     dirichlet_alpha: float = _opt(0.5, POSITIVE, "Dirichlet concentration (smaller = more skewed)")
     num_clients: int = _opt(10, COUNT, "number of client partitions (= SuperNodes)")
-    test_fraction: float = _opt(0.2, Range(0, 1, low_open=True), "fraction of the data kept as the server's test split")
+    test_fraction: float = _opt(0.2, Range(0, 0.9, low_open=True), "fraction of the data kept as the server's test split")
     central_size: int = _opt(0, Range(0), "samples moved from the test split to the server's central split")
     model: str = _opt("cnn", OneOf(_models), "model name (common/models.py)")
     strategy: str = _opt("fedavg", OneOf(_strategies), "aggregation strategy (strategies/)")

@@ -15,71 +15,16 @@ Expect a few seconds per message: a SuperNode polls the SuperLink every 3 s.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, load_config
-from scripts.flower import PROJECT_DIR, ProcessGroup, flower_env, flwr_run, free_port, wait_healthy, write_connection
+from common.config import load_config
+from scripts.flower import (PROJECT_DIR, ProcessGroup, check_completed, flower_env, flwr_run, free_port,
+                            run_and_report, wait_healthy, write_connection)
 from scripts.simulate import parse_overrides, prepare
 
 CONNECTION = "hybridfl-local"
-
-
-def process_tree(roots: list[int]) -> set[int]:
-    """`roots` and all their live descendants (from ``ps``)."""
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True, check=True).stdout
-    children: dict[int, list[int]] = {}
-    for line in out.splitlines():
-        pid, ppid = map(int, line.split())
-        children.setdefault(ppid, []).append(pid)
-    tree, todo = set(), list(roots)
-    while todo:
-        pid = todo.pop()
-        if pid not in tree:
-            tree.add(pid)
-            todo += children.get(pid, [])
-    return tree
-
-
-def alive(pids: set[int]) -> set[int]:
-    """The PIDs in `pids` that still exist as non-zombie processes."""
-    out = subprocess.run(["ps", "-e", "-o", "pid=,stat="], capture_output=True, text=True, check=True).stdout
-    live = {int(pid) for pid, stat in (line.split() for line in out.splitlines()) if not stat.startswith("Z")}
-    return pids & live
-
-
-def reap(pids: set[int], grace: float = 10.0) -> None:
-    """Wait up to `grace` s for `pids` to exit, then SIGKILL the ones left."""
-    deadline = time.monotonic() + grace
-    while (left := alive(pids)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-class Deployment(ProcessGroup):
-    """A ProcessGroup that also stops its processes' descendants outside their process groups.
-
-    flower-superlink starts its flower-superexec (parent of the flwr-serverapp) in a new session, out of
-    reach of killpg. A SuperLink stopped cleanly terminates it, and a parent-pid monitor ends it after
-    a SIGKILL; this waits for that and kills whatever is left, so nothing started here survives.
-    """
-
-    pids: set[int] = set()  # every PID started, children included, known once stopped
-
-    def __exit__(self, *exc: object) -> None:
-        self.pids = process_tree([p.pid for _, p in self.procs])  # before the stop, while children are linked
-        super().__exit__(*exc)
-        reap(self.pids)
 
 
 def deploy(overrides: dict[str, Any], flwr_home: Path, supernodes: int | None = None) -> tuple[Path, set[int]]:
@@ -96,7 +41,7 @@ def deploy(overrides: dict[str, Any], flwr_home: Path, supernodes: int | None = 
     node_ports: set[int] = set()
     while len(node_ports) < n:  # free_port can hand out a port twice in a row
         node_ports |= {free_port()} - {port}
-    with Deployment(run_path / "flower-logs", env) as procs:
+    with ProcessGroup(run_path / "flower-logs", env) as procs:
         link = procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
                                          "--disable-runtime-dependency-installation"])
         wait_healthy(port, link)
@@ -106,10 +51,7 @@ def deploy(overrides: dict[str, Any], flwr_home: Path, supernodes: int | None = 
                                            "--node-config", f"partition-id={i} num-partitions={n}"])
         write_connection(flwr_home, CONNECTION, port)
         run_id, status = flwr_run(env, CONNECTION, overrides)
-    if status != "finished:completed":
-        raise RuntimeError(f"run {run_id} ended as {status!r}; logs in {run_path / 'flower-logs'}")
-    if not (run_path / "summary.json").is_file():
-        raise RuntimeError(f"run {run_id} completed but wrote no {run_path / 'summary.json'}")
+    check_completed(run_id, status, run_path)
     return run_path, procs.pids
 
 
@@ -121,18 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flwr-home", type=Path, default=PROJECT_DIR / ".flwr",
                         help="FLWR_HOME for this run (default: ./.flwr)")
     args = parser.parse_args(argv)
-    try:
-        run_path, _ = deploy(parse_overrides(args.overrides), args.flwr_home.resolve(), args.supernodes)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except RuntimeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    summary = json.loads((run_path / "summary.json").read_text())
-    print(f"\nrun {summary['run']}: final test accuracy {summary['final-test-accuracy']:.4f} "
-          f"after {summary['final-version']} versions; outputs in {run_path}")
-    return 0
+    return run_and_report(lambda: deploy(parse_overrides(args.overrides), args.flwr_home.resolve(),
+                                         args.supernodes)[0])
 
 
 if __name__ == "__main__":

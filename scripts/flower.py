@@ -12,8 +12,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,11 +60,17 @@ def run_config_arg(overrides: Mapping[str, Any]) -> str:
 
 
 class ProcessGroup:
-    """Processes this script started, each in its own session, stopped together (and only them)."""
+    """Processes this script started, each in its own session, stopped together (and only them).
+
+    Stopping also reaches their descendants that left the process group: flower-superlink starts
+    its flower-superexec (parent of flwr-serverapp) in a new session, out of reach of ``killpg``.
+    ``pids`` holds every process started here, descendants included, once stopped.
+    """
 
     def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
         self.log_dir, self.env = log_dir, env
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.pids: set[int] = set()
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, cmd: Sequence[str]) -> subprocess.Popen:
@@ -73,21 +80,24 @@ class ProcessGroup:
         self.procs.append((name, proc))
         return proc
 
-    def stop(self, name: str | None = None, sig: int = signal.SIGTERM, grace: float = 10.0) -> None:
-        """Stop process `name` (or all) and its children: SIGTERM to the group, SIGKILL after `grace` s."""
-        targets = [(n, p) for n, p in self.procs if name is None or n == name]
-        for _, p in targets:
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM every group, SIGKILL what is left after `grace` s, descendants included."""
+        tree = process_tree([p.pid for _, p in self.procs])  # while children are still linked to parents
+        self.pids |= tree
+        for _, p in self.procs:
             if p.poll() is None:
-                _signal_group(p.pid, sig)
+                _signal_group(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        for _, p in targets:
+        while (left := alive(tree)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for pid in left:
             try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(p.pid, signal.SIGKILL)
-                p.wait()
-        for _, p in targets:
-            _signal_group(p.pid, signal.SIGKILL)  # children left behind in the group
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for _, p in self.procs:
+            _signal_group(p.pid, signal.SIGKILL)  # anything still in a group
+            p.wait()
 
     def __enter__(self) -> ProcessGroup:
         return self
@@ -101,6 +111,30 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _ps(fields: str) -> list[list[str]]:
+    out = subprocess.run(["ps", "-e", "-o", fields], capture_output=True, text=True, check=True).stdout
+    return [line.split() for line in out.splitlines()]
+
+
+def process_tree(roots: list[int]) -> set[int]:
+    """`roots` and all their live descendants."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in _ps("pid=,ppid="):
+        children.setdefault(int(ppid), []).append(int(pid))
+    tree, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.add(pid)
+            todo += children.get(pid, [])
+    return tree
+
+
+def alive(pids: set[int]) -> set[int]:
+    """The PIDs in `pids` that still exist as non-zombie processes."""
+    return pids & {int(pid) for pid, stat in _ps("pid=,stat=") if not stat.startswith("Z")}
 
 
 def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
@@ -139,6 +173,8 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
     print("$", shlex.join(cmd), flush=True)
     proc = subprocess.Popen(cmd, env=env, cwd=PROJECT_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
+    watchdog = threading.Timer(timeout, proc.kill)  # the output loop below blocks; this bounds it
+    watchdog.start()
     run_id = None
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -146,7 +182,11 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
         sys.stdout.flush()
         if run_id is None and (m := re.search(r"started run (\d+)", line)):
             run_id = int(m.group(1))
-    proc.wait(timeout=timeout)
+    proc.wait()
+    timed_out = not watchdog.is_alive()
+    watchdog.cancel()
+    if timed_out:
+        raise RuntimeError(f"flwr run did not finish within {timeout:.0f}s")
     if run_id is None:
         raise RuntimeError(f"flwr run did not start a run (exit code {proc.returncode})")
     return run_id, run_status(env, connection, run_id)
@@ -161,3 +201,29 @@ def run_status(env: dict[str, str], connection: str, run_id: int) -> str:
     except (json.JSONDecodeError, KeyError) as err:
         raise RuntimeError(f"cannot read the status of run {run_id}: {out.stdout}{out.stderr}") from err
     return str(runs[0]["status"])
+
+
+def run_and_report(fn: Callable[[], Path]) -> int:
+    """Run a launcher; print its summary. Exit code 0 = completed, 1 = the run failed, 2 = bad config."""
+    from common.config import ConfigError
+
+    try:
+        run_path = fn()
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    summary = json.loads((run_path / "summary.json").read_text())
+    print(f"\nrun {summary['run']}: final test accuracy {summary['final-test-accuracy']:.4f} "
+          f"after {summary['final-version']} versions; outputs in {run_path}")
+    return 0
+
+
+def check_completed(run_id: int, status: str, run_path: Path) -> None:
+    """Raise unless the run finished:completed and wrote its summary."""
+    if status != "finished:completed":
+        raise RuntimeError(f"run {run_id} ended as {status!r}; logs in {run_path / 'flower-logs'}")
+    if not (run_path / "summary.json").is_file():
+        raise RuntimeError(f"run {run_id} completed but wrote no {run_path / 'summary.json'}")

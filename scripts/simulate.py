@@ -12,7 +12,6 @@ run *finished:completed* and wrote ``summary.json``, and stops exactly the proce
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -20,8 +19,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, load_config
-from scripts.flower import PROJECT_DIR, ProcessGroup, flower_env, flwr_run, free_port, wait_healthy, write_connection
+from common.config import load_config
+from scripts.flower import (PROJECT_DIR, ProcessGroup, check_completed, flower_env, flwr_run, free_port,
+                            run_and_report, wait_healthy, write_connection)
 
 CONNECTION = "hybridfl-sim"
 
@@ -57,10 +57,7 @@ def simulate(overrides: dict[str, Any], flwr_home: Path) -> Path:
         federation = (f"num-supernodes={cfg.num_clients} client-resources-num-cpus=1 "
                       f"init-args-num-cpus={max(2, os.cpu_count() or 2)}")
         run_id, status = flwr_run(env, CONNECTION, overrides, federation_config=federation)
-    if status != "finished:completed":
-        raise RuntimeError(f"run {run_id} ended as {status!r}; logs in {run_path / 'flower-logs'}")
-    if not (run_path / "summary.json").is_file():
-        raise RuntimeError(f"run {run_id} completed but wrote no {run_path / 'summary.json'}")
+    check_completed(run_id, status, run_path)
     return run_path
 
 
@@ -70,18 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flwr-home", type=Path, default=PROJECT_DIR / ".flwr",
                         help="FLWR_HOME for this run (default: ./.flwr)")
     args = parser.parse_args(argv)
-    try:
-        run_path = simulate(parse_overrides(args.overrides), args.flwr_home.resolve())
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except RuntimeError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    summary = json.loads((run_path / "summary.json").read_text())
-    print(f"\nrun {summary['run']}: final test accuracy {summary['final-test-accuracy']:.4f} "
-          f"after {summary['final-version']} versions; outputs in {run_path}")
-    return 0
+    return run_and_report(lambda: simulate(parse_overrides(args.overrides), args.flwr_home.resolve()))
 
 
 if __name__ == "__main__":

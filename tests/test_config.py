@@ -42,7 +42,7 @@ def test_every_preset_loads(name):
         ("lr", 0.0, "(0, inf]"),
         ("lr", float("nan"), "a finite number"),
         ("dirichlet-alpha", -1.0, "(0, inf]"),
-        ("test-fraction", 1.5, "(0, 1]"),
+        ("test-fraction", 1.0, "(0, 0.9]"),
         ("num-clients", 0, "[1, inf]"),
         ("dataset", "cifar11", "'digits'"),
         ("strategy", "fedfoo", "'fedavg'"),
