@@ -2,8 +2,9 @@
 
 The node's partition comes from ``node_config`` (``partition-id``, ``num-partitions``), set by
 the simulation engine, by ``flower-supernode --node-config`` in deployment, or by the in-process
-engine. Everything else (data spec, model, local recipe, seed) travels in the message config,
-so a node needs no run configuration of its own.
+engine. An optional ``latency-s`` in ``node_config`` delays every train reply (a slow device).
+Everything else (data spec, model, local recipe, seed) travels in the message config, so a node
+needs no run configuration of its own.
 
 Replies: ``train`` returns the *delta* of the trainable parameters plus ``num-examples``,
 ``partition-id``, ``base-version`` and training metrics; ``evaluate`` returns the global
@@ -14,6 +15,7 @@ An exception inside a handler becomes an error reply (``CLIENT_APP_RAISED_EXCEPT
 from __future__ import annotations
 
 import functools
+import time
 import traceback
 from collections.abc import Callable
 from logging import ERROR
@@ -81,6 +83,7 @@ def train_handler(msg: Message, context: Context) -> Message:
     """Local training from the received global model; replies with the parameter delta."""
     config = msg.content[CONFIG]
     pid, data, model, pspec = _load(msg, context)
+    time.sleep(float(context.node_config.get("latency-s", 0.0)))  # a slow device, for demos and tests
     start = pspec.flatten(model)
     metrics = train(model, data, LocalRecipe.from_config(config), seed=int(config[TRAIN_SEED]))
     delta = pspec.flatten(model) - start

@@ -136,7 +136,7 @@ def partition_indices(spec: DataSpec) -> tuple[np.ndarray, ...]:
             num_partitions=k,
             partition_by="label",
             alpha=spec.dirichlet_alpha,
-            min_partition_size=min(10, max(1, n // (2 * k))),
+            min_partition_size=min(10, max(1, n // (4 * k))),
             self_balancing=False,
             shuffle=True,
             seed=spec.seed,

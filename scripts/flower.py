@@ -41,7 +41,6 @@ def flower_env(flwr_home: Path) -> dict[str, str]:
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
         "PYTHONUNBUFFERED": "1",
-        "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
     })
     return env
 

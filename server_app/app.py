@@ -20,8 +20,9 @@ from common.models import build_model
 from common.params import ParamSpec
 from common.protocol import MODEL
 from common.training import evaluate
+from server_app.messaging import Dispatcher, NodeDirectory, federated_evaluate
 from server_app.outputs import Recorder, run_dir
-from server_app.runner import Dispatcher, NodeDirectory, RoundLog, SyncRunner, federated_evaluate
+from server_app.runtime import Runner, StepLog
 from strategies import build_strategy
 
 app = ServerApp()
@@ -44,23 +45,26 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     pspec = ParamSpec.of(model)
     strategy = build_strategy(cfg)
     strategy.initialize(pspec.flatten(model), pspec)
-    log(INFO, "run %s: %s on %s (%d train / %d test / %d central), %d clients, %d rounds -> %s", out.name,
-        cfg.strategy, cfg.dataset, len(splits.train), len(splits.test), len(splits.central), cfg.num_clients,
-        cfg.num_rounds, out)
+    log(INFO, "run %s: %s on %s (%d train / %d test / %d central), %d clients, %d rounds, %s clock (σ=%g) -> %s",
+        out.name, cfg.strategy, cfg.dataset, len(splits.train), len(splits.test), len(splits.central),
+        cfg.num_clients, cfg.num_rounds, cfg.clock, cfg.delay_sigma, out)
 
     directory = NodeDirectory(grid)
     directory.wait_for(cfg.num_clients, cfg.wait_nodes_s)
     dispatcher = Dispatcher(pspec, {**spec.to_config(), MODEL: cfg.model}, cfg.seed)
-    runner = SyncRunner(grid, strategy, directory, dispatcher, cfg.clients_per_round, cfg.round_timeout_s, cfg.seed)
     recorder = Recorder(out)
+    runner = Runner(grid, strategy, directory, dispatcher, clients_per_round=cfg.clients_per_round, clock=cfg.clock,
+                    delay_sigma=cfg.delay_sigma, concurrency=cfg.concurrency, reply_timeout=cfg.reply_timeout_s,
+                    poll_interval=cfg.poll_interval_s, wait_nodes=cfg.wait_nodes_s, seed=cfg.seed,
+                    on_event=recorder.event)
 
     def test_metrics() -> dict[str, float]:
         pspec.load_into(model, strategy.params)
         return evaluate(model, splits.test)
 
-    recorder.round(RoundLog(0, 0, 0, test=test_metrics()).to_dict())
+    recorder.round(StepLog(0, 0, test=test_metrics()).to_dict())
 
-    def on_round(entry: RoundLog) -> None:
+    def on_round(entry: StepLog) -> None:
         if entry.round % cfg.eval_every == 0 or entry.round == cfg.num_rounds:
             entry.test = test_metrics()
         recorder.round(entry.to_dict())
@@ -70,12 +74,14 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
             entry.timeouts, entry.seconds, acc)
 
     runner.run(cfg.num_rounds, on_round)
+    train_seconds = time.perf_counter() - t_start
     client_eval = federated_evaluate(grid, directory, dispatcher, strategy.params, strategy.version,
-                                     cfg.round_timeout_s)
+                                     cfg.reply_timeout_s)
     pspec.load_into(model, strategy.params)
     summary = recorder.finish({"run": out.name, "config": cfg.to_dict(), "strategy": strategy.describe(),
                                "final-version": strategy.version, "client-eval": client_eval,
-                               "wall-seconds": time.perf_counter() - t_start}, model)
+                               "reply-to-dispatch-s": runner.latency_summary(),
+                               "wall-seconds": time.perf_counter() - t_start, "train-seconds": train_seconds}, model)
     log(INFO, "run %s finished: final test accuracy %.4f (max of last 5 evals %.4f); outputs in %s", out.name,
         summary["final-test-accuracy"], summary["max-last-5-evals"], out)
     return out

@@ -60,6 +60,10 @@ class InProcessGrid(Grid):
                        ttl: float | None = None) -> Message:
         return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
 
+    def disconnect(self, node: int) -> None:
+        """Take `node` offline: it leaves the node list and its pending messages fail with NODE_UNAVAILABLE."""
+        self.contexts.pop(node, None)
+
     def get_node_ids(self) -> Iterable[int]:
         return list(self.contexts)
 
@@ -98,8 +102,11 @@ class InProcessGrid(Grid):
 
 
 def run_inprocess(overrides: Mapping[str, Any] | None = None, client_app: ClientApp | None = None,
-                  server_app: ServerApp | None = None) -> Path:
-    """Run the ServerApp over in-process nodes with these run-config overrides; return the output folder."""
+                  server_app: ServerApp | None = None, grid: InProcessGrid | None = None) -> Path:
+    """Run the ServerApp over in-process nodes with these run-config overrides; return the output folder.
+
+    `client_app` (default: the project's) runs on every node; pass `grid` instead to control the nodes.
+    """
     from client_app.app import app as default_client_app
     from common.config import load_config
     from server_app.app import RUN_STATE
@@ -107,7 +114,8 @@ def run_inprocess(overrides: Mapping[str, Any] | None = None, client_app: Client
 
     overrides = dict(overrides or {})
     cfg = load_config(overrides)
-    grid = InProcessGrid(client_app or default_client_app, cfg.num_clients, overrides)
+    grid = grid or InProcessGrid(client_app or default_client_app, cfg.num_clients)
+    grid.run.override_config = overrides
     context = Context(run_id=grid.run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config={})
     (server_app or default_server_app)(grid, context)
     return Path(str(context.state[RUN_STATE]["output-dir"]))

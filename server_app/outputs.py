@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -32,12 +33,27 @@ class Recorder:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.rows: list[dict[str, Any]] = []
-        (path / "metrics.jsonl").write_text("")
+        self.staleness: list[int] = []
+        self.outcomes: dict[str, int] = {}
+        self.first_event_t: float | None = None
+        self.last_event_t = 0.0
+        for name in ("metrics.jsonl", "events.jsonl"):
+            (path / name).write_text("")
 
     def round(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
+
+    def event(self, event: dict[str, Any]) -> None:
+        """One update handed over or lost: client, base version, dispatch and arrival step, staleness, outcome."""
+        if event["outcome"] == "accepted":
+            self.staleness.append(event["staleness"])
+        self.outcomes[event["outcome"]] = self.outcomes.get(event["outcome"], 0) + 1
+        self.first_event_t = event["t"] if self.first_event_t is None else self.first_event_t
+        self.last_event_t = event["t"]
+        with open(self.path / "events.jsonl", "a") as f:
+            f.write(json.dumps(event) + "\n")
 
     def finish(self, summary: dict[str, Any], model: nn.Module) -> dict[str, Any]:
         evals = [r for r in self.rows if "test-accuracy" in r]
@@ -50,13 +66,21 @@ class Recorder:
             "best-test-accuracy": max(accs) if accs else None,
             "max-last-5-evals": papers_metric(accs),
             **{f"total-{k}": v for k, v in totals.items()},
+            "updates-per-s": self._rate(),
+            "staleness-mean": float(np.mean(self.staleness)) if self.staleness else None,
+            "staleness-max": int(max(self.staleness)) if self.staleness else None,
         }
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         torch.save(model.state_dict(), self.path / "model.pt")
-        self._plot(evals)
+        self._plots(evals)
         return summary
 
-    def _plot(self, evals: list[dict[str, Any]]) -> None:
+    def _rate(self) -> float | None:
+        """Accepted updates per second of wall time between the first and the last event."""
+        span = self.last_event_t - (self.first_event_t or 0.0)
+        return self.outcomes.get("accepted", 0) / span if span > 0 else None
+
+    def _plots(self, evals: list[dict[str, Any]]) -> None:
         import matplotlib
 
         matplotlib.use("Agg")
@@ -64,10 +88,18 @@ class Recorder:
 
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot([r["round"] for r in evals], [r["test-accuracy"] for r in evals], marker="o", ms=3)
-        ax.set_xlabel("round")
-        ax.set_ylabel("test accuracy")
+        ax.set(xlabel="round", ylabel="test accuracy")
         ax.set_title(self.path.name, fontsize=9)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(self.path / "accuracy.png", dpi=100)
+        plt.close(fig)
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        top = max(self.staleness, default=0)
+        ax.hist(self.staleness, bins=np.arange(top + 2) - 0.5, color="tab:orange")
+        ax.set(xlabel="staleness (versions)", ylabel="accepted updates")
+        ax.set_title(f"{self.path.name}: staleness", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(self.path / "staleness.png", dpi=100)
         plt.close(fig)

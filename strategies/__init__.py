@@ -3,15 +3,21 @@
 from common.config import RunConfig
 from common.training import LocalRecipe
 from strategies.base import HybridStrategy, Payload, Update
+from strategies.ca2fl import CA2FL
+from strategies.fedasync import FedAsync
 from strategies.fedavg import FedAvg
+from strategies.fedbuff import FedBuff
 
-STRATEGIES: dict[str, type[HybridStrategy]] = {"fedavg": FedAvg}
+STRATEGIES: dict[str, type[HybridStrategy]] = {"fedavg": FedAvg, "fedbuff": FedBuff, "fedasync": FedAsync,
+                                               "ca2fl": CA2FL}
 
 
 def build_strategy(cfg: RunConfig) -> HybridStrategy:
-    """The strategy named by ``cfg.strategy`` with the run's local recipe."""
-    return STRATEGIES[cfg.strategy](train_config=LocalRecipe.from_config(cfg.to_dict()).to_config(),
-                                    clients_per_round=cfg.clients_per_round, seed=cfg.seed)
+    """The strategy named by ``cfg.strategy``, with its hyperparameters and the run's local recipe."""
+    return STRATEGIES[cfg.strategy].from_config(
+        cfg, train_config=LocalRecipe.from_config(cfg.to_dict()).to_config(),
+        clients_per_round=cfg.clients_per_round, seed=cfg.seed)
 
 
-__all__ = ["STRATEGIES", "FedAvg", "HybridStrategy", "Payload", "Update", "build_strategy"]
+__all__ = ["CA2FL", "STRATEGIES", "FedAsync", "FedAvg", "FedBuff", "HybridStrategy", "Payload", "Update",
+           "build_strategy"]

@@ -82,6 +82,20 @@ def parse_reply(msg: Message, spec: ParamSpec) -> Update:
     return Update(int(metrics[PARTITION_ID]), int(metrics[BASE_VERSION]), delta, int(metrics[NUM_EXAMPLES]), rest)
 
 
+def weighted_sum(deltas: Iterable[torch.Tensor], weights: Iterable[float], like: torch.Tensor) -> torch.Tensor:
+    """Σ_i w_i Δ_i, accumulated in the given order (callers fix the order for reproducible floats)."""
+    total = torch.zeros_like(like)
+    for w, delta in zip(weights, deltas):
+        total.add_(delta, alpha=float(w))
+    return total
+
+
+def example_weights(updates: list[Update]) -> list[float]:
+    """n_j / Σ n_i, computed in float64 then rounded to float32 as FedAvg applies them."""
+    n = torch.tensor([float(u.num_examples) for u in updates], dtype=torch.float64)
+    return (n / n.sum()).to(torch.float32).tolist()
+
+
 def weighted_mean(values: Iterable[tuple[float, dict[str, float]]]) -> dict[str, float]:
     """Example-weighted mean of metric dicts: ``[(weight, {name: value})]`` -> ``{name: mean}``."""
     sums: dict[str, float] = {}
@@ -109,8 +123,14 @@ class HybridStrategy(FlowerStrategy):
         self.params: torch.Tensor | None = None  # ω
         self.version = 0
         self.spec: ParamSpec | None = None
+        self.seed = seed
         self._rng = random.Random(seed)
         self.rejected_replies = 0  # replies aggregate_train could not use (Flower-driven runs)
+
+    @classmethod
+    def from_config(cls, cfg: Any, **common: Any) -> HybridStrategy:
+        """The strategy with its hyperparameters read from a RunConfig (same names, hyphens as underscores)."""
+        return cls(**common)
 
     # -- the hybridfl interface ------------------------------------------------------------
     def initialize(self, params: torch.Tensor, spec: ParamSpec) -> None:
@@ -127,6 +147,9 @@ class HybridStrategy(FlowerStrategy):
 
     def close_round(self) -> None:
         """The runner's signal that no more updates arrive for the current round (or step)."""
+
+    def forget(self, client: int) -> None:
+        """The runner's signal that `client`'s dispatch will not come back (error, timeout, lost node)."""
 
     @abstractmethod
     def ready(self) -> bool:
@@ -203,3 +226,20 @@ class HybridStrategy(FlowerStrategy):
     def describe(self) -> dict[str, Any]:
         """The strategy's hyperparameters, for logs and summary.json."""
         return {"clients-per-round": self.clients_per_round, **self.train_config}
+
+
+class AsyncStrategy(HybridStrategy):
+    """A strategy for the asynchronous runtime: Flower's ``start()`` runs hybridfl's loop over the grid
+    (push/pull, at most one message per node, updates handed over as they arrive) instead of
+    Flower's round barrier. The extra keyword arguments choose the clock (see server_app/runtime.py).
+    """
+
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Any = None, *, clock: str = "wall", delay_sigma: float = 0.0,
+              concurrency: int | None = None) -> Any:
+        from server_app.runtime import flower_start  # the runner lives with the other runners, not here
+
+        return flower_start(self, grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
+                            evaluate_fn, clock=clock, delay_sigma=delay_sigma,
+                            concurrency=concurrency or self.clients_per_round)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from strategies.base import HybridStrategy, Update
+from strategies.base import HybridStrategy, Update, example_weights, weighted_sum
 
 
 class FedAvg(HybridStrategy):
@@ -24,7 +24,8 @@ class FedAvg(HybridStrategy):
         seed: seeds that sampling.
     """
 
-    def __init__(self, train_config: dict[str, Any] | None = None, clients_per_round: int = 10, seed: int = 0) -> None:
+    def __init__(self, *, train_config: dict[str, Any] | None = None, clients_per_round: int = 10,
+                 seed: int = 0) -> None:
         super().__init__(train_config, clients_per_round, seed)
         self._updates: list[Update] = []
         self._closed = False
@@ -41,12 +42,7 @@ class FedAvg(HybridStrategy):
     def aggregate(self, server: Any = None) -> torch.Tensor:
         # Sorting by client makes the float sum independent of reply arrival order.
         updates = sorted(self._updates, key=lambda u: u.client)
-        n = torch.tensor([float(u.num_examples) for u in updates], dtype=torch.float64)
-        weights = (n / n.sum()).to(torch.float32)
-        step = torch.zeros_like(self.params)
-        for w, u in zip(weights, updates):
-            step.add_(u.delta, alpha=float(w))
-        self.params = self.params + step
+        self.params = self.params + weighted_sum((u.delta for u in updates), example_weights(updates), self.params)
         self.version += 1
         self._updates, self._closed = [], False
         return self.params

@@ -27,9 +27,9 @@ def small_run(tmp_path: Path):
     """Run the in-process engine on the synthetic set; returns (output folder, summary)."""
     from server_app.inprocess import run_inprocess
 
-    def run(name: str = "run", client_app=None, **overrides: Any) -> tuple[Path, dict]:
+    def run(name: str = "run", client_app=None, grid=None, **overrides: Any) -> tuple[Path, dict]:
         out = run_inprocess({**SMALL, "output-dir": str(tmp_path), "run-name": name, **overrides},
-                            client_app=client_app)
+                            client_app=client_app, grid=grid)
         return out, json.loads((out / "summary.json").read_text())
 
     return run

@@ -1,0 +1,125 @@
+"""Messages between the ServerApp and its nodes: who is who, what is sent, what comes back.
+
+``NodeDirectory`` learns which client (partition) each node holds, so sampling, seeds and
+aggregation order depend on stable client ids, not on the random node ids of a run.
+``Dispatcher`` builds train/evaluate messages tagged with the model version they carry.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from logging import INFO, WARNING
+from typing import Any
+
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.common import log
+from flwr.serverapp import Grid
+
+from common.params import ParamSpec
+from common.protocol import ARRAYS, CONFIG, METRICS, PARTITION_ID, TRAIN_SEED, VERSION
+from common.training import derive_seed
+from strategies.base import weighted_mean
+
+POLL_INTERVAL_S = 0.05
+
+
+def collect(grid: Grid, message_ids: Iterable[str], timeout: float, poll: float = POLL_INTERVAL_S) -> list[Message]:
+    """Replies to `message_ids` that arrive within `timeout` seconds (polling every `poll` s)."""
+    pending = set(message_ids)
+    replies: list[Message] = []
+    deadline = time.monotonic() + timeout
+    while pending:
+        got = list(grid.pull_messages(list(pending)))
+        replies.extend(got)
+        pending -= {m.metadata.reply_to_message_id for m in got}
+        if not pending or time.monotonic() >= deadline:
+            break
+        if not got:
+            time.sleep(poll)
+    return replies
+
+
+class NodeDirectory:
+    """Which node holds which client partition, learned by a ``query`` message to each new node."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+        self.node_of: dict[int, int] = {}  # client (partition id) -> node id
+        self._asked: dict[str, int] = {}  # query message id -> node id
+
+    @property
+    def clients(self) -> list[int]:
+        return sorted(self.node_of)
+
+    def poll(self) -> set[int]:
+        """Ask connected nodes not yet known which partition they hold, record the answers that are in
+        (without waiting), and return the ids of the nodes connected now."""
+        nodes = set(self.grid.get_node_ids())
+        known = set(self.node_of.values()) | set(self._asked.values())
+        new = sorted(nodes - known)
+        if new:
+            msgs = [Message(RecordDict({CONFIG: ConfigRecord({})}), dst_node_id=n, message_type=MessageType.QUERY)
+                    for n in new]
+            self._asked.update(zip(self.grid.push_messages(msgs), new))
+        for reply in collect(self.grid, list(self._asked), timeout=0.0):
+            node = self._asked.pop(reply.metadata.reply_to_message_id)
+            if reply.has_error():
+                log(WARNING, "node %d did not describe itself: %s", node, reply.error.reason)
+                continue
+            client = int(reply.content[METRICS][PARTITION_ID])
+            if client in self.node_of and self.node_of[client] != node and self.node_of[client] in nodes:
+                log(WARNING, "nodes %d and %d both hold partition %d; using %d", self.node_of[client], node,
+                    client, self.node_of[client])
+                continue
+            self.node_of[client] = node  # a restarted SuperNode comes back under a new node id
+        return nodes
+
+    def wait_for(self, count: int, timeout: float) -> None:
+        """Block until `count` clients are known; raise a clear error after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        self.poll()
+        while len(self.node_of) < count:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"only {len(self.node_of)} of {count} clients connected within {timeout:.0f}s "
+                                   f"(partitions {self.clients}); start more SuperNodes or raise wait-nodes-s")
+            time.sleep(POLL_INTERVAL_S)
+            self.poll()
+        log(INFO, "%d clients connected: partition -> node %s", len(self.node_of), self.node_of)
+
+
+@dataclass
+class Dispatcher:
+    """Builds train/evaluate messages from a strategy's payload, tagged with the model version.
+
+    `run_config` holds what every message carries (data spec, model name); each train message
+    gets a seed derived from (run seed, client, how many times that client was dispatched).
+    """
+
+    spec: ParamSpec
+    run_config: dict[str, Any]
+    seed: int
+    _dispatches: dict[int, int] = field(default_factory=dict)
+
+    def message(self, node: int, client: int, params, config: dict[str, Any], version: int,
+                message_type: str = MessageType.TRAIN) -> Message:
+        config = {**self.run_config, **config, VERSION: version}
+        if message_type == MessageType.TRAIN:
+            count = self._dispatches.get(client, 0)
+            self._dispatches[client] = count + 1
+            config[TRAIN_SEED] = derive_seed(self.seed, client, count)
+        content = RecordDict({ARRAYS: self.spec.to_record(params), CONFIG: ConfigRecord(config)})
+        return Message(content, dst_node_id=node, message_type=message_type, group_id=str(version))
+
+
+def federated_evaluate(grid: Grid, directory: NodeDirectory, dispatcher: Dispatcher, params, version: int,
+                       timeout: float) -> dict[str, float]:
+    """Evaluate `params` on every known client's partition; example-weighted means (+ replies count)."""
+    msgs = [dispatcher.message(node, client, params, {}, version, MessageType.EVALUATE)
+            for client, node in sorted(directory.node_of.items())]
+    replies = [m for m in collect(grid, grid.push_messages(msgs), timeout) if not m.has_error()]
+    result = weighted_mean((float(m.content[METRICS]["num-examples"]),
+                            {k: float(m.content[METRICS][k]) for k in ("eval-loss", "eval-accuracy")})
+                           for m in replies)
+    return {**result, "replies": len(replies), "sampled": len(msgs)}

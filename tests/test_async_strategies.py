@@ -1,0 +1,94 @@
+"""FedBuff, FedAsync and CA2FL against their papers' update rules, written out by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.params import ParamSpec
+from strategies import CA2FL, FedAsync, FedBuff
+from strategies.base import Update
+
+SPEC = ParamSpec(("w",), ((6,),))
+
+
+def vec(seed: int) -> torch.Tensor:
+    return torch.randn(6, generator=torch.Generator().manual_seed(seed))
+
+
+def init(strategy, seed: int = 0):
+    strategy.initialize(vec(seed), SPEC)
+    return strategy
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("weighting", ["uniform", "examples"])
+@pytest.mark.parametrize("staleness_weight", ["none", "polynomial"])
+def test_fedbuff_step_after_k_updates(weighting, staleness_weight):
+    s = init(FedBuff(buffer_size=3, server_lr=0.5, staleness_weight=staleness_weight, staleness_exponent=0.5,
+                     weighting=weighting))
+    s.version = 4
+    omega = s.params.clone()
+    updates = [Update(c, base, vec(10 + c), n) for c, base, n in [(0, 4, 10), (1, 2, 30), (2, 1, 60)]]
+    for u in updates[:2]:
+        s.receive(u)
+        assert not s.ready()
+    s.receive(updates[2])
+    assert s.ready()
+    b = [1 / 3] * 3 if weighting == "uniform" else [0.1, 0.3, 0.6]
+    st = [1.0, 3 ** -0.5, 4 ** -0.5] if staleness_weight == "polynomial" else [1.0] * 3
+    expected = omega + 0.5 * sum(bi * si * u.delta for bi, si, u in zip(b, st, updates))
+    close(s.aggregate(), expected)
+    assert s.version == 5 and not s.ready() and s.buffer == []
+
+
+def test_fedasync_mixes_the_stale_client_model_with_polynomial_weight():
+    s = init(FedAsync(mixing_alpha=0.6, staleness_exponent=0.5))
+    omega0 = s.params.clone()
+    s.configure(client=7, version=0)  # client 7 starts from version 0
+    s.configure(client=8, version=0)
+    d8 = vec(8)
+    s.receive(Update(8, 0, d8, 5))
+    omega1 = (1 - 0.6) * omega0 + 0.6 * (omega0 + d8)
+    close(s.aggregate(), omega1)
+    d7 = vec(7)
+    s.receive(Update(7, 0, d7, 5))  # staleness 1: α_t = 0.6 · 2^-0.5, and ω_new = ω^0 + Δ (its own base)
+    a = 0.6 * 2 ** -0.5
+    close(s.aggregate(), (1 - a) * omega1 + a * (omega0 + d7))
+    assert s.version == 2
+    assert s._history == {}  # nobody in flight: no old global model is kept
+
+
+def test_fedasync_history_holds_only_versions_in_flight():
+    s = init(FedAsync())
+    for v in range(5):
+        s.configure(client=v, version=s.version)
+        s.receive(Update(v, s.version, vec(v), 1))
+        s.aggregate()
+    s.configure(client=99, version=s.version)
+    s.forget(99)  # its dispatch failed
+    assert s._history == {}
+
+
+def test_ca2fl_calibrates_with_cached_updates():
+    n_clients = 4
+    s = init(CA2FL(num_clients=n_clients, buffer_size=2, server_lr=0.5))
+    omega = s.params.clone()
+    d = {k: vec(20 + k) for k in range(6)}
+    # Step 1: clients 0 and 1, no cache yet: v = 0 + mean(Δ).
+    s.receive(Update(0, 0, d[0], 1))
+    s.receive(Update(1, 0, d[1], 1))
+    assert s.ready()
+    omega = omega + 0.5 * (d[0] + d[1]) / 2
+    close(s.aggregate(), omega)
+    # Step 2: client 0 again (cached d0) and client 2 (new): h̄ = (d0 + d1) / N.
+    s.receive(Update(0, 1, d[3], 1))
+    s.receive(Update(2, 1, d[4], 1))
+    h_bar = (d[0] + d[1]) / n_clients
+    omega = omega + 0.5 * (h_bar + ((d[3] - d[0]) + d[4]) / 2)
+    close(s.aggregate(), omega)
+    close(s.cache[0], d[3])
+    close(s._cache_sum, d[3] + d[1] + d[4])

@@ -1,0 +1,145 @@
+"""The runtime's two clocks through the in-process engine: determinism, the delay model, faults."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from client_app.app import app as client_app
+from common.protocol import ARRAYS, BASE_VERSION, CONFIG, METRICS, NUM_EXAMPLES, PARTITION_ID, VERSION
+from server_app.inprocess import InProcessGrid
+
+
+def events(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+
+
+def digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def wrap(train) -> ClientApp:
+    """A ClientApp with `train` as its train handler and the real evaluate/query handlers."""
+    app = ClientApp()
+    app.train()(train)
+    app.evaluate()(lambda msg, context: client_app(msg, context))
+    app.query()(lambda msg, context: client_app(msg, context))
+    return app
+
+
+def zero_update(msg: Message, context: Context) -> Message:
+    """An instant client: a zero delta, for tests of the runtime's bookkeeping only."""
+    arrays = ArrayRecord({k: torch.zeros(v.shape) for k, v in msg.content[ARRAYS].items()})
+    metrics = MetricRecord({NUM_EXAMPLES: 1, PARTITION_ID: context.node_config["partition-id"],
+                            BASE_VERSION: msg.content[CONFIG][VERSION]})
+    return Message(RecordDict({ARRAYS: arrays, METRICS: metrics}), reply_to=msg)
+
+
+ASYNC = {"strategy": "fedbuff", "delay-sigma": 5.0, "num-clients": 12, "clients-per-round": 3, "buffer-size": 3,
+         "num-rounds": 12, "server-lr": 1.0}
+
+
+def test_virtual_clock_same_seed_same_events_and_model(small_run):
+    a, _ = small_run("a", **ASYNC)
+    b, _ = small_run("b", **ASYNC)
+    c, _ = small_run("c", **{**ASYNC, "seed": 1})
+    key = lambda e: (e["client"], e["base-version"], e["dispatch-step"], e["step"], e["outcome"])  # noqa: E731
+    assert [key(e) for e in events(a)] == [key(e) for e in events(b)]
+    assert [key(e) for e in events(a)] != [key(e) for e in events(c)]
+    assert digest(a / "model.pt") == digest(b / "model.pt") != digest(c / "model.pt")
+    ev = events(a)
+    assert any(e["staleness"] > 0 for e in ev)  # updates really arrive late
+    assert all(e["step"] >= e["dispatch-step"] for e in ev)
+    assert (a / "staleness.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_fedbuff_with_k_equal_n_and_no_delay_is_synchronous_fedavg(small_run):
+    common = {"num-clients": 6, "clients-per-round": 4, "num-rounds": 4}
+    fedavg, s1 = small_run("fedavg", strategy="fedavg", **common)
+    fedbuff, s2 = small_run("fedbuff", strategy="fedbuff", **{"buffer-size": 4, "server-lr": 1.0,
+                                                               "weighting": "examples", "delay-sigma": 0.0}, **common)
+    assert digest(fedavg / "model.pt") == digest(fedbuff / "model.pt")
+    assert s1["final-version"] == s2["final-version"] == 4
+
+
+def test_observed_delays_follow_the_half_normal(small_run):
+    sigma = 20.0
+    out, summary = small_run("delays", client_app=wrap(zero_update), strategy="fedavg",
+                             **{"num-clients": 100, "clients-per-round": 10, "delay-sigma": sigma, "num-rounds": 400,
+                                "partitioner": "iid",
+                                "eval-every": 1000})
+    delays = np.array([e["step"] - e["dispatch-step"] for e in events(out)])
+    assert len(delays) > 2000  # ~160 clients would be in flight: the 100 saturate, fewer than 10 idle per step
+    assert abs(delays.mean() - sigma * math.sqrt(2 / math.pi)) < 0.1 * sigma * math.sqrt(2 / math.pi)
+    assert (delays == 0).mean() < 0.05  # half-normal, not a point mass at zero
+    assert summary["staleness-max"] > 30
+
+
+def test_no_node_ever_has_two_messages_in_flight(small_run, monkeypatch):
+    outstanding: dict[int, int] = defaultdict(int)
+    push, pull = InProcessGrid.push_messages, InProcessGrid._execute
+
+    def checked_push(self, messages):
+        messages = list(messages)
+        for m in messages:
+            if m.metadata.message_type == "train":
+                outstanding[m.metadata.dst_node_id] += 1
+                assert outstanding[m.metadata.dst_node_id] == 1, "two train messages in flight to one node"
+        return push(self, messages)
+
+    def checked_execute(self, msg):
+        if msg.metadata.message_type == "train":
+            outstanding[msg.metadata.dst_node_id] -= 1
+        return pull(self, msg)
+
+    monkeypatch.setattr(InProcessGrid, "push_messages", checked_push)
+    monkeypatch.setattr(InProcessGrid, "_execute", checked_execute)
+    small_run("inflight", client_app=wrap(zero_update), **{**ASYNC, "delay-sigma": 10.0, "num-rounds": 30})
+
+
+def test_failed_work_is_dispatched_again_to_an_idle_client(small_run):
+    def flaky(msg: Message, context: Context) -> Message:
+        if context.node_config["partition-id"] in (0, 1):
+            raise RuntimeError("device unavailable")
+        return zero_update(msg, context)
+
+    out, summary = small_run("flaky", client_app=wrap(flaky),
+                             **{"num-clients": 8, "clients-per-round": 3, "num-rounds": 10, "strategy": "fedavg"})
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    # Each failure gets a replacement, so every step still merges 3 updates.
+    assert all(r["accepted"] == 3 and r["sampled"] == 3 + r["failures"] for r in rows)
+    assert summary["total-failures"] > 0 and summary["final-version"] == 10
+
+
+def test_wall_clock_runs_to_the_requested_steps(small_run):
+    out, summary = small_run("wall", client_app=wrap(zero_update),
+                             **{**ASYNC, "clock": "wall", "concurrency": 5, "delay-sigma": 0.0})
+    assert summary["final-version"] == 12  # 12 steps of 3 arrivals, FedBuff K = 3
+    assert summary["total-accepted"] == 36
+    assert summary["reply-to-dispatch-s"]["count"] >= 36
+    assert summary["updates-per-s"] > 0
+
+
+def test_losing_every_node_fails_with_a_clear_message(small_run):
+    calls = []
+
+    def vanishing(msg: Message, context: Context) -> Message:
+        calls.append(context.node_id)
+        if len(calls) > 6:  # after two steps of 3, every node that is asked goes away
+            grid.disconnect(context.node_id)
+            raise RuntimeError("node lost")
+        return zero_update(msg, context)
+
+    grid = InProcessGrid(wrap(vanishing), num_nodes=3)
+    with pytest.raises(RuntimeError, match="no reachable client for 1s"):
+        small_run("gone", grid=grid, **{"num-clients": 3, "clients-per-round": 3, "num-rounds": 10,
+                                         "wait-nodes-s": 1.0})
+    assert list(grid.get_node_ids()) == []
