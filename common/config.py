@@ -113,6 +113,8 @@ class RunConfig:
     strategy: str = _opt("fedavg", OneOf(_strategies), "aggregation strategy (strategies/)")
     num_rounds: int = _opt(20, COUNT, "server rounds (steps of the asynchronous runtime)")
     clients_per_round: int = _opt(10, COUNT, "clients sampled per step (virtual clock); arrivals per step (wall)")
+    loop: str = _opt("hybridfl", OneOf(lambda: ("hybridfl", "flower")),
+                     "hybridfl: the runtime below; flower: Flower's own strategy.start() rounds (for comparison)")
     clock: str = _opt("virtual", OneOf(lambda: ("virtual", "wall")), "virtual: seeded delays in steps; wall: real arrival order")
     delay_sigma: float = _opt(0.0, Range(0), "σ of the half-normal client delay in server steps (0 = synchronous)")
     concurrency: int = _opt(10, COUNT, "clients kept busy by the wall clock")

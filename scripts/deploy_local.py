@@ -1,7 +1,8 @@
 """Run a preset on a local Flower deployment (one SuperLink + N SuperNodes on loopback) and check it.
 
-    python -m scripts.deploy_local [--supernodes N] [--flwr-home PATH] [KEY=VALUE ...]
+    python -m scripts.deploy_local [--supernodes N] [--latency I=SECONDS ...] [--flwr-home PATH] [KEY=VALUE ...]
     e.g.  python -m scripts.deploy_local --supernodes 2 clients-per-round=2 num-rounds=2
+          python -m scripts.deploy_local --supernodes 3 --latency 2=4 strategy="fedasync" clock="wall" concurrency=3
 
 KEY=VALUE pairs are run-config overrides with ``flwr run -c`` syntax, as in scripts/simulate.py.
 The script validates the config first, then starts ``flower-superlink`` (insecure, subprocess
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from common.config import load_config
@@ -27,10 +29,15 @@ from scripts.simulate import parse_overrides, prepare
 CONNECTION = "hybridfl-local"
 
 
-def deploy(overrides: dict[str, Any], flwr_home: Path, supernodes: int | None = None) -> tuple[Path, set[int]]:
+def deploy(overrides: dict[str, Any], flwr_home: Path, supernodes: int | None = None,
+           latency: dict[int, float] | None = None,
+           on_started: Callable[[ProcessGroup, Path], None] | None = None) -> tuple[Path, set[int]]:
     """Run the deployment; return the run folder and the PIDs it started (all stopped by now).
 
-    Raises ConfigError for a bad config and RuntimeError with the reason when the run fails.
+    `latency` slows SuperNode i's train replies by that many seconds (node config ``latency-s``);
+    `on_started(processes, run_folder)` is called once every process is up, before the run starts
+    (tests use it to stop a SuperNode mid-run). Raises ConfigError for a bad config and
+    RuntimeError with the reason when the run fails.
     """
     if supernodes is not None and supernodes != load_config(overrides).num_clients:
         overrides = {**overrides, "num-clients": supernodes}  # one partition per SuperNode
@@ -46,10 +53,14 @@ def deploy(overrides: dict[str, Any], flwr_home: Path, supernodes: int | None = 
                                          "--disable-runtime-dependency-installation"])
         wait_healthy(port, link)
         for i, node_port in enumerate(sorted(node_ports)):
+            node_config = f"partition-id={i} num-partitions={n}"
+            if (latency or {}).get(i):
+                node_config += f" latency-s={float(latency[i])}"
             procs.start(f"supernode-{i}", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}",
-                                           "--port", str(node_port),
-                                           "--node-config", f"partition-id={i} num-partitions={n}"])
+                                           "--port", str(node_port), "--node-config", node_config])
         write_connection(flwr_home, CONNECTION, port)
+        if on_started:
+            on_started(procs, run_path)
         run_id, status = flwr_run(env, CONNECTION, overrides)
     check_completed(run_id, status, run_path)
     return run_path, procs.pids
@@ -60,11 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     parser.add_argument("--supernodes", type=int, default=None, metavar="N",
                         help="SuperNodes to start, one per client partition (default: num-clients)")
+    parser.add_argument("--latency", action="append", default=[], metavar="I=SECONDS",
+                        help="slow SuperNode I's train replies by SECONDS (repeatable)")
     parser.add_argument("--flwr-home", type=Path, default=PROJECT_DIR / ".flwr",
                         help="FLWR_HOME for this run (default: ./.flwr)")
     args = parser.parse_args(argv)
+    latency = {int(i): float(sec) for i, sec in (item.split("=", 1) for item in args.latency)}
     return run_and_report(lambda: deploy(parse_overrides(args.overrides), args.flwr_home.resolve(),
-                                         args.supernodes)[0])
+                                         args.supernodes, latency)[0])
 
 
 if __name__ == "__main__":

@@ -79,6 +79,13 @@ class ProcessGroup:
         self.procs.append((name, proc))
         return proc
 
+    def kill(self, name: str) -> None:
+        """SIGKILL process `name` and its process group at once (a device that vanishes)."""
+        for n, p in self.procs:
+            if n == name:
+                _signal_group(p.pid, signal.SIGKILL)
+                p.wait()
+
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM every group, SIGKILL what is left after `grace` s, descendants included."""
         tree = process_tree([p.pid for _, p in self.procs])  # while children are still linked to parents

@@ -10,7 +10,7 @@ import time
 from logging import INFO
 from pathlib import Path
 
-from flwr.app import ConfigRecord, Context
+from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid, ServerApp
 
@@ -18,7 +18,7 @@ from common.config import RunConfig, load_config
 from common.data import data_spec, load_dataset, make_splits
 from common.models import build_model
 from common.params import ParamSpec
-from common.protocol import MODEL
+from common.protocol import MODEL, TRAIN_SEED
 from common.training import evaluate
 from server_app.messaging import Dispatcher, NodeDirectory, federated_evaluate
 from server_app.outputs import Recorder, run_dir
@@ -73,8 +73,12 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
             cfg.num_rounds, entry.version, entry.accepted, entry.sampled, entry.failures, entry.rejected,
             entry.timeouts, entry.seconds, acc)
 
-    runner.run(cfg.num_rounds, on_round)
-    train_seconds = time.perf_counter() - t_start
+    t_train = time.perf_counter()
+    if cfg.loop == "flower":
+        flower_loop(grid, strategy, cfg, dispatcher, recorder, test_metrics)
+    else:
+        runner.run(cfg.num_rounds, on_round)
+    train_seconds = time.perf_counter() - t_train
     client_eval = federated_evaluate(grid, directory, dispatcher, strategy.params, strategy.version,
                                      cfg.reply_timeout_s)
     pspec.load_into(model, strategy.params)
@@ -85,3 +89,29 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     log(INFO, "run %s finished: final test accuracy %.4f (max of last 5 evals %.4f); outputs in %s", out.name,
         summary["final-test-accuracy"], summary["max-last-5-evals"], out)
     return out
+
+
+def flower_loop(grid: Grid, strategy, cfg: RunConfig, dispatcher: Dispatcher, recorder: Recorder,
+                test_metrics) -> None:
+    """Flower's own ``strategy.start()`` round loop instead of the hybridfl runtime, to compare the two
+    (benchmarks/async_latency.py). Federated evaluation is off, as with Flower's ``fraction_evaluate=0``;
+    every client gets the same ``train-seed`` (Flower sends one config to all)."""
+    strategy.evaluate_clients = 0
+    seen = {"accepted": 0, "rejected": 0, "t": time.perf_counter()}
+
+    def evaluate_fn(rnd: int, arrays: ArrayRecord) -> MetricRecord:
+        strategy.params = strategy.spec.from_record(arrays)
+        entry = StepLog(rnd, strategy.version, test=test_metrics(), seconds=time.perf_counter() - seen["t"])
+        entry.accepted, entry.rejected = (strategy.accepted_replies - seen["accepted"],
+                                          strategy.rejected_replies - seen["rejected"])
+        seen.update(accepted=strategy.accepted_replies, rejected=strategy.rejected_replies, t=time.perf_counter())
+        if rnd:  # round 0 is already recorded
+            recorder.round(entry.to_dict())
+        return MetricRecord(entry.test)
+
+    result = strategy.start(grid=grid, initial_arrays=strategy.spec.to_record(strategy.params),
+                            num_rounds=cfg.num_rounds, timeout=cfg.reply_timeout_s,
+                            train_config=ConfigRecord({**dispatcher.run_config, **strategy.train_config,
+                                                       TRAIN_SEED: cfg.seed}),
+                            evaluate_fn=evaluate_fn)
+    strategy.params = strategy.spec.from_record(result.arrays)

@@ -120,12 +120,13 @@ class HybridStrategy(FlowerStrategy):
     def __init__(self, train_config: dict[str, Any] | None = None, clients_per_round: int = 10, seed: int = 0) -> None:
         self.train_config = dict(train_config or {})
         self.clients_per_round = clients_per_round
+        self.evaluate_clients = clients_per_round  # nodes configure_evaluate asks (0: no federated evaluation)
         self.params: torch.Tensor | None = None  # ω
         self.version = 0
         self.spec: ParamSpec | None = None
         self.seed = seed
         self._rng = random.Random(seed)
-        self.rejected_replies = 0  # replies aggregate_train could not use (Flower-driven runs)
+        self.accepted_replies = self.rejected_replies = 0  # counted by aggregate_train (Flower-driven runs)
 
     @classmethod
     def from_config(cls, cfg: Any, **common: Any) -> HybridStrategy:
@@ -172,10 +173,10 @@ class HybridStrategy(FlowerStrategy):
         self.params = self.spec.from_record(arrays)
 
     def _messages(self, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, message_type: str,
-                  per_client: bool) -> list[Message]:
+                  count: int, per_client: bool) -> list[Message]:
         self._sync_from(arrays)
         nodes = sorted(grid.get_node_ids())
-        chosen = sorted(self._rng.sample(nodes, min(self.clients_per_round, len(nodes))))
+        chosen = sorted(self._rng.sample(nodes, min(count, len(nodes))))
         messages = []
         for node in chosen:
             payload = self.configure(node, self.version) if per_client else Payload(self.params, {})
@@ -186,7 +187,7 @@ class HybridStrategy(FlowerStrategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        return self._messages(grid, arrays, config, MessageType.TRAIN, per_client=True)
+        return self._messages(grid, arrays, config, MessageType.TRAIN, self.clients_per_round, per_client=True)
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -200,6 +201,7 @@ class HybridStrategy(FlowerStrategy):
                 continue
             self.receive(update)
             accepted.append(update)
+        self.accepted_replies += len(accepted)
         self.close_round()
         if not self.ready():
             return None, None
@@ -210,7 +212,7 @@ class HybridStrategy(FlowerStrategy):
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:
-        return self._messages(grid, arrays, config, MessageType.EVALUATE, per_client=False)
+        return self._messages(grid, arrays, config, MessageType.EVALUATE, self.evaluate_clients, per_client=False)
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         ok = [m.content[METRICS] for m in replies if not m.has_error() and METRICS in m.content.metric_records]
