@@ -32,23 +32,35 @@ CONNECTION = "hybridfl-local"
 def deploy(overrides: dict[str, Any], flwr_home: Path, supernodes: int | None = None,
            latency: dict[int, float] | None = None,
            on_started: Callable[[ProcessGroup, Path], None] | None = None) -> tuple[Path, set[int]]:
-    """Run the deployment; return the run folder and the PIDs it started (all stopped by now).
+    """Run one job on a fresh deployment; return its run folder and the PIDs started (all stopped by now).
 
     `latency` slows SuperNode i's train replies by that many seconds (node config ``latency-s``);
     `on_started(processes, run_folder)` is called once every process is up, before the run starts
     (tests use it to stop a SuperNode mid-run). Raises ConfigError for a bad config and
     RuntimeError with the reason when the run fails.
     """
-    if supernodes is not None and supernodes != load_config(overrides).num_clients:
-        overrides = {**overrides, "num-clients": supernodes}  # one partition per SuperNode
-    overrides, run_path = prepare(overrides)
-    n = load_config(overrides).num_clients
+    paths, pids = deploy_runs([overrides], flwr_home, supernodes, latency, on_started)
+    return paths[0], pids
+
+
+def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | None = None,
+                latency: dict[int, float] | None = None,
+                on_started: Callable[[ProcessGroup, Path], None] | None = None) -> tuple[list[Path], set[int]]:
+    """Run several jobs one after the other on the same SuperLink and SuperNodes (all must agree on
+    num-clients); see :func:`deploy`. `on_started` gets the first run's folder."""
+    if supernodes is not None:
+        runs = [{**o, "num-clients": supernodes} if supernodes != load_config(o).num_clients else o for o in runs]
+    prepared = [prepare(o) for o in runs]  # validates every config before anything starts
+    sizes = {load_config(o).num_clients for o, _ in prepared}
+    if len(sizes) != 1:
+        raise RuntimeError(f"runs on one deployment must share num-clients, got {sorted(sizes)}")
+    n = sizes.pop()
     env = flower_env(flwr_home)
     port = free_port()
     node_ports: set[int] = set()
     while len(node_ports) < n:  # free_port can hand out a port twice in a row
         node_ports |= {free_port()} - {port}
-    with ProcessGroup(run_path / "flower-logs", env) as procs:
+    with ProcessGroup(prepared[0][1] / "flower-logs", env) as procs:
         link = procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
                                          "--disable-runtime-dependency-installation"])
         wait_healthy(port, link)
@@ -60,10 +72,11 @@ def deploy(overrides: dict[str, Any], flwr_home: Path, supernodes: int | None = 
                                            "--port", str(node_port), "--node-config", node_config])
         write_connection(flwr_home, CONNECTION, port)
         if on_started:
-            on_started(procs, run_path)
-        run_id, status = flwr_run(env, CONNECTION, overrides)
-    check_completed(run_id, status, run_path)
-    return run_path, procs.pids
+            on_started(procs, prepared[0][1])
+        outcomes = [(flwr_run(env, CONNECTION, o), path) for o, path in prepared]
+    for (run_id, status), path in outcomes:
+        check_completed(run_id, status, path)
+    return [path for _, path in outcomes], procs.pids
 
 
 def main(argv: list[str] | None = None) -> int:

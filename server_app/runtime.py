@@ -305,7 +305,7 @@ def flower_start(strategy: HybridStrategy, grid: Grid, initial_arrays: ArrayReco
     """Flower's ``Strategy.start`` contract on the hybridfl runtime: `num_rounds` server steps, the
     train/evaluate configs sent with every message, `evaluate_fn(step, arrays)` after each step, and
     a Flower ``Result``. Used by :class:`strategies.base.AsyncStrategy`."""
-    spec = ParamSpec(tuple(initial_arrays.keys()), tuple(tuple(a.shape) for a in initial_arrays.values()))
+    spec = ParamSpec.of_record(initial_arrays)
     strategy.initialize(spec.from_record(initial_arrays), spec)
     directory = NodeDirectory(grid)
     directory.wait_for(strategy.clients_per_round, timeout)

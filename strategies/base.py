@@ -169,7 +169,7 @@ class HybridStrategy(FlowerStrategy):
     # -- Flower Strategy adapter -------------------------------------------------------------
     def _sync_from(self, arrays: ArrayRecord) -> None:
         if self.spec is None:
-            self.spec = ParamSpec(tuple(arrays.keys()), tuple(tuple(a.shape) for a in arrays.values()))
+            self.spec = ParamSpec.of_record(arrays)
         self.params = self.spec.from_record(arrays)
 
     def _messages(self, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, message_type: str,
