@@ -115,9 +115,10 @@ class Dispatcher:
 
 def federated_evaluate(grid: Grid, directory: NodeDirectory, dispatcher: Dispatcher, params, version: int,
                        timeout: float) -> dict[str, float]:
-    """Evaluate `params` on every known client's partition; example-weighted means (+ replies count)."""
+    """Evaluate `params` on every connected client's partition; example-weighted means (+ replies count)."""
+    connected = directory.poll()
     msgs = [dispatcher.message(node, client, params, {}, version, MessageType.EVALUATE)
-            for client, node in sorted(directory.node_of.items())]
+            for client, node in sorted(directory.node_of.items()) if node in connected]
     replies = [m for m in collect(grid, grid.push_messages(msgs), timeout) if not m.has_error()]
     result = weighted_mean((float(m.content[METRICS]["num-examples"]),
                             {k: float(m.content[METRICS][k]) for k in ("eval-loss", "eval-accuracy")})

@@ -70,3 +70,9 @@ def test_bad_key_inside_a_preset_is_reported(tmp_path, monkeypatch):
     (tmp_path / "broken.yaml").write_text("num-rounds: 3\nlearning-rate: 0.1\n")
     with pytest.raises(ConfigError, match="'learning-rate'"):
         load_config({"preset": "broken"})
+
+
+def test_readme_documents_every_key():
+    readme = (PROJECT_DIR / "README.md").read_text()
+    missing = [k for k in RunConfig.keys() if f"| `{k}` |" not in readme]
+    assert missing == []
