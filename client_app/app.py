@@ -2,7 +2,8 @@
 
 The node's partition comes from ``node_config`` (``partition-id``, ``num-partitions``), set by
 the simulation engine, by ``flower-supernode --node-config`` in deployment, or by the in-process
-engine. An optional ``latency-s`` in ``node_config`` delays every train reply (a slow device).
+engine. An optional ``latency-s`` in ``node_config`` delays every train reply (a slow device);
+an optional ``data-root`` says where this node keeps the datasets' files.
 Everything else (data spec, model, local recipe, seed) travels in the message config, so a node
 needs no run configuration of its own.
 
@@ -14,6 +15,7 @@ An exception inside a handler becomes an error reply (``CLIENT_APP_RAISED_EXCEPT
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import traceback
@@ -65,12 +67,14 @@ def _load(msg: Message, context: Context) -> tuple[int, ArrayDataset, nn.Module,
     """This node's partition and the model, with the message's parameters loaded into it."""
     config = msg.content[CONFIG]
     spec = DataSpec.from_config(config)
+    if "data-root" in context.node_config:  # the node keeps its data where its operator put it
+        spec = dataclasses.replace(spec, data_root=str(context.node_config["data-root"]))
     pid, num_partitions = node_partition(context)
     if num_partitions != spec.num_partitions:
         raise ValueError(f"node has num-partitions={num_partitions} but the run splits the data into "
                          f"{spec.num_partitions} partitions (num-clients)")
     data = client_partition(spec, pid)
-    full = load_dataset(spec.dataset)
+    full = load_dataset(spec.dataset, spec.data_root)
     model = build_model(str(config[MODEL]), full.x.shape[1], full.x.shape[2], full.num_classes, seed=0)
     pspec = ParamSpec.of(model)
     pspec.load_into(model, pspec.from_record(msg.content[ARRAYS]))

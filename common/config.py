@@ -62,9 +62,19 @@ class OneOf:
 
 
 def _datasets() -> Iterable[str]:
-    from common.data import DATASETS
+    from common.data import DATASETS, IMAGEFOLDER
 
-    return DATASETS
+    return [*DATASETS, f"{IMAGEFOLDER}<folder>"]
+
+
+@dataclass(frozen=True)
+class DatasetName(OneOf):
+    """A registered dataset, or ``imagefolder:<folder>`` (class sub-folders below data-root)."""
+
+    def ok(self, v: str) -> bool:
+        from common.data import is_dataset
+
+        return is_dataset(v) or (v == "" and "" in set(self.names()))
 
 
 def _models() -> Iterable[str]:
@@ -103,12 +113,17 @@ class RunConfig:
 
     preset: str = _opt("fedavg-digits", OneOf(_presets), "YAML preset in configs/ applied before overrides")
     seed: int = _opt(0, Range(0), "fixes partitions, sampling, initialisation and local shuffling")
-    dataset: str = _opt("digits", OneOf(_datasets), "dataset name (common/data.py)")
+    dataset: str = _opt("digits", DatasetName(_datasets), "dataset name (common/data.py)")
     partitioner: str = _opt("dirichlet", OneOf(_partitioners), "how client data is split")
     dirichlet_alpha: float = _opt(0.5, POSITIVE, "Dirichlet concentration (smaller = more skewed)")
     num_clients: int = _opt(10, COUNT, "number of client partitions (= SuperNodes)")
     test_fraction: float = _opt(0.2, Range(0, 0.9, low_open=True), "fraction of the data kept as the server's test split")
-    central_size: int = _opt(0, Range(0), "samples moved from the test split to the server's central split")
+    central_size: int = _opt(0, Range(0), "samples moved from the test split to the server's central split "
+                             "(with server-dataset: how many of its samples the server holds; 0 = all)")
+    server_dataset: str = _opt("", DatasetName(lambda: ("", *_datasets())),
+                               "empty: the server holds the ID central split; a dataset name: OOD server data")
+    data_root: str = _opt("data", None, "folder with the datasets' files (a node may override it in node_config)")
+    device: str = _opt("auto", OneOf(lambda: ("auto", "cpu", "cuda")), "where server-side training runs")
     model: str = _opt("cnn", OneOf(_models), "model name (common/models.py)")
     strategy: str = _opt("fedavg", OneOf(_strategies), "aggregation strategy (strategies/)")
     num_rounds: int = _opt(20, COUNT, "server rounds (steps of the asynchronous runtime)")

@@ -16,26 +16,42 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
+
+from common import datasets as _ds
 
 
 @dataclass(frozen=True)
 class ArrayDataset:
-    """Images ``x`` (N, C, H, W) float32 and labels ``y`` (N,) int64."""
+    """Images ``x`` (N, C, H, W) float32 in [0, 1] and labels ``y`` (N,) int64.
+
+    ``groups`` (optional): a natural owner per sample (LEAF writer, celebrity) for natural-id
+    partitions. ``fine`` (optional): finer labels to partition by when the model predicts coarser
+    ones (CIFAR-100: 100 fine classes partitioned, 20 superclasses predicted, as in Feddle).
+    """
 
     x: np.ndarray
     y: np.ndarray
     num_classes: int
+    groups: np.ndarray | None = None
+    fine: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.y)
 
     def subset(self, idx: np.ndarray) -> ArrayDataset:
-        return ArrayDataset(self.x[idx], self.y[idx], self.num_classes)
+        pick = lambda a: None if a is None else a[idx]  # noqa: E731
+        return ArrayDataset(self.x[idx], self.y[idx], self.num_classes, pick(self.groups), pick(self.fine))
+
+    @property
+    def partition_labels(self) -> np.ndarray:
+        """The labels label-skew partitioners split by."""
+        return self.y if self.fine is None else self.fine
 
 
-def _digits() -> ArrayDataset:
+def _digits(root: Path) -> ArrayDataset:
     # scikit-learn ships the UCI digits inside its wheel: real data, no download.
     from sklearn.datasets import load_digits
 
@@ -44,7 +60,7 @@ def _digits() -> ArrayDataset:
     return ArrayDataset(x, d.target.astype(np.int64), 10)
 
 
-def _synthetic() -> ArrayDataset:
+def _synthetic(root: Path) -> ArrayDataset:
     """Four Gaussian classes of 8x8 images, fixed forever (its own seed), for fast unit tests."""
     rng = np.random.default_rng(1234)
     num_classes, per_class = 4, 100
@@ -54,16 +70,32 @@ def _synthetic() -> ArrayDataset:
     return ArrayDataset(x.astype(np.float32), y.astype(np.int64), num_classes)
 
 
-DATASETS: dict[str, Callable[[], ArrayDataset]] = {"digits": _digits, "synthetic": _synthetic}
+# name -> loader(root): the loader reads its files below `root` (the run's data-root) or says where
+# to put them (common/datasets.py); digits and synthetic need no files. Any folder of class
+# sub-folders below root is "imagefolder:<folder>".
+DATASETS: dict[str, Callable[[Path], ArrayDataset]] = {
+    "digits": _digits, "synthetic": _synthetic,
+    "animal-mnist": _ds.animal_mnist, "fashion-mnist": _ds.fashion_mnist,
+    "cifar10": _ds.cifar10, "cifar100": _ds.cifar100, "cifar100-coarse": _ds.cifar100_coarse,
+    "femnist": _ds.femnist, "femnist40": _ds.femnist40,
+    "celeba-smiling": _ds.celeba_smiling, "isic2019": _ds.isic2019,
+}
+IMAGEFOLDER = "imagefolder:"
+
+
+def is_dataset(name: str) -> bool:
+    return name in DATASETS or (name.startswith(IMAGEFOLDER) and len(name) > len(IMAGEFOLDER))
 PARTITIONERS = ("iid", "dirichlet")
 
 
 @lru_cache(maxsize=4)
-def load_dataset(name: str) -> ArrayDataset:
-    """The whole dataset `name`, cached per process."""
+def load_dataset(name: str, root: str = "data") -> ArrayDataset:
+    """The whole dataset `name` (files below `root`), cached per process."""
+    if name.startswith(IMAGEFOLDER):
+        return _ds.imagefolder(name.removeprefix(IMAGEFOLDER))(Path(root).expanduser())
     if name not in DATASETS:
-        raise KeyError(f"unknown dataset {name!r}; known: {sorted(DATASETS)}")
-    return DATASETS[name]()
+        raise KeyError(f"unknown dataset {name!r}; known: {sorted(DATASETS)} or '{IMAGEFOLDER}<folder>'")
+    return DATASETS[name](Path(root).expanduser())
 
 
 @dataclass(frozen=True)
@@ -77,6 +109,7 @@ class DataSpec:
     num_partitions: int
     test_fraction: float
     central_size: int
+    data_root: str = "data"
 
     def to_config(self) -> dict[str, int | float | str]:
         return {f"data-{k.replace('_', '-')}": v for k, v in self.__dict__.items()}
@@ -107,7 +140,7 @@ def _stratified_split(y: np.ndarray, fraction: float, rng: np.random.Generator) 
 @lru_cache(maxsize=8)
 def make_splits(spec: DataSpec) -> Splits:
     """Train / test / central splits of the spec's dataset, fixed by the spec's seed."""
-    full = load_dataset(spec.dataset)
+    full = load_dataset(spec.dataset, spec.data_root)
     rng = np.random.default_rng([spec.seed, 0])
     train_idx, test_idx = _stratified_split(full.y, spec.test_fraction, rng)
     if spec.central_size > len(test_idx):
@@ -123,7 +156,7 @@ def partition_indices(spec: DataSpec) -> tuple[np.ndarray, ...]:
     from datasets import Dataset
     from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
 
-    labels = make_splits(spec).train.y
+    labels = make_splits(spec).train.partition_labels
     n, k = len(labels), spec.num_partitions
     if n < k:
         raise ValueError(f"{n} training samples cannot fill {k} partitions")
@@ -158,4 +191,4 @@ def client_partition(spec: DataSpec, partition_id: int) -> ArrayDataset:
 def data_spec(cfg) -> DataSpec:
     """The :class:`DataSpec` of a :class:`common.config.RunConfig`."""
     return DataSpec(cfg.dataset, cfg.seed, cfg.partitioner, cfg.dirichlet_alpha, cfg.num_clients,
-                    cfg.test_fraction, cfg.central_size)
+                    cfg.test_fraction, cfg.central_size if not cfg.server_dataset else 0, cfg.data_root)

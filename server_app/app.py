@@ -16,6 +16,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from common.config import RunConfig, load_config
 from common.data import data_spec, load_dataset, make_splits
+from common.server_data import ServerData, build_server_data
 from common.models import build_model
 from common.params import ParamSpec
 from common.protocol import MODEL, TRAIN_SEED
@@ -40,13 +41,14 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     t_start = time.perf_counter()
     out = run_dir(cfg)
     spec = data_spec(cfg)
-    splits, full = make_splits(spec), load_dataset(cfg.dataset)
+    splits, full = make_splits(spec), load_dataset(cfg.dataset, cfg.data_root)
+    server_data = build_server_data(cfg, splits)
     model = build_model(cfg.model, full.x.shape[1], full.x.shape[2], full.num_classes, seed=cfg.seed)
     pspec = ParamSpec.of(model)
     strategy = build_strategy(cfg)
     strategy.initialize(pspec.flatten(model), pspec)
-    log(INFO, "run %s: %s on %s (%d train / %d test / %d central), %d clients, %d rounds, %s clock (σ=%g) -> %s",
-        out.name, cfg.strategy, cfg.dataset, len(splits.train), len(splits.test), len(splits.central),
+    log(INFO, "run %s: %s on %s (%d train / %d test), server data: %s, %d clients, %d rounds, %s clock (σ=%g) -> %s",
+        out.name, cfg.strategy, cfg.dataset, len(splits.train), len(splits.test), describe(server_data),
         cfg.num_clients, cfg.num_rounds, cfg.clock, cfg.delay_sigma, out)
 
     directory = NodeDirectory(grid)
@@ -56,7 +58,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     runner = Runner(grid, strategy, directory, dispatcher, clients_per_round=cfg.clients_per_round, clock=cfg.clock,
                     delay_sigma=cfg.delay_sigma, concurrency=cfg.concurrency, reply_timeout=cfg.reply_timeout_s,
                     poll_interval=cfg.poll_interval_s, wait_nodes=cfg.wait_nodes_s, seed=cfg.seed,
-                    on_event=recorder.event)
+                    server_data=server_data, on_event=recorder.event)
 
     def test_metrics() -> dict[str, float]:
         pspec.load_into(model, strategy.params)
@@ -84,11 +86,19 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     pspec.load_into(model, strategy.params)
     summary = recorder.finish({"run": out.name, "config": cfg.to_dict(), "strategy": strategy.describe(),
                                "final-version": strategy.version, "client-eval": client_eval,
+                               "server-data": describe(server_data),
                                "reply-to-dispatch-s": runner.latency_summary(),
                                "wall-seconds": time.perf_counter() - t_start, "train-seconds": train_seconds}, model)
     log(INFO, "run %s finished: final test accuracy %.4f (max of last 5 evals %.4f); outputs in %s", out.name,
         summary["final-test-accuracy"], summary["max-last-5-evals"], out)
     return out
+
+
+def describe(server_data: ServerData | None) -> str:
+    if server_data is None:
+        return "none"
+    kind = "in-domain" if server_data.in_domain else "out-of-domain"
+    return f"{len(server_data)} {kind} samples on {server_data.device}"
 
 
 def flower_loop(grid: Grid, strategy, cfg: RunConfig, dispatcher: Dispatcher, recorder: Recorder,

@@ -81,3 +81,27 @@ def test_client_partition_matches_indices_and_checks_its_id():
 def test_spec_round_trips_through_message_config():
     s = spec()
     assert DataSpec.from_config(s.to_config()) == s
+
+
+def test_server_data_in_domain_is_the_central_split_and_out_of_domain_another_dataset():
+    import torch
+
+    from common.config import load_config
+    from common.data import data_spec
+    from common.server_data import build_server_data, resolve_device
+
+    cfg = load_config({"central-size": 50})
+    splits = make_splits(data_spec(cfg))
+    sd = build_server_data(cfg, splits)
+    assert sd.in_domain and len(sd) == 50 and sd.device == torch.device("cpu")
+    np.testing.assert_array_equal(sd.data.y, splits.central.y)
+    x, y = sd.tensors()
+    assert x.shape == (50, 1, 8, 8) and y.dtype == torch.int64
+    assert build_server_data(load_config({}), make_splits(data_spec(load_config({})))) is None  # no central data
+
+    ood_cfg = load_config({"dataset": "digits", "server-dataset": "synthetic", "central-size": 40})
+    ood_splits = make_splits(data_spec(ood_cfg))
+    assert len(ood_splits.central) == 0  # the clients' test split keeps everything
+    ood = build_server_data(ood_cfg, ood_splits)
+    assert not ood.in_domain and len(ood) == 40 and ood.data.num_classes == 4
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")

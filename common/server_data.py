@@ -1,0 +1,58 @@
+"""The server's own data (the hybrid regime's small central dataset) and the device it lives on.
+
+In-domain (ID): the central split of the clients' dataset (``central-size`` samples taken from the
+test split, as the Feddle papers take their 1000). Out-of-domain (OOD): another dataset with its own
+label space (``server-dataset``, e.g. digits next to Animal-MNIST clients); the model's input
+adapter resizes and re-channels it, and the OOD methods fit their own head on its labels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from common.data import ArrayDataset, Splits, load_dataset
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when there is one, else CPU; ``cpu``/``cuda`` as asked."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' asked for, but torch sees no CUDA device; use device=\"auto\"")
+    return torch.device(name)
+
+
+@dataclass
+class ServerData:
+    """The central dataset, whether it is in-domain, and the device server-side training runs on."""
+
+    data: ArrayDataset
+    in_domain: bool
+    device: torch.device
+    _tensors: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) on the device, moved once."""
+        if self._tensors is None:
+            self._tensors = (torch.from_numpy(self.data.x).to(self.device),
+                             torch.from_numpy(self.data.y).to(self.device))
+        return self._tensors
+
+
+def build_server_data(cfg, splits: Splits) -> ServerData | None:
+    """The run's server data: the ID central split, or `server-dataset` (OOD); None when there is none."""
+    device = resolve_device(cfg.device)
+    if not cfg.server_dataset:
+        return ServerData(splits.central, True, device) if len(splits.central) else None
+    ood = load_dataset(cfg.server_dataset, cfg.data_root)
+    if cfg.central_size and cfg.central_size < len(ood):
+        # A fixed-size sample of the OOD set, the same for a given seed.
+        idx = np.sort(np.random.default_rng([cfg.seed, 3]).permutation(len(ood))[: cfg.central_size])
+        ood = ood.subset(idx)
+    return ServerData(ood, False, device)
