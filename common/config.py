@@ -117,6 +117,12 @@ class RunConfig:
     partitioner: str = _opt("dirichlet", OneOf(_partitioners), "how client data is split")
     dirichlet_alpha: float = _opt(0.5, POSITIVE, "Dirichlet concentration (smaller = more skewed)")
     num_clients: int = _opt(10, COUNT, "number of client partitions (= SuperNodes)")
+    classes_per_client: int = _opt(2, COUNT, "pathological: classes each client holds (#C=k)")
+    num_clusters: int = _opt(5, COUNT, "clusters: class groups, each owned by a block of clients (FedMerge Cluster)")
+    cluster_alpha: float = _opt(0.0, Range(0), "clusters: Dirichlet α within a group (FedMerge code: 10); 0 = IID")
+    cluster_sizes: str = _opt("equal", OneOf(lambda: ("equal", "fedmerge")),
+                              "clusters: clients per group, equal or FedMerge's random uneven sizes")
+    label_noise: float = _opt(0.0, Range(0, 1), "fraction of client training labels set to a random other class")
     test_fraction: float = _opt(0.2, Range(0, 0.9, low_open=True), "fraction of the data kept as the server's test split")
     central_size: int = _opt(0, Range(0), "samples moved from the test split to the server's central split "
                              "(with server-dataset: how many of its samples the server holds; 0 = all)")

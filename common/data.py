@@ -14,13 +14,14 @@ so a node computes its own partition from the same spec and its ``partition-id``
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 from common import datasets as _ds
+from common import partitions
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,9 @@ IMAGEFOLDER = "imagefolder:"
 
 def is_dataset(name: str) -> bool:
     return name in DATASETS or (name.startswith(IMAGEFOLDER) and len(name) > len(IMAGEFOLDER))
-PARTITIONERS = ("iid", "dirichlet")
+
+
+PARTITIONERS = tuple(partitions.PARTITIONERS)
 
 
 @lru_cache(maxsize=4)
@@ -110,6 +113,11 @@ class DataSpec:
     test_fraction: float
     central_size: int
     data_root: str = "data"
+    classes_per_client: int = 2
+    num_clusters: int = 5
+    cluster_alpha: float = 0.0
+    cluster_sizes: str = "equal"
+    label_noise: float = 0.0
 
     def to_config(self) -> dict[str, int | float | str]:
         return {f"data-{k.replace('_', '-')}": v for k, v in self.__dict__.items()}
@@ -152,43 +160,39 @@ def make_splits(spec: DataSpec) -> Splits:
 
 @lru_cache(maxsize=8)
 def partition_indices(spec: DataSpec) -> tuple[np.ndarray, ...]:
-    """Indices into the train split for every partition (every sample in exactly one partition)."""
-    from datasets import Dataset
-    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner
+    """Indices into the train split for every partition (coverage per scheme: see common/partitions.py)."""
+    train = make_splits(spec).train
+    return partitions.partition(
+        spec.partitioner, train.partition_labels, spec.num_partitions, spec.seed, groups=train.groups,
+        alpha=spec.dirichlet_alpha, classes_per_client=spec.classes_per_client, num_clusters=spec.num_clusters,
+        cluster_alpha=spec.cluster_alpha, cluster_sizes=spec.cluster_sizes)
 
-    labels = make_splits(spec).train.partition_labels
-    n, k = len(labels), spec.num_partitions
-    if n < k:
-        raise ValueError(f"{n} training samples cannot fill {k} partitions")
-    if spec.partitioner == "iid":
-        part = IidPartitioner(num_partitions=k)
-        # IidPartitioner splits in order; shuffle first so the seed decides who gets what.
-        order = np.random.default_rng([spec.seed, 1]).permutation(n)
-    elif spec.partitioner == "dirichlet":
-        part = DirichletPartitioner(
-            num_partitions=k,
-            partition_by="label",
-            alpha=spec.dirichlet_alpha,
-            min_partition_size=min(10, max(1, n // (4 * k))),
-            self_balancing=False,
-            shuffle=True,
-            seed=spec.seed,
-        )
-        order = np.arange(n)
-    else:
-        raise KeyError(f"unknown partitioner {spec.partitioner!r}; known: {PARTITIONERS}")
-    part.dataset = Dataset.from_dict({"label": labels[order].tolist(), "index": order.tolist()})
-    return tuple(np.sort(np.asarray(part.load_partition(i)["index"], dtype=np.int64)) for i in range(k))
+
+@lru_cache(maxsize=8)
+def client_labels(spec: DataSpec) -> np.ndarray:
+    """The train labels as clients see them: with `label-noise`, that fraction of the samples in use
+    (in any partition) carries a random other class. The server's splits are never touched."""
+    train = make_splits(spec).train
+    if spec.label_noise == 0:
+        return train.y
+    used = np.unique(np.concatenate(partition_indices(spec)))
+    y = train.y.copy()
+    y[used] = partitions.label_noise(train.y[used], spec.label_noise, train.num_classes, spec.seed)[0]
+    return y
 
 
 def client_partition(spec: DataSpec, partition_id: int) -> ArrayDataset:
     """The training data of client `partition_id`."""
     if not 0 <= partition_id < spec.num_partitions:
         raise ValueError(f"partition-id {partition_id} outside [0, {spec.num_partitions})")
-    return make_splits(spec).train.subset(partition_indices(spec)[partition_id])
+    idx = partition_indices(spec)[partition_id]
+    part = make_splits(spec).train.subset(idx)
+    return part if spec.label_noise == 0 else replace(part, y=client_labels(spec)[idx])
 
 
 def data_spec(cfg) -> DataSpec:
     """The :class:`DataSpec` of a :class:`common.config.RunConfig`."""
     return DataSpec(cfg.dataset, cfg.seed, cfg.partitioner, cfg.dirichlet_alpha, cfg.num_clients,
-                    cfg.test_fraction, cfg.central_size if not cfg.server_dataset else 0, cfg.data_root)
+                    cfg.test_fraction, cfg.central_size if not cfg.server_dataset else 0, cfg.data_root,
+                    classes_per_client=cfg.classes_per_client, num_clusters=cfg.num_clusters,
+                    cluster_alpha=cfg.cluster_alpha, cluster_sizes=cfg.cluster_sizes, label_noise=cfg.label_noise)

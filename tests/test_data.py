@@ -105,3 +105,17 @@ def test_server_data_in_domain_is_the_central_split_and_out_of_domain_another_da
     ood = build_server_data(ood_cfg, ood_splits)
     assert not ood.in_domain and len(ood) == 40 and ood.data.num_classes == 4
     assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_label_noise_touches_exactly_the_asked_fraction_of_client_labels_and_no_server_label():
+    noisy, clean = spec(label_noise=0.3), spec()
+    parts = [client_partition(noisy, i) for i in range(10)]
+    clean_parts = [client_partition(clean, i) for i in range(10)]
+    changed = sum(int((a.y != b.y).sum()) for a, b in zip(parts, clean_parts))
+    assert changed == round(0.3 * sum(len(p) for p in parts))
+    for a, b in zip(parts, clean_parts):
+        np.testing.assert_array_equal(a.x, b.x)  # same samples, only labels differ
+    s_noisy, s_clean = make_splits(noisy), make_splits(clean)
+    np.testing.assert_array_equal(s_noisy.test.y, s_clean.test.y)
+    np.testing.assert_array_equal(s_noisy.central.y, s_clean.central.y)
+    np.testing.assert_array_equal(s_noisy.train.y, s_clean.train.y)
