@@ -29,10 +29,10 @@ from flwr.common.constant import ErrorCode
 from torch import nn
 
 from common.data import ArrayDataset, DataSpec, client_partition, load_dataset
-from common.models import build_model
+from common.models import build_from_config
 from common.params import ParamSpec
 from common.training import LocalRecipe, evaluate, train
-from common.protocol import ARRAYS, BASE_VERSION, CONFIG, METRICS, MODEL, NUM_EXAMPLES, PARTITION_ID, TRAIN_SEED, VERSION
+from common.protocol import ARRAYS, BASE_VERSION, CONFIG, METRICS, NUM_EXAMPLES, PARTITION_ID, TRAIN_SEED, VERSION
 
 app = ClientApp()
 
@@ -75,7 +75,8 @@ def _load(msg: Message, context: Context) -> tuple[int, ArrayDataset, nn.Module,
                          f"{spec.num_partitions} partitions (num-clients)")
     data = client_partition(spec, pid)
     full = load_dataset(spec.dataset, spec.data_root)
-    model = build_model(str(config[MODEL]), full.x.shape[1], full.x.shape[2], full.num_classes, seed=0)
+    # Frozen weights come from the pretrained file or a fixed seed, so seed 0 rebuilds the server's model.
+    model = build_from_config(config, full.x.shape[1], full.x.shape[2], full.num_classes, seed=0)
     pspec = ParamSpec.of(model)
     pspec.load_into(model, pspec.from_record(msg.content[ARRAYS]))
     return pid, data, model, pspec

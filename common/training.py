@@ -51,6 +51,8 @@ def train(model: nn.Module, data: ArrayDataset, recipe: LocalRecipe, seed: int) 
     total_loss, correct, seen = 0.0, 0, 0
     for _ in range(recipe.epochs):
         for idx in torch.randperm(len(y), generator=gen).split(recipe.batch_size):
+            if len(idx) == 1 < len(y):
+                continue  # a lone trailing sample: BatchNorm cannot train on a batch of one
             xb, yb = x[idx], y[idx]
             opt.zero_grad(set_to_none=True)
             logits = model(xb)

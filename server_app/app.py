@@ -17,9 +17,9 @@ from flwr.serverapp import Grid, ServerApp
 from common.config import RunConfig, load_config
 from common.data import data_spec, load_dataset, make_splits
 from common.server_data import ServerData, build_server_data
-from common.models import build_model
+from common.models import build_from_config, model_config
 from common.params import ParamSpec
-from common.protocol import MODEL, TRAIN_SEED
+from common.protocol import TRAIN_SEED
 from common.training import evaluate
 from server_app.messaging import Dispatcher, NodeDirectory, federated_evaluate
 from server_app.outputs import Recorder, run_dir
@@ -43,7 +43,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     spec = data_spec(cfg)
     splits, full = make_splits(spec), load_dataset(cfg.dataset, cfg.data_root)
     server_data = build_server_data(cfg, splits)
-    model = build_model(cfg.model, full.x.shape[1], full.x.shape[2], full.num_classes, seed=cfg.seed)
+    model = build_from_config(cfg.to_dict(), full.x.shape[1], full.x.shape[2], full.num_classes, seed=cfg.seed)
     pspec = ParamSpec.of(model)
     strategy = build_strategy(cfg)
     strategy.initialize(pspec.flatten(model), pspec)
@@ -53,7 +53,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
 
     directory = NodeDirectory(grid)
     directory.wait_for(cfg.num_clients, cfg.wait_nodes_s)
-    dispatcher = Dispatcher(pspec, {**spec.to_config(), MODEL: cfg.model}, cfg.seed)
+    dispatcher = Dispatcher(pspec, {**spec.to_config(), **model_config(cfg.to_dict())}, cfg.seed)
     recorder = Recorder(out)
     runner = Runner(grid, strategy, directory, dispatcher, clients_per_round=cfg.clients_per_round, clock=cfg.clock,
                     delay_sigma=cfg.delay_sigma, concurrency=cfg.concurrency, reply_timeout=cfg.reply_timeout_s,
