@@ -29,7 +29,7 @@ from flwr.common.constant import ErrorCode
 from torch import nn
 
 from common.data import ArrayDataset, DataSpec, client_partition, load_dataset
-from common.models import build_from_config
+from common.models import build_from_config, model_config
 from common.params import ParamSpec
 from common.training import LocalRecipe, evaluate, train
 from common.protocol import ARRAYS, BASE_VERSION, CONFIG, METRICS, NUM_EXAMPLES, PARTITION_ID, TRAIN_SEED, VERSION
@@ -75,11 +75,19 @@ def _load(msg: Message, context: Context) -> tuple[int, ArrayDataset, nn.Module,
                          f"{spec.num_partitions} partitions (num-clients)")
     data = client_partition(spec, pid)
     full = load_dataset(spec.dataset, spec.data_root)
-    # Frozen weights come from the pretrained file or a fixed seed, so seed 0 rebuilds the server's model.
-    model = build_from_config(config, full.x.shape[1], full.x.shape[2], full.num_classes, seed=0)
-    pspec = ParamSpec.of(model)
+    model, buffers, pspec = _model(tuple(sorted(model_config(config).items())), full.x.shape[1:], full.num_classes)
+    model.load_state_dict(buffers, strict=False)  # nothing from an earlier message carries over
     pspec.load_into(model, pspec.from_record(msg.content[ARRAYS]))
     return pid, data, model, pspec
+
+
+@functools.lru_cache(maxsize=2)
+def _model(options: tuple, shape: tuple[int, ...], num_classes: int) -> tuple[nn.Module, dict, ParamSpec]:
+    """The model built once per process (simulation workers and the in-process engine reuse it), with
+    its initial buffers. Frozen weights come from the pretrained file or a fixed seed, so seed 0
+    rebuilds the server's model; every message then loads its own trainable parameters."""
+    model = build_from_config(dict(options), shape[0], shape[1], num_classes, seed=0)
+    return model, {k: v.clone() for k, v in model.named_buffers()}, ParamSpec.of(model)
 
 
 @app.train()
