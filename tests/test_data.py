@@ -119,3 +119,22 @@ def test_label_noise_touches_exactly_the_asked_fraction_of_client_labels_and_no_
     np.testing.assert_array_equal(s_noisy.test.y, s_clean.test.y)
     np.testing.assert_array_equal(s_noisy.central.y, s_clean.central.y)
     np.testing.assert_array_equal(s_noisy.train.y, s_clean.train.y)
+
+
+def test_ood_digits_feed_a_model_built_for_animal_mnist_clients():
+    """The papers' offline OOD setting: Animal-MNIST (1×28×28) clients, scikit-learn digits (1×8×8)
+    on the server; the model's input adapter upsamples the digits."""
+    from common.config import load_config
+    from common.data import data_spec
+    from common.models import build_from_config
+    from common.server_data import build_server_data
+
+    cfg = load_config({"dataset": "animal-mnist", "server-dataset": "digits", "central-size": 100})
+    splits = make_splits(data_spec(cfg))
+    clients = load_dataset("animal-mnist")
+    assert clients.x.shape[1:] == (1, 28, 28) and len(clients) == 10_000
+    server = build_server_data(cfg, splits)
+    assert not server.in_domain and len(server) == 100 and server.data.x.shape[1:] == (1, 8, 8)
+    model = build_from_config(cfg.to_dict(), 1, 28, 10, seed=0)
+    x, _ = server.tensors()
+    assert model(x).shape == (100, 10) and model.features(x).shape[0] == 100
