@@ -26,6 +26,7 @@ from flwr.app import Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.common.constant import ErrorCode
+import torch
 from torch import nn
 
 from common.data import ArrayDataset, DataSpec, client_partition, load_dataset
@@ -75,8 +76,11 @@ def _load(msg: Message, context: Context) -> tuple[int, ArrayDataset, nn.Module,
                          f"{spec.num_partitions} partitions (num-clients)")
     data = client_partition(spec, pid)
     full = load_dataset(spec.dataset, spec.data_root)
-    model, buffers, pspec = _model(tuple(sorted(model_config(config).items())), full.x.shape[1:], full.num_classes)
-    model.load_state_dict(buffers, strict=False)  # nothing from an earlier message carries over
+    model, initial, pspec = _model(tuple(sorted(model_config(config).items())), full.x.shape[1:], full.num_classes)
+    with torch.no_grad():  # nothing from an earlier message carries over: buffers and frozen weights reset
+        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        for name, value in initial.items():
+            tensors[name].copy_(value)
     pspec.load_into(model, pspec.from_record(msg.content[ARRAYS]))
     return pid, data, model, pspec
 
@@ -84,10 +88,12 @@ def _load(msg: Message, context: Context) -> tuple[int, ArrayDataset, nn.Module,
 @functools.lru_cache(maxsize=2)
 def _model(options: tuple, shape: tuple[int, ...], num_classes: int) -> tuple[nn.Module, dict, ParamSpec]:
     """The model built once per process (simulation workers and the in-process engine reuse it), with
-    its initial buffers. Frozen weights come from the pretrained file or a fixed seed, so seed 0
+    its initial buffers and frozen weights. Frozen weights come from the pretrained file or a fixed seed, so seed 0
     rebuilds the server's model; every message then loads its own trainable parameters."""
     model = build_from_config(dict(options), shape[0], shape[1], num_classes, seed=0)
-    return model, {k: v.clone() for k, v in model.named_buffers()}, ParamSpec.of(model)
+    initial = {n: t.detach().clone() for n, t in [*model.named_buffers(),
+                                                   *((n, p) for n, p in model.named_parameters() if not p.requires_grad)]}
+    return model, initial, ParamSpec.of(model)
 
 
 @app.train()

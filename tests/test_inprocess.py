@@ -17,7 +17,7 @@ from common.data import data_spec, load_dataset, make_splits
 from common.models import build_model
 from common.params import ParamSpec
 from common.protocol import ARRAYS, MODEL, TRAIN_SEED
-from common.training import evaluate
+from common.training import LocalRecipe, evaluate
 from server_app.inprocess import InProcessGrid, run_inprocess
 from strategies import build_strategy
 
@@ -162,3 +162,33 @@ def test_lora_fedavg_sends_only_adapters_and_head_and_learns(tmp_path):
     assert set(sent) == {trainable.numel} and trainable.numel < 0.02 * total
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["test-accuracy"] > rows[0]["test-accuracy"] + 0.15
+
+
+def test_client_model_cache_carries_nothing_between_messages():
+    """The ClientApp reuses one model per process; buffers and frozen weights are reset per message."""
+    from client_app.app import _model
+
+    from common.models import build_from_config, model_config
+
+    grid = InProcessGrid(client_app, num_nodes=2)
+    cfg = load_config({"dataset": "synthetic", "num-clients": 2, "clients-per-round": 2, "model": "resnet18",
+                       "input-size": 32, "batch-norm": "running", "batch-size": 16, "local-epochs": 1})
+    spec, full = data_spec(cfg), load_dataset("synthetic")
+    model = build_from_config(cfg.to_dict(), 1, 8, full.num_classes, seed=0)
+    pspec = ParamSpec.of(model)
+    recipe = LocalRecipe.from_config(cfg.to_dict()).to_config()
+    config = ConfigRecord({**spec.to_config(), **model_config(cfg.to_dict()), **recipe, "version": 0, TRAIN_SEED: 1})
+    node = next(iter(grid.get_node_ids()))
+
+    def send(kind: str) -> Message:
+        content = RecordDict({ARRAYS: pspec.to_record(pspec.flatten(model)), "config": config})
+        (reply,) = grid.send_and_receive([Message(content, dst_node_id=node, message_type=kind)])
+        assert not reply.has_error(), reply.error
+        return reply
+
+    before = dict(send("evaluate").content["metrics"])
+    send("train")  # updates the cached model's BatchNorm running statistics
+    after = dict(send("evaluate").content["metrics"])
+    assert before == after  # ...which the next message does not see
+    _, initial, _ = _model(tuple(sorted(model_config(cfg.to_dict()).items())), (1, 8, 8), full.num_classes)
+    assert any("running_mean" in n for n in initial)
