@@ -153,6 +153,14 @@ class RunConfig:
     staleness_exponent: float = _opt(0.5, Range(0), "FedBuff / FedAsync: staleness exponent a")
     mixing_alpha: float = _opt(0.4, Range(0, 1, low_open=True), "FedAsync: mixing weight α")
     weighting: str = _opt("uniform", OneOf(lambda: ("uniform", "examples")), "FedBuff: buffer weights 1/K or by examples")
+    atlas_size: int = _opt(20, COUNT, "Feddle: M, anchors in the model atlas (papers: 2 x clients per step)")
+    search_lr: float = _opt(1e-3, POSITIVE, "Feddle: learning rate of the coefficient search")
+    server_epochs: int = _opt(1, Range(0), "Feddle: E_g, passes over the server data per search (0 = FedBuff step)")
+    search_batch_size: int = _opt(64, COUNT, "Feddle: mini-batch of the coefficient search")
+    fallback_lambda: float = _opt(0.0, Range(0), "Feddle: λ pulling c to FedBuff's c' (papers: 0 ID, 0.01 OOD)")
+    fallback_init: bool = _opt(True, None, "Feddle: start the search at FedBuff's coefficients (else 0)")
+    anchor_normalization: bool = _opt(True, None, "Feddle: rescale anchors to the median norm (Eq. 5)")
+    importance_score: bool = _opt(True, None, "Feddle: evict the anchor with the smallest |c| (else FIFO)")
     local_epochs: int = _opt(1, COUNT, "local epochs per client update")
     batch_size: int = _opt(32, COUNT, "local mini-batch size")
     optimizer: str = _opt("sgd", OneOf(lambda: ("sgd", "adam")), "local optimizer")
@@ -177,7 +185,7 @@ def to_key(name: str) -> str:
     return name.replace("_", "-")
 
 
-_KIND = {int: "an integer", float: "a number", str: "a string"}
+_KIND = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
 def _coerce(key: str, value: Any, kind: type) -> Any:

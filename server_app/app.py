@@ -6,6 +6,7 @@ The configuration is ``configs/<preset>.yaml`` overlaid with exactly the keys th
 
 from __future__ import annotations
 
+import copy
 import time
 from logging import INFO
 from pathlib import Path
@@ -47,6 +48,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
     pspec = ParamSpec.of(model)
     strategy = build_strategy(cfg)
     strategy.initialize(pspec.flatten(model), pspec)
+    strategy.attach(copy.deepcopy(model))
     log(INFO, "run %s: %s on %s (%d train / %d test), server data: %s, %d clients, %d rounds, %s clock (σ=%g) -> %s",
         out.name, cfg.strategy, cfg.dataset, len(splits.train), len(splits.test), describe(server_data),
         cfg.num_clients, cfg.num_rounds, cfg.clock, cfg.delay_sigma, out)

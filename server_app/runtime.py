@@ -70,10 +70,12 @@ class StepLog:
     staleness: list[int] = field(default_factory=list)
     train: dict[str, float] = field(default_factory=dict)
     test: dict[str, float] = field(default_factory=dict)
+    strategy: dict[str, float] = field(default_factory=dict)  # e.g. Feddle's coefficient search
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k not in ("train", "test", "staleness")}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("train", "test", "staleness", "strategy")}
+        out.update(self.strategy)
         if self.staleness:
             out["staleness-mean"] = float(np.mean(self.staleness))
             out["staleness-max"] = int(max(self.staleness))
@@ -215,6 +217,7 @@ class Runner:
         if self.strategy.ready():
             self.strategy.aggregate(self.server_data)
         entry.version = self.strategy.version
+        entry.strategy = self.strategy.metrics()
         entry.train = weighted_mean((u.num_examples, u.metrics) for u in accepted)
         entry.seconds = time.perf_counter() - started
         return entry

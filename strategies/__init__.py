@@ -7,9 +7,10 @@ from strategies.ca2fl import CA2FL
 from strategies.fedasync import FedAsync
 from strategies.fedavg import FedAvg
 from strategies.fedbuff import FedBuff
+from strategies.feddle import Feddle
 
 STRATEGIES: dict[str, type[HybridStrategy]] = {"fedavg": FedAvg, "fedbuff": FedBuff, "fedasync": FedAsync,
-                                               "ca2fl": CA2FL}
+                                               "ca2fl": CA2FL, "feddle": Feddle}
 
 
 def build_strategy(cfg: RunConfig) -> HybridStrategy:
@@ -19,5 +20,5 @@ def build_strategy(cfg: RunConfig) -> HybridStrategy:
         clients_per_round=cfg.clients_per_round, seed=cfg.seed)
 
 
-__all__ = ["CA2FL", "STRATEGIES", "FedAsync", "FedAvg", "FedBuff", "HybridStrategy", "Payload", "Update",
+__all__ = ["CA2FL", "STRATEGIES", "FedAsync", "FedAvg", "FedBuff", "Feddle", "HybridStrategy", "Payload", "Update",
            "build_strategy"]

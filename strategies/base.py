@@ -138,6 +138,10 @@ class HybridStrategy(FlowerStrategy):
         """Start from global parameters `params` (version 0)."""
         self.params, self.spec, self.version = params.clone(), spec, 0
 
+    def attach(self, model: Any) -> None:
+        """The model architecture (a torch module whose trainable parameters are ω's layout), for
+        strategies that train or evaluate on the server's data; others ignore it."""
+
     def configure(self, client: int, version: int) -> Payload:
         """What `client` gets for a train dispatch at `version` (default: ω and the recipe)."""
         return Payload(self.params, dict(self.train_config))
@@ -159,6 +163,10 @@ class HybridStrategy(FlowerStrategy):
     @abstractmethod
     def aggregate(self, server: Any = None) -> torch.Tensor:
         """Make the next global model (increments `version`) and return it."""
+
+    def metrics(self) -> dict[str, float]:
+        """What the strategy's last aggregation measured (e.g. Feddle's search), for metrics.jsonl."""
+        return {}
 
     def state_dict(self) -> dict[str, Any]:
         return {"params": self.params, "version": self.version}

@@ -1,0 +1,143 @@
+"""Feddle's pieces against the paper: projection (Eq. 16-17), search (Eq. 6/11), fallback, atlas, OOD head."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.nn import functional as F
+
+from common.data import ArrayDataset
+from common.models import build_model
+from common.params import ParamSpec
+from common.server_data import ServerData
+from strategies import FedBuff, Feddle
+from strategies.base import Update
+from strategies.feddle import median_normalize
+
+
+def server(x: torch.Tensor, y: torch.Tensor, in_domain: bool = True) -> ServerData:
+    return ServerData(ArrayDataset(x.numpy(), y.numpy(), int(y.max()) + 1 if y.dtype == torch.int64 else 1),
+                      in_domain, torch.device("cpu"))
+
+
+def cnn_setup(n_anchors: int = 3, seed: int = 0):
+    model = build_model("cnn", 1, 8, 4, seed=seed)
+    spec = ParamSpec.of(model)
+    g = torch.Generator().manual_seed(seed)
+    anchors = [0.01 * torch.randn(spec.numel, generator=g) * (i + 1) for i in range(n_anchors)]
+    x = torch.randn(40, 1, 8, 8, generator=g)
+    y = torch.randint(0, 4, (40,), generator=g)
+    return model, spec, anchors, x, y
+
+
+def feddle_with(model, spec, anchors, **kw) -> Feddle:
+    s = Feddle(**kw)
+    s.initialize(spec.flatten(model), spec)
+    s.attach(model)
+    for i, a in enumerate(anchors):
+        s.receive(Update(i, 0, a, 10))
+    s.close_round()
+    return s
+
+
+def test_projected_gradient_equals_autograd_through_the_combination():
+    model, spec, anchors, x, y = cnn_setup()
+    s = feddle_with(model, spec, anchors)
+    bar, _ = median_normalize(torch.stack(anchors))
+    c = torch.tensor([0.3, -0.7, 1.1], requires_grad=True)
+    omega = s.params.clone()
+    projected = s.projected_grad(omega + c.detach() @ bar, bar, x, y, ood=False)
+    flat = omega + c @ bar
+    params = dict(zip(spec.names, (t.reshape(sh) for t, sh in zip(torch.split(flat, spec.sizes), spec.shapes))))
+    model.eval()
+    loss = F.cross_entropy(functional_call(model, params, (x,)), y)
+    (autograd,) = torch.autograd.grad(loss, c)
+    torch.testing.assert_close(projected, autograd, rtol=1e-4, atol=1e-6)
+
+
+class Linear(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+def test_search_reaches_the_closed_form_best_combination_including_a_negative_coefficient():
+    d, g = 6, torch.Generator().manual_seed(1)
+    anchors = [torch.randn(d, generator=g) for _ in range(3)]
+    c_star = torch.tensor([2.0, -1.5, 0.5])
+    w_star = c_star @ torch.stack(anchors)
+    x = torch.randn(200, d, generator=g)
+    model = Linear(d)
+    spec = ParamSpec.of(model)
+    s = feddle_with(model, spec, anchors, normalize=False, fallback_init=False, server_epochs=400, search_lr=0.05,
+                    batch_size=200, criterion=F.mse_loss)
+    s.aggregate(server(x, x @ w_star))
+    torch.testing.assert_close(s.params, w_star, rtol=0, atol=2e-3)  # ω = 0 + Σ ĉ a
+    assert s.last_search["c-negative"] > 0 and s.last_search["loss-after"] < 1e-4 < s.last_search["loss-before"]
+    assert s.scores == pytest.approx(c_star.abs().tolist(), abs=2e-3)
+
+
+def test_zero_search_steps_with_fallback_init_is_fedbuffs_step():
+    model, spec, anchors, x, y = cnn_setup()
+    feddle = feddle_with(model, spec, anchors, server_epochs=0, fallback_lr=0.5)
+    fedbuff = FedBuff(buffer_size=3, server_lr=0.5)
+    fedbuff.initialize(spec.flatten(model), spec)
+    for i, a in enumerate(anchors):
+        fedbuff.receive(Update(i, 0, a, 10))
+    assert feddle.ready() and fedbuff.ready()
+    torch.testing.assert_close(feddle.aggregate(server(x, y)), fedbuff.aggregate(), rtol=0, atol=1e-7)
+
+
+def test_median_normalisation():
+    a = torch.stack([torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0]), torch.tensor([6.0, 8.0])])
+    bar, norms = median_normalize(a)
+    torch.testing.assert_close(norms, torch.tensor([1.0, 2.0, 10.0]))
+    torch.testing.assert_close(bar.norm(dim=1), torch.full((3,), 2.0))
+    torch.testing.assert_close(bar / bar.norm(dim=1, keepdim=True), a / norms.unsqueeze(1))  # directions kept
+
+
+@pytest.mark.parametrize("importance", [True, False])
+def test_eviction_replaces_the_least_important_anchor_and_new_ones_are_safe(importance):
+    model, spec, anchors, x, y = cnn_setup(n_anchors=3)
+    s = feddle_with(model, spec, anchors, atlas_size=3, server_epochs=0, importance=importance)
+    s.aggregate(server(x, y))
+    s.scores = [0.5, 0.1, 0.9]  # as a search would have left them
+    marks = [torch.full((spec.numel,), float(v)) for v in (7, 8)]
+    s.receive(Update(7, 1, marks[0], 10))
+    s.receive(Update(8, 1, marks[1], 10))  # same step: must not evict the just-arrived anchor
+    kept = [int(a[0]) if float(a[0]) in (7.0, 8.0) else None for a in s.anchors]
+    if importance:  # lowest |c| first: anchor 1 (0.1), then anchor 0 (0.5)
+        assert kept == [8, 7, None]
+    else:  # FIFO: oldest first
+        assert kept == [7, 8, None]
+
+
+def test_out_of_domain_head_is_fitted_first_then_frozen_while_c_moves(monkeypatch):
+    model, spec, anchors, x, _ = cnn_setup()
+    y_ood = torch.randint(0, 3, (40,), generator=torch.Generator().manual_seed(5))  # its own 3 labels
+    s = feddle_with(model, spec, anchors, server_epochs=3, search_lr=0.05, fallback_lambda=0.01)
+    snapshots = {}
+    fit = Feddle.fit_head
+
+    def recording_fit(self, merged, xx, yy):
+        fit(self, merged, xx, yy)
+        snapshots["theta"] = [p.detach().clone() for p in self.theta.parameters()]
+
+    monkeypatch.setattr(Feddle, "fit_head", recording_fit)
+    omega = s.params.clone()
+    bar, norms = median_normalize(torch.stack(anchors))
+    c_prime = s.fallback(norms)
+    s.aggregate(server(x, y_ood, in_domain=False))
+    assert s.theta.out_features == 3 and not any(p.requires_grad for p in s.theta.parameters())
+    for before, after in zip(snapshots["theta"], s.theta.parameters()):
+        assert torch.equal(before, after)  # frozen during the search
+    c = torch.linalg.lstsq(bar.T, (s.params - omega).unsqueeze(1)).solution.squeeze(1)
+    assert not torch.allclose(c, c_prime, atol=1e-4)  # the coefficients moved
+    head = slice(spec.numel - sum(np.prod(sh) for sh in spec.shapes[-2:]), spec.numel)
+    assert not torch.equal(s.params[head], omega[head])  # ...and the found c updates the whole model
