@@ -103,3 +103,23 @@ class Recorder:
         fig.tight_layout()
         fig.savefig(self.path / "staleness.png", dpi=100)
         plt.close(fig)
+
+        searches = [r for r in self.rows if "c-mean" in r]
+        if searches:  # Feddle: the coefficient search of every step
+            steps = [r["round"] for r in searches]
+            fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+            for key in ("c-min", "c-mean", "c-max"):
+                axes[0].plot(steps, [r[key] for r in searches], label=key.removeprefix("c-"))
+            axes[0].set(xlabel="step", ylabel="coefficient")
+            axes[0].legend(fontsize=8)
+            axes[1].plot(steps, [r["c-negative"] for r in searches], color="tab:red")
+            axes[1].set(xlabel="step", ylabel="fraction negative")
+            for key in ("loss-before", "loss-after"):
+                if key in searches[0]:
+                    axes[2].plot(steps, [r[key] for r in searches], label=key)
+            axes[2].set(xlabel="step", ylabel="server-data loss")
+            axes[2].legend(fontsize=8)
+            fig.suptitle(f"{self.path.name}: coefficient search", fontsize=9)
+            fig.tight_layout()
+            fig.savefig(self.path / "search.png", dpi=100)
+            plt.close(fig)

@@ -141,3 +141,15 @@ def test_out_of_domain_head_is_fitted_first_then_frozen_while_c_moves(monkeypatc
     assert not torch.allclose(c, c_prime, atol=1e-4)  # the coefficients moved
     head = slice(spec.numel - sum(np.prod(sh) for sh in spec.shapes[-2:]), spec.numel)
     assert not torch.equal(s.params[head], omega[head])  # ...and the found c updates the whole model
+
+
+def test_feddle_run_in_process_logs_and_plots_its_searches(small_run):
+    import json
+
+    out, summary = small_run("feddle", strategy="feddle", **{"central-size": 40, "server-epochs": 2,
+                                                              "search-lr": 0.01, "num-rounds": 3})
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert all({"c-min", "c-mean", "c-max", "c-negative", "loss-before", "loss-after", "search-seconds"} <= set(r)
+               for r in rows)
+    assert (out / "search.png").read_bytes()[:4] == b"\x89PNG"
+    assert summary["server-data"].startswith("40 in-domain samples")
