@@ -40,8 +40,10 @@ def make_optimizer(recipe: LocalRecipe, params) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {recipe.optimizer!r}; known: 'sgd', 'adam'")
 
 
-def train(model: nn.Module, data: ArrayDataset, recipe: LocalRecipe, seed: int) -> dict[str, float]:
-    """Train `model` in place on `data`; `seed` fixes the shuffling. Returns mean loss and accuracy."""
+def train(model: nn.Module, data: ArrayDataset, recipe: LocalRecipe, seed: int,
+          device: torch.device | None = None) -> dict[str, float]:
+    """Train `model` in place on `data`; `seed` fixes the shuffling; batches go to `device` (the model's
+    device, e.g. the server's GPU; default: where the data is). Returns mean loss and accuracy."""
     if len(data) == 0:
         raise ValueError("cannot train on an empty dataset")
     x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
@@ -54,6 +56,8 @@ def train(model: nn.Module, data: ArrayDataset, recipe: LocalRecipe, seed: int) 
             if len(idx) == 1 < len(y):
                 continue  # a lone trailing sample: BatchNorm cannot train on a batch of one
             xb, yb = x[idx], y[idx]
+            if device is not None:
+                xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
             opt.zero_grad(set_to_none=True)
             logits = model(xb)
             loss = F.cross_entropy(logits, yb)

@@ -7,10 +7,13 @@ from strategies.ca2fl import CA2FL
 from strategies.fedasync import FedAsync
 from strategies.fedavg import FedAvg
 from strategies.fedbuff import FedBuff
+from strategies.feddf import FedDF
 from strategies.feddle import Feddle
+from strategies.hybrid_baselines import HFCL, Center, FedFT
 
 STRATEGIES: dict[str, type[HybridStrategy]] = {"fedavg": FedAvg, "fedbuff": FedBuff, "fedasync": FedAsync,
-                                               "ca2fl": CA2FL, "feddle": Feddle}
+                                               "ca2fl": CA2FL, "feddle": Feddle, "feddf": FedDF,
+                                               "center": Center, "fedft": FedFT, "hfcl": HFCL}
 
 
 def build_strategy(cfg: RunConfig) -> HybridStrategy:
@@ -20,5 +23,5 @@ def build_strategy(cfg: RunConfig) -> HybridStrategy:
         clients_per_round=cfg.clients_per_round, seed=cfg.seed)
 
 
-__all__ = ["CA2FL", "STRATEGIES", "FedAsync", "FedAvg", "FedBuff", "Feddle", "HybridStrategy", "Payload", "Update",
-           "build_strategy"]
+__all__ = ["CA2FL", "HFCL", "STRATEGIES", "Center", "FedAsync", "FedAvg", "FedBuff", "FedDF", "FedFT", "Feddle",
+           "HybridStrategy", "Payload", "Update", "build_strategy"]

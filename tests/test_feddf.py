@@ -1,0 +1,165 @@
+"""FedDF: FedAvg start, teachers rebuilt from their own base versions, distillation of the ensemble's
+averaged logits on server inputs (ID and OOD), version history pruned, config wiring."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from common.config import load_config
+from common.data import ArrayDataset
+from common.models import build_model
+from common.params import ParamSpec
+from common.server_data import ServerData
+from strategies import STRATEGIES, FedAvg, FedDF, build_strategy
+from strategies.base import Update
+from strategies.feddf import distill_loss
+
+
+def server(x: torch.Tensor, y: torch.Tensor, in_domain: bool = True) -> ServerData:
+    return ServerData(ArrayDataset(x.numpy(), y.numpy(), int(y.max()) + 1), in_domain, torch.device("cpu"))
+
+
+def setup(seed: int = 0, n: int = 48):
+    model = build_model("cnn", 1, 8, 4, seed=seed)
+    spec = ParamSpec.of(model)
+    g = torch.Generator().manual_seed(seed)
+    deltas = [0.05 * torch.randn(spec.numel, generator=g) for _ in range(3)]
+    x = torch.randn(n, 1, 8, 8, generator=g)
+    y = torch.randint(0, 4, (n,), generator=g)
+    return model, spec, deltas, x, y
+
+
+def feddf_with(model, spec, **kw) -> FedDF:
+    """A FedDF at ω^0 = the model's seed-0 initialisation (tests load other weights into `model`)."""
+    s = FedDF(**kw)
+    s.initialize(spec.flatten(build_model("cnn", 1, 8, 4, seed=0)), spec)
+    s.attach(model)
+    return s
+
+
+def one_step(s: FedDF, deltas, version: int = 0) -> None:
+    for i in range(len(deltas)):
+        s.configure(i, version)
+    for i, d in enumerate(deltas):
+        s.receive(Update(i, version, d, 10 * (i + 1)))
+    s.close_round()
+
+
+def logits_at(model, spec, flat, x) -> torch.Tensor:
+    spec.load_into(model, flat)
+    model.eval()
+    with torch.no_grad():
+        return model(x)
+
+
+def test_starts_from_fedavg_and_with_no_distillation_is_fedavg():
+    model, spec, deltas, x, y = setup()
+    omega0 = feddf_with(model, spec).params
+    fedavg = FedAvg()
+    fedavg.initialize(omega0, spec)
+    for i, d in enumerate(deltas):
+        fedavg.receive(Update(i, 0, d, 10 * (i + 1)))
+    fedavg.close_round()
+    expected = fedavg.aggregate()
+    for kw, atol in (({"epochs": 0}, 1e-7), ({"epochs": 1, "lr": 1e-12}, 1e-6)):
+        s = feddf_with(model, spec, **kw)
+        one_step(s, deltas)
+        assert s.ready()
+        torch.testing.assert_close(s.aggregate(server(x, y)), expected, rtol=0, atol=atol)
+        assert s.version == 1 and s.metrics()["teachers"] == 3
+
+
+def test_stale_teacher_is_rebuilt_from_its_own_base_version():
+    model, spec, deltas, x, y = setup()
+    s = feddf_with(model, spec, epochs=0)
+    omega0 = s.params.clone()
+    s.configure(0, 0)  # the straggler starts from ω^0 ...
+    s.configure(1, 0)
+    s.receive(Update(1, 0, deltas[1], 10))  # ... but only client 1 reports in step 0
+    s.close_round()
+    omega1 = s.aggregate(None)
+    assert not torch.equal(omega1, omega0)
+    s.configure(2, 1)
+    s.receive(Update(0, 0, deltas[0], 10))  # stale: started from version 0
+    s.receive(Update(2, 1, deltas[2], 10))  # fresh: started from version 1
+    teachers = dict(s._teachers)
+    torch.testing.assert_close(teachers[0], omega0 + deltas[0], rtol=0, atol=0)
+    torch.testing.assert_close(teachers[2], omega1 + deltas[2], rtol=0, atol=0)
+    # By hand: the ensemble's logits are the mean of f(x; ω^0 + Δ_0) and f(x; ω^1 + Δ_2).
+    by_hand = (logits_at(model, spec, omega0 + deltas[0], x) + logits_at(model, spec, omega1 + deltas[2], x)) / 2
+    torch.testing.assert_close(s.ensemble_logits([teachers[0], teachers[2]], x), by_hand, rtol=1e-5, atol=1e-6)
+    stale_wrong = logits_at(model, spec, omega1 + deltas[0], x)  # what ω^current + Δ would have given
+    assert not torch.allclose(stale_wrong, logits_at(model, spec, omega0 + deltas[0], x), atol=1e-4)
+
+
+def test_distillation_lowers_the_kl_to_the_ensemble_and_is_deterministic():
+    model, spec, deltas, x, y = setup()
+    results = []
+    for _ in range(2):
+        s = feddf_with(model, spec, epochs=5, lr=3e-4, seed=3)
+        omega0 = s.params.clone()
+        one_step(s, deltas)
+        out = s.aggregate(server(x, y))
+        results.append(out)
+        m = s.metrics()
+        assert m["distill-loss-after"] < m["distill-loss-before"]
+        target = (sum(logits_at(model, spec, omega0 + d, x) for d in deltas)) / 3
+        kl = float(distill_loss(logits_at(model, spec, out, x), target, 1.0))
+        assert abs(kl - m["distill-loss-after"]) < 1e-5
+        assert out.device.type == "cpu" and out.shape == omega0.shape
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
+def test_out_of_domain_server_data_with_other_labels_and_shape():
+    model, spec, deltas, _, _ = setup()
+    g = torch.Generator().manual_seed(9)
+    x_ood = torch.rand(40, 3, 12, 12, generator=g)  # 3 channels, 12x12: the CNN's adapter maps it to 1x8x8
+    y_ood = torch.randint(0, 7, (40,), generator=g)  # its own 7 labels, never used
+    s = feddf_with(model, spec, epochs=5, lr=3e-4, temperature=2.0)
+    one_step(s, deltas)
+    out = s.aggregate(server(x_ood, y_ood, in_domain=False))
+    m = s.metrics()
+    assert torch.isfinite(out).all() and m["distill-loss-after"] < m["distill-loss-before"]
+    assert logits_at(model, spec, out, x_ood).shape == (40, 4)  # the clients' label space
+
+
+def test_version_history_is_pruned():
+    model, spec, deltas, x, y = setup()
+    s = feddf_with(model, spec, epochs=0)
+    for step in range(6):
+        v = s.version
+        for c in range(3):
+            s.configure(c, v)
+        s.configure(9, v)  # a client whose reply is lost
+        for c in range(3):
+            s.receive(Update(c, v, deltas[c], 10))
+        s.forget(9)
+        assert s._history == {}  # nobody in flight: nothing kept
+        s.close_round()
+        s.aggregate(server(x, y))
+    s.configure(5, s.version)
+    s.configure(6, s.version)
+    assert list(s._history) == [s.version]
+    s.receive(Update(5, s.version, deltas[0], 10))
+    assert list(s._history) == [s.version]  # 6 still needs it
+    s.forget(6)
+    assert s._history == {}
+
+
+def test_from_config():
+    cfg = load_config({"strategy": "feddf", "server-train-lr": 1e-4, "server-train-epochs": 10,
+                       "distill-temperature": 3.0})
+    s = build_strategy(cfg)
+    assert STRATEGIES["feddf"] is FedDF and isinstance(s, FedDF)
+    assert (s.lr, s.epochs, s.temperature, s.batch_size) == (1e-4, 10, 3.0, 64)
+    assert s.describe()["server-train-epochs"] == 10
+
+
+def test_distill_loss_is_kl_of_softened_distributions():
+    g = torch.Generator().manual_seed(0)
+    s, t = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
+    p, q = F.softmax(t / 2, 1), F.softmax(s / 2, 1)
+    by_hand = 4 * (p * (p.log() - q.log())).sum(1).mean()
+    torch.testing.assert_close(distill_loss(s, t, 2.0), by_hand)
+    assert float(distill_loss(t, t, 1.0)) < 1e-7
