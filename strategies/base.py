@@ -82,6 +82,36 @@ def parse_reply(msg: Message, spec: ParamSpec) -> Update:
     return Update(int(metrics[PARTITION_ID]), int(metrics[BASE_VERSION]), delta, int(metrics[NUM_EXAMPLES]), rest)
 
 
+class VersionHistory:
+    """The global models that in-flight clients started from, kept until their updates are back, so a
+    client's model ω^τ + Δ can be rebuilt (FedAsync, FedDF); a version is dropped once nobody needs it."""
+
+    def __init__(self) -> None:
+        self._bases: dict[int, int] = {}  # in-flight client -> version it started from
+        self._models: dict[int, torch.Tensor] = {}  # version -> ω^version
+
+    def dispatched(self, client: int, version: int, params: torch.Tensor) -> None:
+        self._bases[client] = version
+        self._models.setdefault(version, params)
+
+    def base_of(self, update: Update, version: int, params: torch.Tensor) -> torch.Tensor:
+        """ω^τ of `update` (the current `params` when it started from the current `version`)."""
+        base = self._models.get(update.base_version, params if update.base_version == version else None)
+        if base is None:
+            raise KeyError(f"no global model of version {update.base_version} kept for client {update.client}")
+        return base
+
+    def done(self, client: int, base_version: int | None = None) -> None:
+        """`client`'s dispatch (from `base_version`, if given) came back or will not."""
+        if base_version is None or self._bases.get(client) == base_version:
+            self._bases.pop(client, None)
+        needed = set(self._bases.values())
+        self._models = {v: p for v, p in self._models.items() if v in needed}
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+
 def weighted_sum(deltas: Iterable[torch.Tensor], weights: Iterable[float], like: torch.Tensor) -> torch.Tensor:
     """Σ_i w_i Δ_i, accumulated in the given order (callers fix the order for reproducible floats)."""
     total = torch.zeros_like(like)

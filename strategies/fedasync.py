@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from strategies.base import AsyncStrategy, Payload, Update
+from strategies.base import AsyncStrategy, Payload, Update, VersionHistory
 from strategies.fedbuff import polynomial_staleness
 
 
@@ -32,8 +32,7 @@ class FedAsync(AsyncStrategy):
                  train_config: dict[str, Any] | None = None, clients_per_round: int = 10, seed: int = 0) -> None:
         super().__init__(train_config, clients_per_round, seed)
         self.mixing_alpha, self.staleness_exponent = mixing_alpha, staleness_exponent
-        self._bases: dict[int, int] = {}  # in-flight client -> version it started from
-        self._history: dict[int, torch.Tensor] = {}  # version -> ω^version, while a client needs it
+        self.history = VersionHistory()
         self._pending: Update | None = None
 
     @classmethod
@@ -41,13 +40,11 @@ class FedAsync(AsyncStrategy):
         return cls(cfg.mixing_alpha, cfg.staleness_exponent, **common)
 
     def configure(self, client: int, version: int) -> Payload:
-        self._bases[client] = version
-        self._history.setdefault(version, self.params)
+        self.history.dispatched(client, version, self.params)
         return super().configure(client, version)
 
     def forget(self, client: int) -> None:
-        self._bases.pop(client, None)
-        self._prune()
+        self.history.done(client)
 
     def receive(self, update: Update) -> None:
         self._pending = update
@@ -57,19 +54,12 @@ class FedAsync(AsyncStrategy):
 
     def aggregate(self, server: Any = None) -> torch.Tensor:
         u, self._pending = self._pending, None
-        base = self._history.get(u.base_version, self.params if u.base_version == self.version else None)
-        if base is None:
-            raise KeyError(f"FedAsync has no global model of version {u.base_version} for client {u.client}")
+        base = self.history.base_of(u, self.version, self.params)
         alpha_t = self.mixing_alpha * polynomial_staleness(u.staleness(self.version), self.staleness_exponent)
         self.params = (1.0 - alpha_t) * self.params + alpha_t * (base + u.delta)
         self.version += 1
-        self._bases.pop(u.client, None)
-        self._prune()
+        self.history.done(u.client, u.base_version)
         return self.params
-
-    def _prune(self) -> None:
-        needed = set(self._bases.values())
-        self._history = {v: p for v, p in self._history.items() if v in needed}
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "mixing-alpha": self.mixing_alpha, "staleness-exponent": self.staleness_exponent}

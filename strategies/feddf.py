@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from strategies.base import AsyncStrategy, Update, example_weights, weighted_sum
+from strategies.base import AsyncStrategy, Update, VersionHistory, example_weights, weighted_sum
 
 
 def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -52,8 +52,7 @@ class FedDF(AsyncStrategy):
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.lr, self.epochs, self.batch_size, self.temperature = lr, epochs, batch_size, temperature
-        self._bases: dict[int, int] = {}  # in-flight client -> version it started from
-        self._history: dict[int, torch.Tensor] = {}  # version -> ω^version, while an in-flight client needs it
+        self.history = VersionHistory()
         self._updates: list[Update] = []  # this step's updates
         self._teachers: list[tuple[int, torch.Tensor]] = []  # (client, ω^{τ_j} + Δ_j), rebuilt on arrival
         self._closed = False
@@ -70,33 +69,19 @@ class FedDF(AsyncStrategy):
 
     # -- versions the in-flight clients started from ----------------------------------------------
     def configure(self, client: int, version: int):
-        self._bases[client] = version
-        self._history.setdefault(version, self.params)
+        self.history.dispatched(client, version, self.params)
         return super().configure(client, version)
 
     def forget(self, client: int) -> None:
-        self._bases.pop(client, None)
-        self._prune()
-
-    def _prune(self) -> None:
-        needed = set(self._bases.values())
-        self._history = {v: p for v, p in self._history.items() if v in needed}
-
-    def base_of(self, update: Update) -> torch.Tensor:
-        """ω^{τ_j}, the global model the update's client started from."""
-        base = self._history.get(update.base_version, self.params if update.base_version == self.version else None)
-        if base is None:
-            raise KeyError(f"FedDF has no global model of version {update.base_version} for client {update.client}")
-        return base
+        self.history.done(client)
 
     # -- the step ---------------------------------------------------------------------------------
     def receive(self, update: Update) -> None:
         # The teacher is rebuilt at once: its client may be dispatched again (from a newer ω) before the step closes.
-        self._teachers.append((update.client, self.base_of(update) + update.delta))
+        base = self.history.base_of(update, self.version, self.params)
+        self._teachers.append((update.client, base + update.delta))
         self._updates.append(update)
-        if self._bases.get(update.client) == update.base_version:
-            self._bases.pop(update.client)
-        self._prune()
+        self.history.done(update.client, update.base_version)
 
     def close_round(self) -> None:
         self._closed = bool(self._updates)

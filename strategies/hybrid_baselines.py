@@ -63,7 +63,24 @@ class _ServerTrained(FedAvg):
         return dict(self.last)
 
 
-class Center(_ServerTrained):
+class _ServerSchedule(_ServerTrained):
+    """A baseline with its own server training schedule: lr_s = ``server-train-lr``, E_s = ``server-train-epochs``."""
+
+    def __init__(self, server_train_lr: float = 1e-3, server_train_epochs: int = 1, *,
+                 train_config: dict[str, Any] | None = None, clients_per_round: int = 10, seed: int = 0) -> None:
+        super().__init__(train_config=train_config, clients_per_round=clients_per_round, seed=seed)
+        self.server_train_lr, self.server_train_epochs = server_train_lr, server_train_epochs
+
+    @classmethod
+    def from_config(cls, cfg: Any, **common: Any) -> _ServerSchedule:
+        return cls(cfg.server_train_lr, cfg.server_train_epochs, **common)
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "server-train-lr": self.server_train_lr,
+                "server-train-epochs": self.server_train_epochs}
+
+
+class Center(_ServerSchedule):
     """Trains only on the server's data: each step, E_s epochs at lr_s from ω; client updates are
     received, counted and dropped.
 
@@ -75,16 +92,10 @@ class Center(_ServerTrained):
 
     name = "Center"
 
-    def __init__(self, server_train_lr: float = 1e-3, server_train_epochs: int = 1, *,
-                 train_config: dict[str, Any] | None = None, clients_per_round: int = 10, seed: int = 0) -> None:
-        super().__init__(train_config=train_config, clients_per_round=clients_per_round, seed=seed)
-        self.server_train_lr, self.server_train_epochs = server_train_lr, server_train_epochs
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.ignored = 0  # client updates received (and not used) since the start
         self._step_ignored = 0
-
-    @classmethod
-    def from_config(cls, cfg: Any, **common: Any) -> Center:
-        return cls(cfg.server_train_lr, cfg.server_train_epochs, **common)
 
     def receive(self, update: Update) -> None:
         self.ignored += 1
@@ -105,12 +116,8 @@ class Center(_ServerTrained):
         self._closed, self._step_ignored = False, 0
         return self.params
 
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "server-train-lr": self.server_train_lr,
-                "server-train-epochs": self.server_train_epochs}
 
-
-class FedFT(_ServerTrained):
+class FedFT(_ServerSchedule):
     """Fed+FT: FedAvg's aggregate of the step's updates, then E_s epochs of fine-tuning at lr_s on the
     server's data.
 
@@ -122,14 +129,6 @@ class FedFT(_ServerTrained):
 
     name = "Fed+FT"
 
-    def __init__(self, server_train_lr: float = 1e-3, server_train_epochs: int = 1, *,
-                 train_config: dict[str, Any] | None = None, clients_per_round: int = 10, seed: int = 0) -> None:
-        super().__init__(train_config=train_config, clients_per_round=clients_per_round, seed=seed)
-        self.server_train_lr, self.server_train_epochs = server_train_lr, server_train_epochs
-
-    @classmethod
-    def from_config(cls, cfg: Any, **common: Any) -> FedFT:
-        return cls(cfg.server_train_lr, cfg.server_train_epochs, **common)
 
     def aggregate(self, server: Any = None) -> torch.Tensor:
         self.check(server)
@@ -138,10 +137,6 @@ class FedFT(_ServerTrained):
         self.params = self.server_train(merged, server, version, self.server_train_epochs, self.server_train_lr)
         self.last["updates"] = float(count)
         return self.params
-
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "server-train-lr": self.server_train_lr,
-                "server-train-epochs": self.server_train_epochs}
 
 
 class HFCL(_ServerTrained):

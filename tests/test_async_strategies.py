@@ -59,7 +59,7 @@ def test_fedasync_mixes_the_stale_client_model_with_polynomial_weight():
     a = 0.6 * 2 ** -0.5
     close(s.aggregate(), (1 - a) * omega1 + a * (omega0 + d7))
     assert s.version == 2
-    assert s._history == {}  # nobody in flight: no old global model is kept
+    assert len(s.history) == 0  # nobody in flight: no old global model is kept
 
 
 def test_fedasync_history_holds_only_versions_in_flight():
@@ -70,7 +70,7 @@ def test_fedasync_history_holds_only_versions_in_flight():
         s.aggregate()
     s.configure(client=99, version=s.version)
     s.forget(99)  # its dispatch failed
-    assert s._history == {}
+    assert len(s.history) == 0
 
 
 def test_ca2fl_calibrates_with_cached_updates():

@@ -135,16 +135,16 @@ def test_version_history_is_pruned():
         for c in range(3):
             s.receive(Update(c, v, deltas[c], 10))
         s.forget(9)
-        assert s._history == {}  # nobody in flight: nothing kept
+        assert len(s.history) == 0  # nobody in flight: nothing kept
         s.close_round()
         s.aggregate(server(x, y))
     s.configure(5, s.version)
     s.configure(6, s.version)
-    assert list(s._history) == [s.version]
+    assert list(s.history._models) == [s.version]
     s.receive(Update(5, s.version, deltas[0], 10))
-    assert list(s._history) == [s.version]  # 6 still needs it
+    assert list(s.history._models) == [s.version]  # 6 still needs it
     s.forget(6)
-    assert s._history == {}
+    assert len(s.history) == 0
 
 
 def test_from_config():
