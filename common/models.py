@@ -318,7 +318,8 @@ class SplitAttention(nn.Module):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 need_weights: bool = False, **_: object) -> tuple[torch.Tensor, None]:
         if need_weights:
-            raise NotImplementedError("SplitAttention does not return attention weights")
+            # torchvision's encoder never asks for them; scaled_dot_product_attention does not return them
+            raise ValueError("SplitAttention returns outputs only: need_weights=True is not supported")
         n, t, d = query.shape
         h = self.num_heads
 
