@@ -64,6 +64,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from common.protocol import MODEL
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 # normalize option -> (mean, std) per channel, or None
@@ -465,12 +467,12 @@ def build_model(name: str, in_channels: int, image_size: int, num_classes: int, 
 def model_config(config: Mapping[str, object]) -> dict[str, object]:
     """The model name and options in a run or message config (hyphenated keys), to send to nodes."""
     options = {k.replace("_", "-"): config.get(k.replace("_", "-"), v) for k, v in MODEL_OPTIONS.items()}
-    return {"model": config["model"], **options}
+    return {MODEL: config[MODEL], **options}
 
 
 def build_from_config(config: Mapping[str, object], in_channels: int, image_size: int, num_classes: int,
                       seed: int) -> AdaptedNet:
     """:func:`build_model` with the name and options of :func:`model_config` — what server and nodes both call."""
     chosen = model_config(config)
-    return build_model(str(chosen.pop("model")), in_channels, image_size, num_classes, seed,
+    return build_model(str(chosen.pop(MODEL)), in_channels, image_size, num_classes, seed,
                        **{k.replace("-", "_"): v for k, v in chosen.items()})

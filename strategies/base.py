@@ -199,6 +199,8 @@ class HybridStrategy(FlowerStrategy):
         return {}
 
     def state_dict(self) -> dict[str, Any]:
+        """ω and its version. Method state (FedBuff's buffer, CA2FL's caches, Feddle's atlas) is not
+        included yet: a run cannot be resumed mid-way (docs/methods.md)."""
         return {"params": self.params, "version": self.version}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

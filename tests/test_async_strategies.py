@@ -92,3 +92,14 @@ def test_ca2fl_calibrates_with_cached_updates():
     close(s.aggregate(), omega)
     close(s.cache[0], d[3])
     close(s._cache_sum, d[3] + d[1] + d[4])
+
+
+def test_state_dict_round_trip_keeps_the_global_model_and_version():
+    s = init(FedBuff(buffer_size=1))
+    s.receive(Update(0, 0, vec(3), 1))
+    s.aggregate()
+    other = init(FedBuff(buffer_size=1), seed=9)
+    other.load_state_dict(s.state_dict())
+    assert other.version == 1 and torch.equal(other.params, s.params)
+    s.params += 1  # a copy, not a shared tensor
+    assert not torch.equal(other.params, s.params)
