@@ -96,7 +96,8 @@ def _partitioners() -> Iterable[str]:
 
 
 def _presets() -> Iterable[str]:
-    return [p.stem for p in CONFIG_DIR.glob("*.yaml")]
+    """Preset names: paths under configs/ without ``.yaml`` (``feddle-animal/feddle-id-dir0.1-n20``)."""
+    return sorted(p.relative_to(CONFIG_DIR).with_suffix("").as_posix() for p in CONFIG_DIR.rglob("*.yaml"))
 
 
 def _opt(default: Any, check: Range | OneOf | None = None, doc: str = "") -> Any:
@@ -124,10 +125,14 @@ class RunConfig:
                               "clusters: clients per group, equal or FedMerge's random uneven sizes")
     label_noise: float = _opt(0.0, Range(0, 1), "fraction of client training labels set to a random other class")
     test_fraction: float = _opt(0.2, Range(0, 0.9, low_open=True), "fraction of the data kept as the server's test split")
-    central_size: int = _opt(0, Range(0), "samples moved from the test split to the server's central split "
-                             "(with server-dataset: how many of its samples the server holds; 0 = all)")
+    central_size: int = _opt(0, Range(0), "samples moved from the test split to the server's in-domain central split "
+                             "(held out with server-dataset too, so ID and OOD runs test on the same split)")
+    validation_size: int = _opt(0, Range(0), "samples moved from the test split to a validation split, evaluated "
+                                "beside it (val-accuracy), for tuning")
     server_dataset: str = _opt("", DatasetName(lambda: ("", *_datasets())),
                                "empty: the server holds the ID central split; a dataset name: OOD server data")
+    server_dataset_size: int = _opt(0, Range(0), "with server-dataset: how many of its samples the server holds "
+                                    "(0 = all)")
     data_root: str = _opt("data", None, "folder with the datasets' files (a node may override it in node_config)")
     device: str = _opt("auto", OneOf(lambda: ("auto", "cpu", "cuda")), "where server-side training runs")
     model: str = _opt("cnn", OneOf(_models), "model name (common/models.py)")
@@ -139,6 +144,7 @@ class RunConfig:
     normalize: str = _opt("", OneOf(lambda: ("", "none", "imagenet", "half")), "input normalisation; \"\" = model default")
     batch_norm: str = _opt("batch", OneOf(lambda: ("batch", "running")),
                            "resnet18: batch statistics always (batch), or running statistics (running; they do not travel)")
+    cnn_width: int = _opt(32, COUNT, "cnn: channels of the first convolution (2x in the others, 4x in the hidden layer)")
     strategy: str = _opt("fedavg", OneOf(_strategies), "aggregation strategy (strategies/)")
     num_rounds: int = _opt(20, COUNT, "server rounds (steps of the asynchronous runtime)")
     clients_per_round: int = _opt(10, COUNT, "clients sampled per step (virtual clock); arrivals per step (wall)")
@@ -201,15 +207,26 @@ def _coerce(key: str, value: Any, kind: type) -> Any:
     return value
 
 
-def read_preset(name: str) -> dict[str, Any]:
-    """The key/value mapping of ``configs/<name>.yaml``."""
+def read_preset(name: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The key/value mapping of ``configs/<name>.yaml``.
+
+    A preset may build on others: ``base: <preset>`` or ``base: [<preset>, ...]`` applies those first
+    (in order, each with its own bases), then the file's own keys. So a family of presets shares one
+    protocol file and each member states only what differs.
+    """
     path = CONFIG_DIR / f"{name}.yaml"
-    if not path.is_file():
+    if not path.is_file() or ".." in Path(name).parts:
         raise ConfigError("preset", name, OneOf(_presets).describe())
+    if name in _seen:
+        raise ConfigError("base", name, f"a preset that does not include itself (cycle {' -> '.join(_seen + (name,))})")
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ConfigError("preset", name, f"a YAML mapping in {path}")
-    return data
+    bases = data.pop("base", [])
+    layered: dict[str, Any] = {}
+    for base in [bases] if isinstance(bases, str) else bases:
+        layered.update(read_preset(base, _seen + (name,)))
+    return {**layered, **data}
 
 
 def load_config(overrides: Mapping[str, Any] | None = None) -> RunConfig:

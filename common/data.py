@@ -113,6 +113,7 @@ class DataSpec:
     test_fraction: float
     central_size: int
     data_root: str = "data"
+    validation_size: int = 0
     classes_per_client: int = 2
     num_clusters: int = 5
     cluster_alpha: float = 0.0
@@ -133,6 +134,7 @@ class Splits:
     train: ArrayDataset
     test: ArrayDataset
     central: ArrayDataset
+    validation: ArrayDataset
 
 
 def _stratified_split(y: np.ndarray, fraction: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -147,15 +149,21 @@ def _stratified_split(y: np.ndarray, fraction: float, rng: np.random.Generator) 
 
 @lru_cache(maxsize=8)
 def make_splits(spec: DataSpec) -> Splits:
-    """Train / test / central splits of the spec's dataset, fixed by the spec's seed."""
+    """Train / test / central / validation splits of the spec's dataset, fixed by the spec's seed.
+
+    Central and validation samples are taken from the test split (central first, so adding a
+    validation split leaves the central split as it was)."""
     full = load_dataset(spec.dataset, spec.data_root)
     rng = np.random.default_rng([spec.seed, 0])
     train_idx, test_idx = _stratified_split(full.y, spec.test_fraction, rng)
-    if spec.central_size > len(test_idx):
-        raise ValueError(f"central-size {spec.central_size} exceeds the test split ({len(test_idx)} samples)")
+    c, v = spec.central_size, spec.validation_size
+    if c + v >= len(test_idx):
+        raise ValueError(f"central-size {c} + validation-size {v} leave no test samples "
+                         f"(the test split has {len(test_idx)}; raise test-fraction or lower them)")
     test_idx = rng.permutation(test_idx)
-    central_idx, test_idx = np.sort(test_idx[: spec.central_size]), np.sort(test_idx[spec.central_size :])
-    return Splits(full.subset(train_idx), full.subset(test_idx), full.subset(central_idx))
+    central_idx, val_idx, test_idx = np.split(test_idx, [c, c + v])
+    return Splits(full.subset(train_idx), full.subset(np.sort(test_idx)), full.subset(np.sort(central_idx)),
+                  full.subset(np.sort(val_idx)))
 
 
 @lru_cache(maxsize=8)
@@ -193,6 +201,6 @@ def client_partition(spec: DataSpec, partition_id: int) -> ArrayDataset:
 def data_spec(cfg) -> DataSpec:
     """The :class:`DataSpec` of a :class:`common.config.RunConfig`."""
     return DataSpec(cfg.dataset, cfg.seed, cfg.partitioner, cfg.dirichlet_alpha, cfg.num_clients,
-                    cfg.test_fraction, cfg.central_size if not cfg.server_dataset else 0, cfg.data_root,
+                    cfg.test_fraction, cfg.central_size, cfg.data_root, validation_size=cfg.validation_size,
                     classes_per_client=cfg.classes_per_client, num_clusters=cfg.num_clusters,
                     cluster_alpha=cfg.cluster_alpha, cluster_sizes=cfg.cluster_sizes, label_noise=cfg.label_noise)

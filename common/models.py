@@ -407,26 +407,28 @@ VIT_B16 = dict(patch_size=16, num_layers=12, num_heads=12, hidden_dim=768, mlp_d
 VIT_SMALL = dict(patch_size=4, num_layers=6, num_heads=4, hidden_dim=192, mlp_dim=384)
 
 
-def _vit_b16(in_channels: int, image_size: int, num_classes: int, *, batch_norm: str = "", **options) -> ViT:
+def _vit_b16(in_channels: int, image_size: int, num_classes: int, *, batch_norm: str = "", cnn_width: int = 0,
+             **options) -> ViT:
     return ViT(in_channels, image_size, num_classes, arch=VIT_B16, default_size=224, what="vit_b_16", **options)
 
 
-def _vit_small(in_channels: int, image_size: int, num_classes: int, *, batch_norm: str = "", **options) -> ViT:
+def _vit_small(in_channels: int, image_size: int, num_classes: int, *, batch_norm: str = "", cnn_width: int = 0,
+               **options) -> ViT:
     return ViT(in_channels, image_size, num_classes, arch=VIT_SMALL, default_size=32, what="vit-small", **options)
 
 
 def _cnn(in_channels: int, image_size: int, num_classes: int, *, seed: int, pretrained_weights: str = "",
-         input_size: int = 0, normalize: str = "", **_: object) -> CNN:
+         input_size: int = 0, normalize: str = "", cnn_width: int = 32, **_: object) -> CNN:
     if pretrained_weights:
         raise ValueError("model 'cnn' is trained from scratch: pretrained_weights is not supported")
     if normalize not in ("", "none"):
         raise ValueError("model 'cnn' takes its inputs unnormalised: normalize must be '' or 'none'")
     with _seeded(seed):
-        return CNN(in_channels, image_size, num_classes, input_size=input_size)
+        return CNN(in_channels, image_size, num_classes, width=cnn_width, input_size=input_size)
 
 
 def _resnet18(in_channels: int, image_size: int, num_classes: int, **options) -> ResNet18:
-    options = {k: v for k, v in options.items() if not k.startswith("lora_")}  # no LoRA: full fine-tuning
+    options = {k: v for k, v in options.items() if not k.startswith(("lora_", "cnn_"))}  # no LoRA: full fine-tuning
     return ResNet18(in_channels, image_size, num_classes, **options)
 
 
@@ -436,7 +438,7 @@ MODELS: dict[str, Callable[..., AdaptedNet]] = {"cnn": _cnn, "resnet18": _resnet
 # options every builder accepts (models ignore the LoRA ones when they have no LoRA), with defaults
 MODEL_OPTIONS: dict[str, object] = {"pretrained_weights": "", "input_size": 0, "normalize": "",
                                     "lora_rank": 4, "lora_alpha": 8.0, "lora_targets": "q,v",
-                                    "batch_norm": "batch"}
+                                    "batch_norm": "batch", "cnn_width": 32}
 DEFAULT_INPUT_SIZE: dict[str, int | None] = {"cnn": None, "resnet18": 224, "vit-b16": 224, "vit-small": 32}
 
 
@@ -449,7 +451,8 @@ def build_model(name: str, in_channels: int, image_size: int, num_classes: int, 
     ``input_size`` (0 = the model's default, :data:`DEFAULT_INPUT_SIZE`), ``normalize``
     ("" = the model's default: none for cnn, imagenet otherwise; or one of :data:`NORMALIZATIONS`),
     ``lora_rank`` (ViTs; 0 = full fine-tuning), ``lora_alpha``, ``lora_targets`` (ViTs),
-    ``batch_norm`` (resnet18: "running" or "batch", see :class:`ResNet18`). Options a model does
+    ``batch_norm`` (resnet18: "running" or "batch", see :class:`ResNet18`), ``cnn_width`` (cnn: channels
+    of the first convolution; the others have 2x, the hidden layer 4x). Options a model does
     not use are ignored, except ``pretrained_weights`` and ``normalize`` for the CNN (an error).
     """
     if name not in MODELS:

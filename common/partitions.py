@@ -66,17 +66,28 @@ def iid(labels: np.ndarray, k: int, seed: int) -> Parts:
 
 
 def dirichlet(labels: np.ndarray, k: int, alpha: float, seed: int) -> Parts:
-    """Label skew, per class proportions over clients from Dir(alpha) (Hsu et al. 2019; Feddle §3.2,
-    FedMerge "Personal"): flwr-datasets ``DirichletPartitioner``, which re-draws until every partition
-    has ``min(10, n / (4k))`` samples (so small data sets can be split)."""
-    from flwr_datasets.partitioner import DirichletPartitioner
+    """Label skew, per class proportions over clients from Dir(alpha) (Yurochkin et al. 2019, as in
+    Feddle §3.2 and FedMerge "Personal"): for each class one draw p ~ Dir_k(alpha), its samples split
+    by p (largest remainders). Then every client is topped up to ``m = min(10, n / (4k))`` samples,
+    one random sample at a time taken from the currently largest client.
 
+    The top-up replaces the usual "re-draw until every client has m samples" loop (flwr-datasets'
+    ``DirichletPartitioner``, NIID-Bench), which almost never ends for Dir(0.1) over 100 clients with
+    ~70 samples each (the Feddle protocol on Animal-MNIST); it moves few samples (docs/methods.md).
+    """
     n = len(labels)
     _check_k(n, k)
-    part = DirichletPartitioner(num_partitions=k, partition_by="label", alpha=alpha,
-                                min_partition_size=min(10, max(1, n // (4 * k))), self_balancing=False,
-                                shuffle=True, seed=seed)
-    return _flwr(part, labels, np.arange(n))
+    rng = _rng(seed)
+    owner = np.empty(n, dtype=np.int64)
+    for cls in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == cls))
+        owner[idx] = np.repeat(np.arange(k), _counts(len(idx), rng.dirichlet(np.full(k, alpha))))
+    size, m = np.bincount(owner, minlength=k), min(10, max(1, n // (4 * k)))
+    while size.min() < m:
+        small, large = int(np.argmin(size)), int(np.argmax(size))
+        owner[rng.choice(np.flatnonzero(owner == large))] = small
+        size[small], size[large] = size[small] + 1, size[large] - 1
+    return _finish((np.flatnonzero(owner == i) for i in range(k)), "dirichlet")
 
 
 def pathological(labels: np.ndarray, k: int, classes_per_client: int, seed: int) -> Parts:

@@ -2,8 +2,9 @@
 
 In-domain (ID): the central split of the clients' dataset (``central-size`` samples taken from the
 test split, as the Feddle papers take their 1000). Out-of-domain (OOD): another dataset with its own
-label space (``server-dataset``, e.g. digits next to Animal-MNIST clients); the model's input
-adapter resizes and re-channels it, and the OOD methods fit their own head on its labels.
+label space (``server-dataset``, ``server-dataset-size`` of its samples, e.g. digits next to
+Animal-MNIST clients); the model's input adapter resizes and re-channels it, and the OOD methods fit
+their own head on its labels.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def build_server_data(cfg, splits: Splits) -> ServerData | None:
     if not cfg.server_dataset:
         return ServerData(splits.central, True, device) if len(splits.central) else None
     ood = load_dataset(cfg.server_dataset, cfg.data_root)
-    if cfg.central_size and cfg.central_size < len(ood):
+    if cfg.server_dataset_size and cfg.server_dataset_size < len(ood):
         # A fixed-size sample of the OOD set, the same for a given seed.
-        idx = np.sort(np.random.default_rng([cfg.seed, 3]).permutation(len(ood))[: cfg.central_size])
+        idx = np.sort(np.random.default_rng([cfg.seed, 3]).permutation(len(ood))[: cfg.server_dataset_size])
         ood = ood.subset(idx)
     return ServerData(ood, False, device)

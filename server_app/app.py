@@ -7,6 +7,7 @@ The configuration is ``configs/<preset>.yaml`` overlaid with exactly the keys th
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 import time
 from logging import INFO
 from pathlib import Path
@@ -62,15 +63,19 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
                     poll_interval=cfg.poll_interval_s, wait_nodes=cfg.wait_nodes_s, seed=cfg.seed,
                     server_data=server_data, on_event=recorder.event)
 
-    def test_metrics() -> dict[str, float]:
+    def evaluate_into(entry: StepLog) -> StepLog:
+        """The global model on the test split (and the validation split, when there is one)."""
         pspec.load_into(model, strategy.params)
-        return evaluate(model, splits.test)
+        entry.test = evaluate(model, splits.test)
+        if len(splits.validation):
+            entry.validation = evaluate(model, splits.validation)
+        return entry
 
-    recorder.round(StepLog(0, 0, test=test_metrics()).to_dict())
+    recorder.round(evaluate_into(StepLog(0, 0)).to_dict())
 
     def on_round(entry: StepLog) -> None:
         if entry.round % cfg.eval_every == 0 or entry.round == cfg.num_rounds:
-            entry.test = test_metrics()
+            evaluate_into(entry)
         recorder.round(entry.to_dict())
         acc = f"test-accuracy {entry.test['accuracy']:.4f}" if entry.test else ""
         log(INFO, "round %d/%d v%d: %d/%d updates, %d failed, %d rejected, %d timed out, %.2fs %s", entry.round,
@@ -79,7 +84,7 @@ def run_server(grid: Grid, cfg: RunConfig) -> Path:
 
     t_train = time.perf_counter()
     if cfg.loop == "flower":
-        flower_loop(grid, strategy, cfg, dispatcher, recorder, test_metrics)
+        flower_loop(grid, strategy, cfg, dispatcher, recorder, evaluate_into)
     else:
         runner.run(cfg.num_rounds, on_round)
     train_seconds = time.perf_counter() - t_train
@@ -104,7 +109,7 @@ def describe(server_data: ServerData | None) -> str:
 
 
 def flower_loop(grid: Grid, strategy, cfg: RunConfig, dispatcher: Dispatcher, recorder: Recorder,
-                test_metrics) -> None:
+                evaluate_into: Callable[[StepLog], StepLog]) -> None:
     """Flower's own ``strategy.start()`` round loop instead of the hybridfl runtime, to compare the two
     (benchmarks/async_latency.py). Federated evaluation is off, as with Flower's ``fraction_evaluate=0``;
     every client gets the same ``train-seed`` (Flower sends one config to all)."""
@@ -113,7 +118,7 @@ def flower_loop(grid: Grid, strategy, cfg: RunConfig, dispatcher: Dispatcher, re
 
     def evaluate_fn(rnd: int, arrays: ArrayRecord) -> MetricRecord:
         strategy.params = strategy.spec.from_record(arrays)
-        entry = StepLog(rnd, strategy.version, test=test_metrics(), seconds=time.perf_counter() - seen["t"])
+        entry = evaluate_into(StepLog(rnd, strategy.version, seconds=time.perf_counter() - seen["t"]))
         entry.accepted, entry.rejected = (strategy.accepted_replies - seen["accepted"],
                                           strategy.rejected_replies - seen["rejected"])
         seen.update(accepted=strategy.accepted_replies, rejected=strategy.rejected_replies, t=time.perf_counter())

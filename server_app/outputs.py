@@ -16,7 +16,7 @@ from common.config import RunConfig
 
 def run_dir(cfg: RunConfig) -> Path:
     """``<output-dir>/<run-name>``; an empty run-name becomes ``<preset>-s<seed>-<timestamp>``."""
-    name = cfg.run_name or f"{cfg.preset}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = cfg.run_name or f"{cfg.preset.replace('/', '-')}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     path = Path(cfg.output_dir).expanduser().resolve() / name
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -65,6 +65,7 @@ class Recorder:
             "final-test-loss": evals[-1]["test-loss"] if evals else None,
             "best-test-accuracy": max(accs) if accs else None,
             "max-last-5-evals": papers_metric(accs),
+            "val-max-last-5-evals": papers_metric([r["val-accuracy"] for r in evals if "val-accuracy" in r]),
             **{f"total-{k}": v for k, v in totals.items()},
             "updates-per-s": self._rate(),
             "staleness-mean": float(np.mean(self.staleness)) if self.staleness else None,

@@ -70,17 +70,19 @@ class StepLog:
     staleness: list[int] = field(default_factory=list)
     train: dict[str, float] = field(default_factory=dict)
     test: dict[str, float] = field(default_factory=dict)
+    validation: dict[str, float] = field(default_factory=dict)  # with validation-size, for tuning
     strategy: dict[str, float] = field(default_factory=dict)  # e.g. Feddle's coefficient search
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k not in ("train", "test", "staleness", "strategy")}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("train", "test", "validation", "staleness", "strategy")}
         out.update(self.strategy)
         if self.staleness:
             out["staleness-mean"] = float(np.mean(self.staleness))
             out["staleness-max"] = int(max(self.staleness))
         out.update({f"train-{k.removeprefix('train-')}": v for k, v in self.train.items()})
         out.update({f"test-{k}": v for k, v in self.test.items()})
+        out.update({f"val-{k}": v for k, v in self.validation.items()})
         return out
 
 

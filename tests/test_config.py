@@ -27,9 +27,29 @@ def test_int_given_for_float_is_accepted():
     assert load_config({"lr": 1}).lr == 1.0 and isinstance(load_config({"lr": 1}).lr, float)
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+@pytest.mark.parametrize("name", sorted(p.relative_to(CONFIG_DIR).with_suffix("").as_posix()
+                                         for p in CONFIG_DIR.rglob("*.yaml")))
 def test_every_preset_loads(name):
     assert load_config({"preset": name}).preset == name
+
+
+def test_a_preset_builds_on_its_bases_in_order_and_a_cycle_is_an_error(tmp_path, monkeypatch):
+    import common.config as C
+
+    monkeypatch.setattr(C, "CONFIG_DIR", tmp_path)
+    (tmp_path / "fam").mkdir()
+    (tmp_path / "fam" / "protocol.yaml").write_text("lr: 0.5\nlocal-epochs: 3\nseed: 1\n")
+    (tmp_path / "fam" / "method.yaml").write_text("base: fam/protocol\nlr: 0.25\n")
+    (tmp_path / "leaf.yaml").write_text("base: [fam/method, fam/protocol]\nseed: 7\n")
+    # the later base wins over the earlier, the file's own keys over both
+    assert C.read_preset("leaf") == {"lr": 0.5, "local-epochs": 3, "seed": 7}
+    assert C.read_preset("fam/method") == {"lr": 0.25, "local-epochs": 3, "seed": 1}
+    assert load_config({"preset": "fam/method", "seed": 2}).lr == 0.25
+    (tmp_path / "fam" / "protocol.yaml").write_text("base: leaf\n")
+    with pytest.raises(ConfigError, match="cycle leaf -> fam/method -> fam/protocol -> leaf"):
+        C.read_preset("leaf")
+    with pytest.raises(ConfigError, match="'preset' = '../x'"):
+        load_config({"preset": "../x"})
 
 
 @pytest.mark.parametrize(

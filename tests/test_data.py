@@ -99,12 +99,25 @@ def test_server_data_in_domain_is_the_central_split_and_out_of_domain_another_da
     assert x.shape == (50, 1, 8, 8) and y.dtype == torch.int64
     assert build_server_data(load_config({}), make_splits(data_spec(load_config({})))) is None  # no central data
 
-    ood_cfg = load_config({"dataset": "digits", "server-dataset": "synthetic", "central-size": 40})
+    ood_cfg = load_config({"dataset": "digits", "server-dataset": "synthetic", "server-dataset-size": 40,
+                           "central-size": 50})
     ood_splits = make_splits(data_spec(ood_cfg))
-    assert len(ood_splits.central) == 0  # the clients' test split keeps everything
+    # The ID central split is held out anyway: ID and OOD runs test on the same samples.
+    np.testing.assert_array_equal(ood_splits.test.y, splits.test.y)
     ood = build_server_data(ood_cfg, ood_splits)
     assert not ood.in_domain and len(ood) == 40 and ood.data.num_classes == 4
     assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_validation_split_comes_from_the_test_split_and_leaves_the_central_split_alone():
+    without, with_val = make_splits(spec(central_size=60)), make_splits(spec(central_size=60, validation_size=40))
+    np.testing.assert_array_equal(without.central.x, with_val.central.x)
+    assert len(with_val.validation) == 40 and len(with_val.test) == len(without.test) - 40
+    np.testing.assert_array_equal(with_val.train.y, without.train.y)  # clients keep their data
+    rows = lambda d: {r.tobytes() for r in d.x.reshape(len(d), -1)}  # noqa: E731
+    assert not rows(with_val.validation) & rows(with_val.test) and not rows(with_val.validation) & rows(with_val.central)
+    with pytest.raises(ValueError, match="validation-size 400 leave no test samples"):
+        make_splits(spec(validation_size=400))
 
 
 def test_label_noise_touches_exactly_the_asked_fraction_of_client_labels_and_no_server_label():
@@ -129,7 +142,7 @@ def test_ood_digits_feed_a_model_built_for_animal_mnist_clients():
     from common.models import build_from_config
     from common.server_data import build_server_data
 
-    cfg = load_config({"dataset": "animal-mnist", "server-dataset": "digits", "central-size": 100})
+    cfg = load_config({"dataset": "animal-mnist", "server-dataset": "digits", "server-dataset-size": 100})
     splits = make_splits(data_spec(cfg))
     clients = load_dataset("animal-mnist")
     assert clients.x.shape[1:] == (1, 28, 28) and len(clients) == 10_000

@@ -48,6 +48,18 @@ def test_every_sample_in_exactly_one_partition(scheme):
     np.testing.assert_array_equal(np.sort(merged), np.arange(len(LABELS)))
 
 
+def test_dirichlet_tops_up_small_clients_where_redrawing_would_not_end():
+    """The Feddle protocol on Animal-MNIST: 7000 samples, 100 clients, Dir(0.1). flwr-datasets'
+    re-draw loop gives up here; the top-up gives every client 10 samples and keeps the skew."""
+    labels = np.repeat(np.arange(C), 700)
+    parts = run("dirichlet", labels=labels, k=100, alpha=0.1)
+    sizes = np.array([len(p) for p in parts])
+    assert sizes.min() == 10 and sizes.sum() == len(labels)
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(len(labels)))
+    classes = [len(np.unique(labels[p])) for p in parts]
+    assert np.mean(classes) < 5 and skew(parts, labels) > 0.6
+
+
 def test_iid_is_balanced_and_lower_alpha_is_more_skewed():
     assert {len(p) for p in run("iid")} == {len(LABELS) // K}
     assert skew(run("iid")) < 0.1
