@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# (1) the main job: FedAvg on digits with `flwr run .` (local simulation); ARGS='num-rounds=5 ...'
+# (1) the main job: Feddle-ID on digits with `flwr run .` (local simulation); ARGS='num-rounds=5 ...'
 demo: $(STAMP)
 	$(PY) -m scripts.simulate $(ARGS)
 

@@ -1,7 +1,8 @@
 """Run a preset as a Flower local simulation (``flwr run .`` on a simulation SuperLink) and check it.
 
-    python -m scripts.simulate [KEY=VALUE ...]          e.g. preset="fedavg-digits" num-rounds=5
+    python -m scripts.simulate [KEY=VALUE ...]          e.g. preset="fedbuff-digits" num-rounds=5
 
+Without a ``preset`` it runs the main job, :data:`MAIN_JOB` (README command (1)).
 KEY=VALUE pairs are run-config overrides with ``flwr run -c`` syntax (TOML values; strings quoted).
 The script validates the config first (a bad key fails here, naming key, value and what is
 allowed), starts a simulation SuperLink on free loopback ports with a project-local FLWR_HOME,
@@ -14,16 +15,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from common.config import load_config
+from server_app.outputs import default_run_name
 from scripts.flower import (PROJECT_DIR, ProcessGroup, check_completed, flower_env, flwr_run, free_port,
                             run_and_report, wait_healthy, write_connection)
 
 CONNECTION = "hybridfl-sim"
+MAIN_JOB = "feddle-digits"  # README command (1): Feddle-ID on digits
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
@@ -39,7 +41,7 @@ def prepare(overrides: dict[str, Any]) -> tuple[dict[str, Any], Path]:
     cfg = load_config(overrides)
     out_root = Path(cfg.output_dir)
     out_root = out_root if out_root.is_absolute() else PROJECT_DIR / out_root
-    name = cfg.run_name or f"{cfg.preset}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = cfg.run_name or default_run_name(cfg)
     return {**overrides, "output-dir": str(out_root), "run-name": name}, out_root / name
 
 
@@ -67,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flwr-home", type=Path, default=PROJECT_DIR / ".flwr",
                         help="FLWR_HOME for this run (default: ./.flwr)")
     args = parser.parse_args(argv)
-    return run_and_report(lambda: simulate(parse_overrides(args.overrides), args.flwr_home.resolve()))
+    overrides = {"preset": MAIN_JOB, **parse_overrides(args.overrides)}
+    return run_and_report(lambda: simulate(overrides, args.flwr_home.resolve()))
 
 
 if __name__ == "__main__":

@@ -14,9 +14,14 @@ from torch import nn
 from common.config import RunConfig
 
 
+def default_run_name(cfg: RunConfig) -> str:
+    """``<preset>-s<seed>-<timestamp>``, a preset's folders joined by '-'."""
+    return f"{cfg.preset.replace('/', '-')}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 def run_dir(cfg: RunConfig) -> Path:
-    """``<output-dir>/<run-name>``; an empty run-name becomes ``<preset>-s<seed>-<timestamp>``."""
-    name = cfg.run_name or f"{cfg.preset.replace('/', '-')}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """``<output-dir>/<run-name>``; an empty run-name becomes :func:`default_run_name`."""
+    name = cfg.run_name or default_run_name(cfg)
     path = Path(cfg.output_dir).expanduser().resolve() / name
     path.mkdir(parents=True, exist_ok=True)
     return path

@@ -1,0 +1,296 @@
+"""The Feddle papers' CNN table (004 Table 5 = 000 Table 7), reproduced on data that ships offline.
+
+Protocol (``configs/feddle-animal/protocol.yaml``; spec feddle.md §3): Animal-MNIST on 100 clients,
+10 per server step, Dirichlet α ∈ {0.1, 0.3} label skew, half-normal delays σ ∈ {5, 20} steps, 100
+steps, the papers' CNN from scratch. In-domain (ID) server data: 1000 held-out Animal-MNIST samples;
+out-of-domain (OOD): scikit-learn's digits. Each method × setting is a preset,
+``configs/feddle-animal/<method>-dir<α>-n<σ>.yaml``; this script only runs them and tabulates.
+
+Metric: the papers' "max of the last five evaluations" (every 10 steps) of test accuracy, mean ± std
+over seeds. Dir(0.1)/σ=20 runs seeds 0–2, the other settings seed 0 (``--seeds``, ``--other-seeds``).
+Center does not depend on the clients' split or delays: it runs once per seed and fills every column.
+
+``--tune`` runs the small grids of :data:`GRIDS` on Dir(0.1)/σ=20 with seed 100 (not a reported seed)
+and ranks them by the VALIDATION split (``validation-size``), never the test split; the winners are
+written into the method presets by hand (BENCHMARKS.md lists the grid and the choice).
+
+Runs are independent processes (``--jobs``, one torch thread each) and resumable: a run whose result
+is already in ``<results>/runs.jsonl`` is not run again. Outputs: ``runs.jsonl``, ``table.md`` (ours
+beside the papers' Fashion-MNIST and CIFAR-10 CNN numbers) and ``accuracy.png`` (test accuracy per
+step, mean over seeds, Dir(0.1)/σ=20).
+
+    python -m benchmarks.reproduce_feddle --jobs 2                 # the table (about 1 h on 2 cores)
+    python -m benchmarks.reproduce_feddle --tune --jobs 2          # the tuning grids
+    python -m benchmarks.reproduce_feddle --ablation --seeds 0     # Feddle's component ablation
+    python -m benchmarks.reproduce_feddle --methods feddle-id,fedbuff --settings 0.1/20 --seeds 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+FAMILY = "feddle-animal"
+SETTINGS: list[tuple[float, int]] = [(0.1, 20), (0.1, 5), (0.3, 20), (0.3, 5)]
+MAIN = (0.1, 20)
+TUNE_SEED = 100
+# (preset name, label, uses ID data), in the papers' row order
+METHODS: list[tuple[str, str, bool]] = [
+    ("center", "Center", True), ("fedft", "Fed+FT", True), ("hfcl", "HFCL", True), ("feddf-id", "FedDF-ID", True),
+    ("feddle-id", "Feddle-ID", True), ("fedavg", "FedAvg", False), ("fedasync", "FedAsync", False),
+    ("fedbuff", "FedBuff", False), ("ca2fl", "CA2FL", False), ("feddf-ood", "FedDF-OOD", False),
+    ("feddle-ood", "Feddle-OOD", False)]
+SETTING_FREE = {"center"}  # the same number in every column
+# The papers' CNN numbers (spec feddle.md §5.5), columns in SETTINGS order, "mean ± std"
+PAPER = {
+    "Fashion-MNIST": {
+        "center": ["82.6 ± 0.9"] * 4, "fedft": ["84.5 ± 0.2", "86.1 ± 0.2", "85.1 ± 0.0", "87.1 ± 0.0"],
+        "hfcl": ["84.4 ± 0.4", "86.2 ± 0.1", "85.2 ± 0.3", "87.1 ± 0.2"],
+        "feddf-id": ["48.9 ± 5.8", "44.0 ± 5.0", "72.9 ± 0.9", "71.7 ± 4.9"],
+        "feddle-id": ["86.5 ± 0.2", "87.3 ± 0.0", "86.4 ± 0.2", "87.1 ± 0.1"],
+        "fedavg": ["60.8 ± 4.4", "80.7 ± 1.0", "81.1 ± 0.7", "86.6 ± 0.1"],
+        "fedasync": ["78.4 ± 2.2", "80.9 ± 1.8", "83.4 ± 0.6", "85.4 ± 1.0"],
+        "fedbuff": ["79.4 ± 1.0", "82.4 ± 1.5", "81.6 ± 4.6", "85.4 ± 1.0"],
+        "ca2fl": ["78.9 ± 0.9", "85.4 ± 0.7", "82.1 ± 2.7", "85.5 ± 0.6"],
+        "feddf-ood": ["47.4 ± 6.8", "54.7 ± 5.3", "71.9 ± 0.4", "79.1 ± 2.6"],
+        "feddle-ood": ["81.4 ± 2.4", "86.1 ± 2.0", "85.1 ± 0.8", "88.2 ± 1.3"]},
+    "CIFAR-10": {
+        "center": ["42.1 ± 0.1"] * 4, "fedft": ["44.3 ± 0.5", "47.4 ± 0.2", "46.9 ± 0.6", "51.3 ± 0.6"],
+        "hfcl": ["44.7 ± 0.5", "47.1 ± 0.4", "47.6 ± 0.1", "51.2 ± 1.1"],
+        "feddf-id": ["18.0 ± 1.0", "19.8 ± 2.0", "37.3 ± 1.2", "39.5 ± 1.3"],
+        "feddle-id": ["51.2 ± 1.4", "52.9 ± 0.3", "51.5 ± 1.1", "53.3 ± 0.6"],
+        "fedavg": ["31.0 ± 1.3", "35.0 ± 3.8", "37.2 ± 1.2", "52.0 ± 2.6"],
+        "fedasync": ["35.5 ± 1.4", "40.4 ± 0.2", "43.2 ± 0.8", "45.7 ± 3.1"],
+        "fedbuff": ["26.8 ± 3.3", "33.2 ± 7.6", "32.6 ± 4.1", "44.0 ± 7.2"],
+        "ca2fl": ["27.6 ± 6.9", "36.6 ± 2.7", "37.1 ± 3.4", "43.9 ± 4.5"],
+        "feddf-ood": ["18.5 ± 1.9", "19.4 ± 1.9", "35.1 ± 0.2", "39.3 ± 1.4"],
+        "feddle-ood": ["37.6 ± 4.5", "42.3 ± 1.6", "44.5 ± 0.8", "53.1 ± 2.5"]},
+}
+# --tune: candidate overrides per method (the papers' grids, App. D, cut to what 100 steps can use)
+GRIDS: dict[str, list[dict[str, Any]]] = {
+    "fedbuff": [{"server-lr": g, "buffer-size": b} for g in (0.3, 1.0) for b in (10, 20)],
+    "ca2fl": [{"server-lr": g} for g in (0.3, 1.0)],
+    "fedasync": [{"mixing-alpha": a} for a in (0.4, 0.8)],
+    "center": [{"server-train-lr": lr} for lr in (1e-4, 1e-3)],
+    "fedft": [{"server-train-lr": lr} for lr in (1e-4, 1e-3)],
+    "feddf-id": [{"server-train-lr": lr} for lr in (1e-4, 1e-3)],
+    "feddf-ood": [{"server-train-lr": lr} for lr in (1e-4, 1e-3)],
+    "feddle-id": [{"search-lr": 0.01}, {"search-lr": 0.03}, {"search-lr": 0.1}, {"search-lr": 0.03, "server-epochs": 2}],
+    "feddle-ood": [{"search-lr": lr} for lr in (0.01, 0.03, 0.1)],
+}
+# --ablation: 004 Table 3's rows, cumulative; each row's Feddle switches (the presets' values elsewhere)
+ABLATION: list[tuple[str, dict[str, Any]]] = [
+    ("Base (zero init, raw anchors, FIFO atlas)", {"anchor-normalization": False, "importance-score": False,
+                                                   "fallback-init": False, "fallback-lambda": 0.0}),
+    ("+ anchor normalisation", {"anchor-normalization": True}),
+    ("+ importance score", {"importance-score": True}),
+    ("+ fallback initialisation", {"fallback-init": True}),
+    ("+ fallback regularisation (λ = 0.01)", {"fallback-lambda": 0.01}),
+]
+RESULTS = Path(__file__).resolve().parent / "results" / FAMILY
+
+
+def preset(method: str, setting: tuple[float, int]) -> str:
+    alpha, sigma = setting
+    return f"{FAMILY}/{method}-dir{alpha:g}-n{sigma:g}"
+
+
+def run_key(method: str, setting: tuple[float, int], seed: int, extra: dict[str, Any]) -> str:
+    tail = ",".join(f"{k}={v}" for k, v in sorted(extra.items()))
+    return f"{preset(method, setting)}/s{seed}" + (f"/{tail}" if tail else "")
+
+
+def _one(key: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """One run in this worker process (one torch thread); its summary numbers and test-accuracy curve."""
+    import logging
+
+    import torch
+
+    from server_app.inprocess import run_inprocess
+
+    torch.set_num_threads(1)
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    out = run_inprocess(overrides)
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"key": key, "test": summary["max-last-5-evals"], "val": summary["val-max-last-5-evals"],
+            "seconds": summary["wall-seconds"], "accepted": summary["total-accepted"],
+            "curve": [[r["round"], r["test-accuracy"]] for r in rows if "test-accuracy" in r],
+            "val-curve": [[r["round"], r["val-accuracy"]] for r in rows if "val-accuracy" in r]}
+
+
+def load_results(path: Path) -> dict[str, dict[str, Any]]:
+    if not path.is_file():
+        return {}
+    return {r["key"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def run_all(jobs: Iterable[tuple[str, dict[str, Any]]], path: Path, workers: int) -> dict[str, dict[str, Any]]:
+    """Run the jobs not yet in `path` (in parallel), appending each result as it finishes."""
+    done = load_results(path)
+    todo = [(k, o) for k, o in jobs if k not in done]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"{len(todo)} runs to do ({len(done)} already in {path})", flush=True)
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        futures = {pool.submit(_one, k, o): k for k, o in todo}
+        for n, fut in enumerate(as_completed(futures), 1):
+            result = fut.result()
+            done[result["key"]] = result
+            with open(path, "a") as f:
+                f.write(json.dumps(result) + "\n")
+            print(f"[{n}/{len(todo)}] {result['key']}: test {result['test']:.4f} val {result['val']:.4f} "
+                  f"({result['seconds']:.0f} s)", flush=True)
+    return done
+
+
+def job(method: str, setting: tuple[float, int], seed: int, extra: dict[str, Any] | None = None,
+        rounds: int | None = None) -> tuple[str, dict[str, Any]]:
+    extra = dict(extra or {})
+    if rounds:
+        extra["num-rounds"] = rounds
+    key = run_key(method, setting, seed, extra)
+    return key, {"preset": preset(method, setting), "seed": seed, "run-name": key.replace("/", "_"),
+                 "output-dir": "outputs/reproduce-feddle", **extra}
+
+
+def grid_jobs(methods: Sequence[str], settings: Sequence[tuple[float, int]], seeds: Sequence[int],
+              other_seeds: Sequence[int], rounds: int | None) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for method in methods:
+        for setting in ([MAIN] if method in SETTING_FREE else settings):
+            for seed in (seeds if setting == MAIN or method in SETTING_FREE else other_seeds):
+                out.append(job(method, setting, seed, rounds=rounds))
+    return out
+
+
+def mean_std(values: Sequence[float]) -> str:
+    pct = [100 * v for v in values]
+    if len(pct) == 1:
+        return f"{pct[0]:.1f} (1 seed)"
+    return f"{statistics.mean(pct):.1f} ± {statistics.stdev(pct):.1f}"
+
+
+def cell(results: dict[str, dict[str, Any]], method: str, setting: tuple[float, int], rounds: int | None) -> list[float]:
+    setting = MAIN if method in SETTING_FREE else setting
+    prefix = preset(method, setting) + "/s"
+    suffix = "" if not rounds else f"/num-rounds={rounds}"
+    return [r["test"] for k, r in sorted(results.items())
+            if k.startswith(prefix) and k[len(prefix):].split("/", 1)[0].isdigit()
+            and k[len(prefix):].partition("/")[2] == suffix.lstrip("/")]
+
+
+def table(results: dict[str, dict[str, Any]], settings: Sequence[tuple[float, int]], rounds: int | None) -> str:
+    head = " | ".join(f"Dir({a:g}),N({s})" for a, s in settings)
+    lines = [f"| Method | ID | {head} | papers' FMNIST CNN ({', '.join(f'D({a:g}),N({s})' for a, s in settings)}) |",
+             "|---|---|" + "---|" * len(settings) + "---|"]
+    for method, label, in_domain in METHODS:
+        ours = [cell(results, method, st, rounds) for st in settings]
+        paper = [PAPER["Fashion-MNIST"][method][SETTINGS.index(st)] for st in settings]
+        lines.append(f"| {label} | {'✓' if in_domain else '✗'} | "
+                     + " | ".join(mean_std(v) if v else "—" for v in ours) + f" | {'; '.join(paper)} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path, rounds: int | None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, group in zip(axes, (True, False)):
+        for method, label, in_domain in METHODS:
+            if in_domain != group and method not in ("fedavg",):
+                continue
+            prefix = preset(method, MAIN) + "/s"
+            curves = [r["curve"] for k, r in results.items() if k.startswith(prefix)
+                      and k[len(prefix):].partition("/")[2] == ("" if not rounds else f"num-rounds={rounds}")]
+            if not curves:
+                continue
+            steps = [s for s, _ in curves[0]]
+            acc = np.mean([[a for _, a in c] for c in curves], axis=0)
+            ax.plot(steps, 100 * acc, marker="o", ms=3, label=label, lw=2.5 if method.startswith("feddle") else 1.2)
+        ax.set(title=("with ID server data" if group else "without ID data (OOD: digits)") + ", Dir(0.1), N(20)",
+               xlabel="server step", ylabel="test accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def tune(workers: int, methods: Sequence[str], rounds: int | None) -> None:
+    path = RESULTS / "tuning.jsonl"
+    jobs = [job(m, MAIN, TUNE_SEED, extra, rounds) for m in methods if m in GRIDS for extra in GRIDS[m]]
+    results = run_all(jobs, path, workers)
+    for method in methods:
+        rows = [(r["val"], r["test"], k) for k, r in results.items() if k.startswith(preset(method, MAIN) + "/")]
+        for rank, (val, _, key) in enumerate(sorted(rows, reverse=True)):
+            print(f"{method:11s} {'*' if rank == 0 else ' '} val {val:.4f}  {key.split('/', 3)[-1]}")
+
+
+def ablation_jobs(seeds: Sequence[int]) -> list[tuple[str, str, int, tuple[str, dict[str, Any]]]]:
+    """(row label, method, seed, job) for the cumulative rows; a row equal to the preset is its main run."""
+    from common.config import load_config
+
+    out = []
+    for method in ("feddle-id", "feddle-ood"):
+        base = load_config({"preset": preset(method, MAIN)}).to_dict()
+        switches: dict[str, Any] = {}
+        for label, change in ABLATION:
+            switches.update(change)
+            extra = {k: v for k, v in switches.items() if base[k] != v}
+            out += [(label, method, seed, job(method, MAIN, seed, extra)) for seed in seeds]
+    return out
+
+
+def ablation(workers: int, seeds: Sequence[int]) -> str:
+    rows = ablation_jobs(seeds)
+    results = run_all([j for *_, j in rows], RESULTS / "runs.jsonl", workers)
+    lines = ["| Configuration | In-domain (Feddle-ID) | Out-of-domain (Feddle-OOD) |", "|---|---|---|"]
+    for label, _ in ABLATION:
+        cells = [mean_std([results[key]["test"] for lbl, m, _, (key, _) in rows if lbl == label and m == method])
+                 for method in ("feddle-id", "feddle-ood")]
+        lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
+    text = "\n".join(lines)
+    (RESULTS / "ablation.md").write_text(text + "\n")
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes, one torch thread each)")
+    ap.add_argument("--methods", default=",".join(m for m, _, _ in METHODS))
+    ap.add_argument("--settings", default=",".join(f"{a:g}/{s}" for a, s in SETTINGS), help="alpha/sigma,...")
+    ap.add_argument("--seeds", default="0,1,2", help="seeds of Dir(0.1)/N(20) (and of Center)")
+    ap.add_argument("--other-seeds", default="0", help="seeds of the other settings")
+    ap.add_argument("--rounds", type=int, default=None, help="override the presets' num-rounds (quick looks)")
+    ap.add_argument("--tune", action="store_true", help="run the tuning grids instead (validation split)")
+    ap.add_argument("--ablation", action="store_true", help="run the component ablation (Dir(0.1)/N(20), --seeds)")
+    args = ap.parse_args(argv)
+    methods = args.methods.split(",")
+    unknown = sorted(set(methods) - {m for m, _, _ in METHODS})
+    if unknown:
+        ap.error(f"unknown methods {unknown}")
+    if args.tune:
+        tune(args.jobs, methods, args.rounds)
+        return
+    if args.ablation:
+        print(ablation(args.jobs, [int(s) for s in args.seeds.split(",")]))
+        return
+    settings = [(float(a), int(s)) for a, s in (x.split("/") for x in args.settings.split(","))]
+    seeds, other = [int(s) for s in args.seeds.split(",")], [int(s) for s in args.other_seeds.split(",")]
+    results = run_all(grid_jobs(methods, settings, seeds, other, args.rounds), RESULTS / "runs.jsonl", args.jobs)
+    text = table(results, settings, args.rounds)
+    (RESULTS / "table.md").write_text(text + "\n")
+    plot(results, RESULTS / "accuracy.png", args.rounds)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
