@@ -21,7 +21,7 @@ step, mean over seeds, Dir(0.1)/σ=20).
 
     python -m benchmarks.reproduce_feddle --jobs 2                 # the table (about 1 h on 2 cores)
     python -m benchmarks.reproduce_feddle --tune --jobs 2          # the tuning grids
-    python -m benchmarks.reproduce_feddle --ablation --seeds 0     # Feddle's component ablation
+    python -m benchmarks.reproduce_feddle --ablation --seeds 0 --rounds 50   # Feddle's component ablation
     python -m benchmarks.reproduce_feddle --methods feddle-id,fedbuff --settings 0.1/20 --seeds 0
 """
 
@@ -234,7 +234,7 @@ def tune(workers: int, methods: Sequence[str], rounds: int | None) -> None:
             print(f"{method:11s} {'*' if rank == 0 else ' '} val {val:.4f}  {key.split('/', 3)[-1]}")
 
 
-def ablation_jobs(seeds: Sequence[int]) -> list[tuple[str, str, int, tuple[str, dict[str, Any]]]]:
+def ablation_jobs(seeds: Sequence[int], rounds: int | None = None) -> list[tuple[str, str, int, tuple[str, dict[str, Any]]]]:
     """(row label, method, seed, job) for the cumulative rows; a row equal to the preset is its main run."""
     from common.config import load_config
 
@@ -245,12 +245,12 @@ def ablation_jobs(seeds: Sequence[int]) -> list[tuple[str, str, int, tuple[str, 
         for label, change in ABLATION:
             switches.update(change)
             extra = {k: v for k, v in switches.items() if base[k] != v}
-            out += [(label, method, seed, job(method, MAIN, seed, extra)) for seed in seeds]
+            out += [(label, method, seed, job(method, MAIN, seed, extra, rounds)) for seed in seeds]
     return out
 
 
-def ablation(workers: int, seeds: Sequence[int]) -> str:
-    rows = ablation_jobs(seeds)
+def ablation(workers: int, seeds: Sequence[int], rounds: int | None = None) -> str:
+    rows = ablation_jobs(seeds, rounds)
     results = run_all([j for *_, j in rows], RESULTS / "runs.jsonl", workers)
     lines = ["| Configuration | In-domain (Feddle-ID) | Out-of-domain (Feddle-OOD) |", "|---|---|---|"]
     for label, _ in ABLATION:
@@ -281,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tune(args.jobs, methods, args.rounds)
         return
     if args.ablation:
-        print(ablation(args.jobs, [int(s) for s in args.seeds.split(",")]))
+        print(ablation(args.jobs, [int(s) for s in args.seeds.split(",")], args.rounds))
         return
     settings = [(float(a), int(s)) for a, s in (x.split("/") for x in args.settings.split(","))]
     seeds, other = [int(s) for s in args.seeds.split(",")], [int(s) for s in args.other_seeds.split(",")]
