@@ -272,6 +272,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=None, help="override the presets' num-rounds (quick looks)")
     ap.add_argument("--tune", action="store_true", help="run the tuning grids instead (validation split)")
     ap.add_argument("--ablation", action="store_true", help="run the component ablation (Dir(0.1)/N(20), --seeds)")
+    ap.add_argument("--report", action="store_true", help="run nothing: tabulate and plot the results so far")
     args = ap.parse_args(argv)
     methods = args.methods.split(",")
     unknown = sorted(set(methods) - {m for m, _, _ in METHODS})
@@ -285,7 +286,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     settings = [(float(a), int(s)) for a, s in (x.split("/") for x in args.settings.split(","))]
     seeds, other = [int(s) for s in args.seeds.split(",")], [int(s) for s in args.other_seeds.split(",")]
-    results = run_all(grid_jobs(methods, settings, seeds, other, args.rounds), RESULTS / "runs.jsonl", args.jobs)
+    jobs = [] if args.report else grid_jobs(methods, settings, seeds, other, args.rounds)
+    results = run_all(jobs, RESULTS / "runs.jsonl", args.jobs)
     text = table(results, settings, args.rounds)
     (RESULTS / "table.md").write_text(text + "\n")
     plot(results, RESULTS / "accuracy.png", args.rounds)
