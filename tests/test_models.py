@@ -302,3 +302,14 @@ def test_lora_model_trains_only_trainable_parameters():
         assert torch.equal(p, before_frozen[n]), n
     after = trainable(model)
     assert all(not torch.equal(after[n], before_train[n]) for n in after)  # every adapter and the head moved
+
+
+def test_cnn_width_sets_the_channels_and_travels_from_the_run_config():
+    from common.config import load_config
+    from common.models import build_from_config
+
+    narrow = build_from_config(load_config({"cnn-width": 16}).to_dict(), 1, 28, 10, seed=0)
+    assert [m.out_channels for m in narrow.body if isinstance(m, torch.nn.Conv2d)] == [16, 32, 32]
+    assert narrow.head.in_features == 64
+    wide = build_model("cnn", 1, 28, 10, seed=0)
+    assert sum(p.numel() for p in narrow.parameters()) < sum(p.numel() for p in wide.parameters()) / 3

@@ -143,3 +143,12 @@ def test_losing_every_node_fails_with_a_clear_message(small_run):
         small_run("gone", grid=grid, **{"num-clients": 3, "clients-per-round": 3, "num-rounds": 10,
                                          "wait-nodes-s": 1.0})
     assert list(grid.get_node_ids()) == []
+
+
+def test_validation_split_is_evaluated_beside_the_test_split_and_summarised(small_run):
+    out, summary = small_run(**{"validation-size": 20})
+    evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "test-accuracy" in r]
+    assert all("val-accuracy" in r and "val-loss" in r for r in evals)
+    assert summary["val-max-last-5-evals"] == max(r["val-accuracy"] for r in evals[-5:])
+    _, plain = small_run("plain")
+    assert plain["val-max-last-5-evals"] is None
