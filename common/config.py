@@ -167,6 +167,7 @@ class RunConfig:
     fallback_init: bool = _opt(True, None, "Feddle: start the search at FedBuff's coefficients (else 0)")
     anchor_normalization: bool = _opt(True, None, "Feddle: rescale anchors to the median norm (Eq. 5)")
     importance_score: bool = _opt(True, None, "Feddle: evict the anchor with the smallest |c| (else FIFO)")
+    search_diagnostics: bool = _opt(True, None, "Feddle: log the server loss before/after each search (2 passes)")
     server_train_lr: float = _opt(1e-3, POSITIVE, "Center / Fed+FT / FedDF: server training lr (grid 1e-5, 1e-4, 1e-3)")
     server_train_epochs: int = _opt(1, COUNT, "Center / Fed+FT / FedDF: server epochs per step (grid 1, 10, 20)")
     distill_temperature: float = _opt(1.0, POSITIVE, "FedDF: temperature T of the distillation's softmax")

@@ -14,17 +14,27 @@ from torch import nn
 from common.config import RunConfig
 
 
-def default_run_name(cfg: RunConfig) -> str:
-    """``<preset>-s<seed>-<timestamp>``, a preset's folders joined by '-'."""
-    return f"{cfg.preset.replace('/', '-')}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+def run_dir(cfg: RunConfig, root: Path | None = None) -> Path:
+    """Create and return ``<root>/<run-name>`` (root defaults to output-dir).
 
-
-def run_dir(cfg: RunConfig) -> Path:
-    """``<output-dir>/<run-name>``; an empty run-name becomes :func:`default_run_name`."""
-    name = cfg.run_name or default_run_name(cfg)
-    path = Path(cfg.output_dir).expanduser().resolve() / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    An empty run-name becomes ``<preset>-s<seed>-<timestamp>`` (a preset's folders joined by '-'),
+    with ``-2``, ``-3``… when another run took that name in the same second, so no run writes into
+    another's folder.
+    """
+    root = root or Path(cfg.output_dir).expanduser().resolve()
+    if cfg.run_name:
+        path = root / cfg.run_name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    base = f"{cfg.preset.replace('/', '-')}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, k = root / base, 1
+    while True:
+        try:
+            path.mkdir(parents=True)  # atomic: of two runs, one gets the name
+            return path
+        except FileExistsError:
+            k += 1
+            path = root / f"{base}-{k}"
 
 
 def papers_metric(accuracies: list[float]) -> float | None:
@@ -120,11 +130,11 @@ class Recorder:
             axes[0].legend(fontsize=8)
             axes[1].plot(steps, [r["c-negative"] for r in searches], color="tab:red")
             axes[1].set(xlabel="step", ylabel="fraction negative")
-            for key in ("loss-before", "loss-after"):
-                if key in searches[0]:
+            if "loss-before" in searches[0]:  # off with search-diagnostics = false
+                for key in ("loss-before", "loss-after"):
                     axes[2].plot(steps, [r[key] for r in searches], label=key)
+                axes[2].legend(fontsize=8)
             axes[2].set(xlabel="step", ylabel="server-data loss")
-            axes[2].legend(fontsize=8)
             fig.suptitle(f"{self.path.name}: coefficient search", fontsize=9)
             fig.tight_layout()
             fig.savefig(self.path / "search.png", dpi=100)

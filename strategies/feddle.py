@@ -54,6 +54,8 @@ class Feddle(AsyncStrategy):
         normalize: Eq. 5 on (else raw anchors).
         importance: evict the lowest |ĉ| (else the oldest anchor, FIFO).
         head_epochs, head_lr: out-of-domain only, the fit of θ before each search (warm-started).
+        diagnostics: report the server-data loss before and after each search (two extra forward
+            passes over the server data; off saves them on a CPU-only server).
         criterion: the loss ℓ (cross-entropy, as the clients').
         train_config, clients_per_round, seed: as in :class:`HybridStrategy`.
     """
@@ -61,7 +63,7 @@ class Feddle(AsyncStrategy):
     def __init__(self, atlas_size: int = 20, search_lr: float = 1e-3, server_epochs: int = 1, batch_size: int = 64,
                  fallback_lambda: float = 0.0, fallback_lr: float = 1.0, fallback_buffer: int = 0,
                  fallback_init: bool = True, normalize: bool = True, importance: bool = True,
-                 head_epochs: int = 5, head_lr: float = 1e-2,
+                 head_epochs: int = 5, head_lr: float = 1e-2, diagnostics: bool = True,
                  criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy, *,
                  train_config: dict[str, Any] | None = None, clients_per_round: int = 10, seed: int = 0) -> None:
         super().__init__(train_config, clients_per_round, seed)
@@ -70,6 +72,7 @@ class Feddle(AsyncStrategy):
         self.fallback_lambda, self.fallback_lr, self.fallback_buffer = fallback_lambda, fallback_lr, fallback_buffer
         self.fallback_init, self.normalize, self.importance = fallback_init, normalize, importance
         self.head_epochs, self.head_lr, self.criterion = head_epochs, head_lr, criterion
+        self.diagnostics = diagnostics
         self.anchors: list[torch.Tensor] = []  # raw a_m; normalised on the fly at each search
         self.scores: list[float] = []  # s_m = |ĉ_m| of the last search; +inf until an anchor is searched
         self.fresh: list[bool] = []  # arrived since the last search (the FedBuff buffer of the fallback)
@@ -83,7 +86,8 @@ class Feddle(AsyncStrategy):
     @classmethod
     def from_config(cls, cfg: Any, **common: Any) -> Feddle:
         return cls(cfg.atlas_size, cfg.search_lr, cfg.server_epochs, cfg.search_batch_size, cfg.fallback_lambda,
-                   cfg.server_lr, 0, cfg.fallback_init, cfg.anchor_normalization, cfg.importance_score, **common)
+                   cfg.server_lr, 0, cfg.fallback_init, cfg.anchor_normalization, cfg.importance_score,
+                   diagnostics=cfg.search_diagnostics, **common)
 
     def attach(self, model: nn.Module) -> None:
         """The model architecture the search evaluates (its trainable parameters are ω's layout)."""
@@ -151,16 +155,17 @@ class Feddle(AsyncStrategy):
         c = c.clone().requires_grad_(True)
         opt = torch.optim.Adam([c], lr=self.search_lr)
         gen = torch.Generator().manual_seed(self.seed + self.version)
-        before = self.loss_at(omega + c.detach() @ bar, x, y, ood)
+        stats = {"loss-before": self.loss_at(omega + c.detach() @ bar, x, y, ood)} if self.diagnostics else {}
         for _ in range(self.server_epochs):
             for idx in torch.randperm(len(y), generator=gen).split(self.batch_size):
                 grad = self.projected_grad(omega + c.detach() @ bar, bar, x[idx.to(device)], y[idx.to(device)], ood)
                 opt.zero_grad()
                 c.grad = grad + self.fallback_lambda * (c.detach() - c_prime)  # Eq. 11's pull
                 opt.step()
-        after = self.loss_at(omega + c.detach() @ bar, x, y, ood)
+        if self.diagnostics:
+            stats["loss-after"] = self.loss_at(omega + c.detach() @ bar, x, y, ood)
         spec.load_into(model, self.params.to(device))
-        return c.detach().cpu(), {"loss-before": before, "loss-after": after}
+        return c.detach().cpu(), stats
 
     def _loss(self, merged: torch.Tensor, x: torch.Tensor, y: torch.Tensor, ood: bool) -> torch.Tensor:
         self.spec.load_into(self.model, merged)
@@ -211,4 +216,4 @@ class Feddle(AsyncStrategy):
         return {**super().describe(), "atlas-size": self.atlas_size, "search-lr": self.search_lr,
                 "server-epochs": self.server_epochs, "fallback-lambda": self.fallback_lambda,
                 "fallback-init": self.fallback_init, "anchor-normalization": self.normalize,
-                "importance-score": self.importance}
+                "importance-score": self.importance, "search-diagnostics": self.diagnostics}

@@ -94,6 +94,23 @@ def test_zero_search_steps_with_fallback_init_is_fedbuffs_step():
     torch.testing.assert_close(feddle.aggregate(server(x, y)), fedbuff.aggregate(), rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize("in_domain", [True, False])
+def test_search_without_diagnostics_moves_the_same_way_with_two_fewer_forward_passes(in_domain):
+    model, spec, anchors, x, y = cnn_setup()
+    results = {}
+    for diagnostics in (True, False):
+        s = feddle_with(model, spec, anchors, server_epochs=2, batch_size=20, search_lr=0.05,
+                        diagnostics=diagnostics)
+        calls, loss = [], s._loss
+        s._loss = lambda *a: calls.append(1) or loss(*a)  # one forward pass over a batch or the whole data
+        s.aggregate(server(x, y, in_domain))
+        results[diagnostics] = (s.params, s.last_search, len(calls))
+    (with_p, with_m, with_calls), (without_p, without_m, without_calls) = results[True], results[False]
+    torch.testing.assert_close(without_p, with_p, rtol=0, atol=0)
+    assert {"loss-before", "loss-after"} <= set(with_m) and not {"loss-before", "loss-after"} & set(without_m)
+    assert (with_calls, without_calls) == (2 * 2 + 2, 2 * 2)  # 2 epochs × 2 batches, + before and after
+
+
 def test_median_normalisation():
     a = torch.stack([torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0]), torch.tensor([6.0, 8.0])])
     bar, norms = median_normalize(a)
