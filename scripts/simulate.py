@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import load_config
-from server_app.outputs import default_run_name
+from server_app.outputs import run_dir
 from scripts.flower import (PROJECT_DIR, ProcessGroup, check_completed, flower_env, flwr_run, free_port,
                             run_and_report, wait_healthy, write_connection)
 
@@ -41,7 +41,7 @@ def prepare(overrides: dict[str, Any]) -> tuple[dict[str, Any], Path]:
     cfg = load_config(overrides)
     out_root = Path(cfg.output_dir)
     out_root = out_root if out_root.is_absolute() else PROJECT_DIR / out_root
-    name = cfg.run_name or default_run_name(cfg)
+    name = run_dir(cfg, out_root).name  # created now, so a parallel run cannot take it
     return {**overrides, "output-dir": str(out_root), "run-name": name}, out_root / name
 
 

@@ -152,3 +152,16 @@ def test_validation_split_is_evaluated_beside_the_test_split_and_summarised(smal
     assert summary["val-max-last-5-evals"] == max(r["val-accuracy"] for r in evals[-5:])
     _, plain = small_run("plain")
     assert plain["val-max-last-5-evals"] is None
+
+
+def test_default_run_folders_never_collide_and_named_ones_are_reused(tmp_path, monkeypatch):
+    from common.config import load_config
+    from server_app import outputs
+
+    monkeypatch.setattr(outputs.time, "strftime", lambda fmt: "20261122-120000")  # all in the same second
+    cfg = load_config({"preset": "feddle-animal/feddle-id-dir0.1-n20", "seed": 3, "output-dir": str(tmp_path)})
+    names = [outputs.run_dir(cfg).name for _ in range(3)]
+    base = "feddle-animal-feddle-id-dir0.1-n20-s3-20261122-120000"
+    assert names == [base, f"{base}-2", f"{base}-3"]
+    named = load_config({"run-name": "mine", "output-dir": str(tmp_path)})
+    assert outputs.run_dir(named) == outputs.run_dir(named) == tmp_path / "mine"
