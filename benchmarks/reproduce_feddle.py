@@ -19,7 +19,7 @@ is already in ``<results>/runs.jsonl`` is not run again. Outputs: ``runs.jsonl``
 beside the papers' Fashion-MNIST and CIFAR-10 CNN numbers) and ``accuracy.png`` (test accuracy per
 step, mean over seeds, Dir(0.1)/σ=20).
 
-    python -m benchmarks.reproduce_feddle --jobs 2                 # the table (about 1 h on 2 cores)
+    python -m benchmarks.reproduce_feddle --jobs 2                 # the table (63 runs, about 2 h on 2 cores)
     python -m benchmarks.reproduce_feddle --tune --jobs 2          # the tuning grids
     python -m benchmarks.reproduce_feddle --ablation --seeds 0 --rounds 50   # Feddle's component ablation
     python -m benchmarks.reproduce_feddle --methods feddle-id,fedbuff --settings 0.1/20 --seeds 0
@@ -78,8 +78,8 @@ GRIDS: dict[str, list[dict[str, Any]]] = {
     "fedasync": [{"mixing-alpha": a} for a in (0.4, 0.8)],
     "center": [{"server-train-lr": lr} for lr in (1e-4, 1e-3)],
     "fedft": [{"server-train-lr": lr} for lr in (1e-4, 1e-3)],
-    "feddf-id": [{"server-train-lr": lr} for lr in (1e-4, 1e-3)],
-    "feddf-ood": [{"server-train-lr": lr} for lr in (1e-4, 1e-3)],
+    "feddf-id": [{"server-train-lr": lr} for lr in (1e-5, 1e-4, 1e-3)],
+    "feddf-ood": [{"server-train-lr": lr} for lr in (1e-5, 1e-4, 1e-3)],
     "feddle-id": [{"search-lr": 0.01}, {"search-lr": 0.03}, {"search-lr": 0.1}, {"search-lr": 0.03, "server-epochs": 2}],
     "feddle-ood": [{"search-lr": lr} for lr in (0.01, 0.03, 0.1)],
 }
