@@ -21,7 +21,7 @@ step, mean over seeds, Dir(0.1)/σ=20).
 
     python -m benchmarks.reproduce_feddle --jobs 2                 # the table (63 runs, about 2 h on 2 cores)
     python -m benchmarks.reproduce_feddle --tune --jobs 2          # the tuning grids
-    python -m benchmarks.reproduce_feddle --ablation --seeds 0 --rounds 50   # Feddle's component ablation
+    python -m benchmarks.reproduce_feddle --ablation --seeds 0,1,2 --rounds 50   # Feddle's component ablation
     python -m benchmarks.reproduce_feddle --methods feddle-id,fedbuff --settings 0.1/20 --seeds 0
 """
 
