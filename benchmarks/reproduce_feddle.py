@@ -234,7 +234,8 @@ def tune(workers: int, methods: Sequence[str], rounds: int | None) -> None:
             print(f"{method:11s} {'*' if rank == 0 else ' '} val {val:.4f}  {key.split('/', 3)[-1]}")
 
 
-def ablation_jobs(seeds: Sequence[int], rounds: int | None = None) -> list[tuple[str, str, int, tuple[str, dict[str, Any]]]]:
+def ablation_jobs(seeds: Sequence[int],
+                  rounds: int | None = None) -> list[tuple[str, str, int, tuple[str, dict[str, Any]]]]:
     """(row label, method, seed, job) for the cumulative rows; a row equal to the preset is its main run."""
     from common.config import load_config
 

@@ -181,7 +181,7 @@ class RunConfig:
     poll_interval_s: float = _opt(0.05, Range(0, 1, low_open=True), "seconds between pulls for replies")
     wait_nodes_s: float = _opt(120.0, POSITIVE, "seconds to wait for num-clients nodes at start, or any node later")
     output_dir: str = _opt("outputs", None, "where outputs/<run>/ is written (absolute in deployment)")
-    run_name: str = _opt("", None, "name of the run folder; empty = <preset>-s<seed>-<timestamp>")
+    run_name: str = _opt("", None, "run folder; empty = <preset>-s<seed>-<timestamp>[-k], never an existing one")
 
     @staticmethod
     def keys() -> list[str]:
