@@ -7,9 +7,11 @@ an optional ``data-root`` says where this node keeps the datasets' files.
 Everything else (data spec, model, local recipe, seed) travels in the message config, so a node
 needs no run configuration of its own.
 
-Replies: ``train`` returns the *delta* of the trainable parameters plus ``num-examples``,
-``partition-id``, ``base-version`` and training metrics; ``evaluate`` returns the global
-model's loss and accuracy on the partition; ``query`` returns the node's partition id.
+Replies: ``train`` runs the local recipe with the client objective the message names
+(``local-objective``: cross-entropy, FedProx's proximal term, ...; common/objectives.py) from the
+received model and extra arrays, and returns the *delta* of the trainable parameters plus
+``num-examples``, ``partition-id``, ``base-version`` and training metrics; ``evaluate`` returns the
+received model's loss and accuracy on the partition; ``query`` returns the node's partition id.
 An exception inside a handler becomes an error reply (``CLIENT_APP_RAISED_EXCEPTION``).
 """
 
@@ -31,9 +33,11 @@ from torch import nn
 
 from common.data import ArrayDataset, DataSpec, client_partition, load_dataset
 from common.models import build_from_config, model_config
-from common.params import ParamSpec
+from common.objectives import Received, build_loss
+from common.params import ParamSpec, extras_from_record
+from common.protocol import (ARRAYS, BASE_VERSION, CONFIG, EXTRAS, METRICS, NUM_EXAMPLES, PARTITION_ID, TRAIN_SEED,
+                             VERSION)
 from common.training import LocalRecipe, evaluate, train
-from common.protocol import ARRAYS, BASE_VERSION, CONFIG, METRICS, NUM_EXAMPLES, PARTITION_ID, TRAIN_SEED, VERSION
 
 app = ClientApp()
 
@@ -104,7 +108,11 @@ def train_handler(msg: Message, context: Context) -> Message:
     pid, data, model, pspec = _load(msg, context)
     time.sleep(float(context.node_config.get("latency-s", 0.0)))  # a slow device, for demos and tests
     start = pspec.flatten(model)
-    metrics = train(model, data, LocalRecipe.from_config(config), seed=int(config[TRAIN_SEED]))
+    recipe = LocalRecipe.from_config(config)
+    extras = extras_from_record(msg.content[EXTRAS]) if EXTRAS in msg.content.array_records else {}
+    received = Received(model, [p.detach().clone() for p in model.parameters() if p.requires_grad], extras)
+    loss = build_loss(recipe.objective, dict(config), received)
+    metrics = train(model, data, recipe, seed=int(config[TRAIN_SEED]), loss=loss)
     delta = pspec.flatten(model) - start
     reply = MetricRecord({NUM_EXAMPLES: len(data), PARTITION_ID: pid, BASE_VERSION: int(config[VERSION]), **metrics})
     return Message(RecordDict({ARRAYS: pspec.to_record(delta), METRICS: reply}), reply_to=msg)
@@ -115,7 +123,7 @@ def train_handler(msg: Message, context: Context) -> Message:
 def evaluate_handler(msg: Message, context: Context) -> Message:
     """Loss and accuracy of the received model on this node's partition."""
     pid, data, model, _ = _load(msg, context)
-    result = evaluate(model, data)
+    result = evaluate(model, data, seed=DataSpec.from_config(msg.content[CONFIG]).seed)
     metrics = MetricRecord({NUM_EXAMPLES: len(data), PARTITION_ID: pid,
                             "eval-loss": result["loss"], "eval-accuracy": result["accuracy"]})
     return Message(RecordDict({METRICS: metrics}), reply_to=msg)

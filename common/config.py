@@ -1,19 +1,26 @@
-"""Run configuration: one typed schema, loaded from a YAML preset plus `flwr run -c` overrides.
+"""Run configuration: the option machinery, the run-level keys, and YAML presets.
 
 A run's configuration is built in three layers, each overriding the one before:
 
-1. the defaults of :class:`RunConfig` (mirrored in ``[tool.flwr.app.config]`` of pyproject.toml),
+1. the defaults (mirrored in ``[tool.flwr.app.config]`` of pyproject.toml),
 2. the YAML preset named by ``preset`` (``configs/<preset>.yaml``),
 3. the keys the user gave explicitly (``flwr run -c 'k=v'``, or a dict in the in-process engine).
 
-Keys are spelled the same everywhere: YAML, pyproject and ``-c`` use ``num-rounds``; the
-dataclass field is ``num_rounds`` (hyphens become underscores, nothing else changes).
-Every value is checked at start-up; a bad one raises :class:`ConfigError` naming the key,
-the value and what is allowed.
+Two kinds of keys share one flat namespace. :class:`RunConfig` holds the *run-level* keys (data,
+model, runtime, local recipe, outputs). A method's hyperparameters are *options*, declared by the
+method itself as a dataclass of :func:`option` fields next to its class (a strategy's ``Config``,
+a client objective's ``Config``); ``server_app.config.load_config`` gathers them all and puts
+their values in ``RunConfig.options``. A key is spelled the same everywhere: YAML, pyproject,
+``-c`` and the README use ``num-rounds``, the dataclass field is ``num_rounds`` (hyphens become
+underscores, nothing else changes). Every value is checked at start-up; a bad one raises
+:class:`ConfigError` naming the key, the value and what is allowed.
 """
+
+from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,9 +34,9 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 class ConfigError(ValueError):
     """A configuration value that cannot be used; the message names key, value and what is allowed."""
 
-    def __init__(self, key: str, value: Any, allowed: str) -> None:
+    def __init__(self, key: str, value: Any, allowed: str, message: str = "") -> None:
         self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"config key '{key}' = {value!r} is not allowed: expected {allowed}")
+        super().__init__(message or f"config key '{key}' = {value!r} is not allowed: expected {allowed}")
 
 
 @dataclass(frozen=True)
@@ -47,18 +54,32 @@ class Range:
         lo = "(" if self.low_open else "["
         return f"a value in {lo}{self.low}, {self.high}]"
 
+    def short(self) -> str:
+        """The README's spelling: ``> 0``, ``≥ 1``, ``[0, 1]``."""
+        low = int(self.low) if float(self.low).is_integer() else self.low
+        if self.high == math.inf:
+            return f"{'>' if self.low_open else '≥'} {low}"
+        high = int(self.high) if float(self.high).is_integer() else self.high
+        return f"{'(' if self.low_open else '['}{low}, {high}]"
+
 
 @dataclass(frozen=True)
 class OneOf:
-    """A name from a registry; `names` is called lazily so registries can live in other packages."""
+    """A name from a fixed tuple or a registry (`names` called lazily, so registries load late)."""
 
-    names: Callable[[], Iterable[str]]
+    names: Callable[[], Iterable[str]] | tuple[str, ...]
+
+    def allowed(self) -> list[str]:
+        return sorted(self.names() if callable(self.names) else self.names)
 
     def ok(self, v: str) -> bool:
-        return v in set(self.names())
+        return v in set(self.allowed())
 
     def describe(self) -> str:
-        return "one of " + ", ".join(repr(n) for n in sorted(self.names()))
+        return "one of " + ", ".join(repr(n) for n in self.allowed())
+
+    def short(self) -> str:
+        return ", ".join(f"`{n}`" if n else '`""`' for n in self.allowed())
 
 
 def _datasets() -> Iterable[str]:
@@ -74,19 +95,16 @@ class DatasetName(OneOf):
     def ok(self, v: str) -> bool:
         from common.data import is_dataset
 
-        return is_dataset(v) or (v == "" and "" in set(self.names()))
+        return is_dataset(v) or (v == "" and "" in set(self.allowed()))
+
+    def short(self) -> str:
+        return "see [Data](#data)"
 
 
 def _models() -> Iterable[str]:
     from common.models import MODELS
 
     return MODELS
-
-
-def _strategies() -> Iterable[str]:
-    from strategies import STRATEGIES
-
-    return STRATEGIES
 
 
 def _partitioners() -> Iterable[str]:
@@ -100,8 +118,100 @@ def _presets() -> Iterable[str]:
     return sorted(p.relative_to(CONFIG_DIR).with_suffix("").as_posix() for p in CONFIG_DIR.rglob("*.yaml"))
 
 
-def _opt(default: Any, check: Range | OneOf | None = None, doc: str = "") -> Any:
-    return field(default=default, metadata={"check": check, "doc": doc})
+Check = Range | OneOf | None
+
+
+def option(default: Any, check: Check = None, doc: str = "", allowed: str = "") -> Any:
+    """A configuration field: its default, the check its values must pass, one line of documentation, and
+    (where the check does not say it well) how the README states what is allowed."""
+    return field(default=default, metadata={"check": check, "doc": doc, "allowed": allowed})
+
+
+@dataclass(frozen=True)
+class Option:
+    """An option defined once and declared by several configs (FedBuff's and CA2FL's ``buffer-size``),
+    so that the key has one default, one check and one meaning everywhere."""
+
+    default: Any
+    check: Check = None
+    doc: str = ""
+
+    def field(self) -> Any:
+        return option(self.default, self.check, self.doc)
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One key of a config dataclass: what :func:`validate` and the README's key table need."""
+
+    key: str
+    name: str
+    type: type
+    default: Any
+    check: Check
+    doc: str
+    allowed: str = ""
+
+    def same_as(self, other: OptionSpec) -> bool:
+        return (self.type, self.default, self.check, self.doc) == (other.type, other.default, other.check, other.doc)
+
+    def allowed_text(self, check: Check = None) -> str:
+        """What the README's key table says is allowed."""
+        check = check or self.check
+        return self.allowed or (check.short() if check else {bool: "bool", str: "text"}.get(self.type, ""))
+
+
+def to_key(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def specs_of(cls: type) -> dict[str, OptionSpec]:
+    """The options of config dataclass `cls`, by key (types resolved even under postponed annotations)."""
+    hints = typing.get_type_hints(cls)
+    return {to_key(f.name): OptionSpec(to_key(f.name), f.name, hints[f.name], f.default, f.metadata["check"],
+                                       f.metadata["doc"], f.metadata["allowed"])
+            for f in dataclasses.fields(cls) if "check" in f.metadata}
+
+
+_KIND = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def validate(spec: OptionSpec, value: Any, check: Check = None) -> Any:
+    """`value` coerced to the key's type (an int is a float) and checked, or :class:`ConfigError`."""
+    kind = spec.type
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if type(value) is not kind:  # bool is not an int here, and "3" is not 3
+        raise ConfigError(spec.key, value, _KIND[kind])
+    if kind is float and not math.isfinite(value):
+        raise ConfigError(spec.key, value, "a finite number")
+    check = check or spec.check
+    if check is not None and not check.ok(value):
+        raise ConfigError(spec.key, value, check.describe())
+    return value
+
+
+def make_options(cls: type, values: Mapping[str, Any]) -> Any:
+    """An instance of config dataclass `cls` from hyphenated `values` (keys it does not own are ignored),
+    every value validated."""
+    specs = specs_of(cls)
+    return cls(**{spec.name: validate(spec, values[key]) for key, spec in specs.items() if key in values})
+
+
+def check_options(instance: Any) -> None:
+    """Validate a config dataclass built in code (``FedBuff(buffer_size=0)``): :class:`ConfigError` if bad."""
+    for spec in specs_of(type(instance)).values():
+        validate(spec, getattr(instance, spec.name))
+
+
+def options_dict(instance: Any) -> dict[str, Any]:
+    """A config dataclass as ``{key: value}`` with hyphenated keys (logs, summary.json)."""
+    return {key: getattr(instance, spec.name) for key, spec in specs_of(type(instance)).items()}
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """The options of a method that has none."""
 
 
 POSITIVE = Range(0, math.inf, low_open=True)
@@ -110,102 +220,95 @@ COUNT = Range(1)
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything a run needs to know; see README "Configuration" for what each key does."""
+    """The run-level keys (see README "Configuration"), plus ``options``: every method option's value."""
 
-    preset: str = _opt("fedavg-digits", OneOf(_presets), "YAML preset in configs/ applied before overrides")
-    seed: int = _opt(0, Range(0), "fixes partitions, sampling, initialisation and local shuffling")
-    dataset: str = _opt("digits", DatasetName(_datasets), "dataset name (common/data.py)")
-    partitioner: str = _opt("dirichlet", OneOf(_partitioners), "how client data is split")
-    dirichlet_alpha: float = _opt(0.5, POSITIVE, "Dirichlet concentration (smaller = more skewed)")
-    num_clients: int = _opt(10, COUNT, "number of client partitions (= SuperNodes)")
-    classes_per_client: int = _opt(2, COUNT, "pathological: classes each client holds (#C=k)")
-    num_clusters: int = _opt(5, COUNT, "clusters: class groups, each owned by a block of clients (FedMerge Cluster)")
-    cluster_alpha: float = _opt(0.0, Range(0), "clusters: Dirichlet α within a group (FedMerge code: 10); 0 = IID")
-    cluster_sizes: str = _opt("equal", OneOf(lambda: ("equal", "fedmerge")),
-                              "clusters: clients per group, equal or FedMerge's random uneven sizes")
-    label_noise: float = _opt(0.0, Range(0, 1), "fraction of client training labels set to a random other class")
-    test_fraction: float = _opt(0.2, Range(0, 0.9, low_open=True), "fraction of the data kept as the server's test split")
-    central_size: int = _opt(0, Range(0), "samples moved from the test split to the server's in-domain central split "
-                             "(held out with server-dataset too, so ID and OOD runs test on the same split)")
-    validation_size: int = _opt(0, Range(0), "samples moved from the test split to a validation split, evaluated "
-                                "beside it (val-accuracy), for tuning")
-    server_dataset: str = _opt("", DatasetName(lambda: ("", *_datasets())),
-                               "empty: the server holds the ID central split; a dataset name: OOD server data")
-    server_dataset_size: int = _opt(0, Range(0), "with server-dataset: how many of its samples the server holds "
-                                    "(0 = all)")
-    data_root: str = _opt("data", None, "folder with the datasets' files (a node may override it in node_config)")
-    device: str = _opt("auto", OneOf(lambda: ("auto", "cpu", "cuda")), "where server-side training runs")
-    model: str = _opt("cnn", OneOf(_models), "model name (common/models.py)")
-    pretrained_weights: str = _opt("", None, "local torchvision-format state_dict for resnet18 / vit-b16 (\"\" = none)")
-    input_size: int = _opt(0, Range(0), "model input size; 0 = the model's default (cnn: the data's, 224, vit-small 32)")
-    lora_rank: int = _opt(4, Range(0), "ViTs: LoRA rank (0 = full fine-tuning)")
-    lora_alpha: float = _opt(8.0, POSITIVE, "ViTs: LoRA alpha (scaling alpha / rank)")
-    lora_targets: str = _opt("q,v", None, "ViTs: comma-separated layers with adapters, from q, k, v, out_proj, mlp")
-    normalize: str = _opt("", OneOf(lambda: ("", "none", "imagenet", "half")), "input normalisation; \"\" = model default")
-    batch_norm: str = _opt("batch", OneOf(lambda: ("batch", "running")),
-                           "resnet18: batch statistics always (batch), or running statistics (running; they do not travel)")
-    cnn_width: int = _opt(32, COUNT, "cnn: channels of the first convolution (2x in the others, 4x in the hidden layer)")
-    strategy: str = _opt("fedavg", OneOf(_strategies), "aggregation strategy (strategies/)")
-    num_rounds: int = _opt(20, COUNT, "server rounds (steps of the asynchronous runtime)")
-    clients_per_round: int = _opt(10, COUNT, "clients sampled per step (virtual clock); arrivals per step (wall)")
-    loop: str = _opt("hybridfl", OneOf(lambda: ("hybridfl", "flower")),
-                     "hybridfl: the runtime below; flower: Flower's own strategy.start() rounds (for comparison)")
-    clock: str = _opt("virtual", OneOf(lambda: ("virtual", "wall")), "virtual: seeded delays in steps; wall: real arrival order")
-    delay_sigma: float = _opt(0.0, Range(0), "σ of the half-normal client delay in server steps (0 = synchronous)")
-    concurrency: int = _opt(10, COUNT, "clients kept busy by the wall clock")
-    buffer_size: int = _opt(10, COUNT, "FedBuff / CA2FL: updates per server step (K)")
-    server_lr: float = _opt(1.0, POSITIVE, "FedBuff / CA2FL: server learning rate η_g")
-    staleness_weight: str = _opt("none", OneOf(lambda: ("none", "polynomial")), "FedBuff: weight (1+τ)^-a or none")
-    staleness_exponent: float = _opt(0.5, Range(0), "FedBuff / FedAsync: staleness exponent a")
-    mixing_alpha: float = _opt(0.4, Range(0, 1, low_open=True), "FedAsync: mixing weight α")
-    weighting: str = _opt("uniform", OneOf(lambda: ("uniform", "examples")), "FedBuff: buffer weights 1/K or by examples")
-    atlas_size: int = _opt(20, COUNT, "Feddle: M, anchors in the model atlas (papers: 2 x clients per step)")
-    search_lr: float = _opt(1e-3, POSITIVE, "Feddle: learning rate of the coefficient search")
-    server_epochs: int = _opt(1, Range(0), "Feddle: E_g, passes over the server data per search (0 = FedBuff step)")
-    search_batch_size: int = _opt(64, COUNT, "Feddle: mini-batch of the coefficient search")
-    fallback_lambda: float = _opt(0.0, Range(0), "Feddle: λ pulling c to FedBuff's c' (papers: 0 ID, 0.01 OOD)")
-    fallback_init: bool = _opt(True, None, "Feddle: start the search at FedBuff's coefficients (else 0)")
-    anchor_normalization: bool = _opt(True, None, "Feddle: rescale anchors to the median norm (Eq. 5)")
-    importance_score: bool = _opt(True, None, "Feddle: evict the anchor with the smallest |c| (else FIFO)")
-    search_diagnostics: bool = _opt(True, None, "Feddle: log the server loss before/after each search (2 passes)")
-    server_train_lr: float = _opt(1e-3, POSITIVE, "Center / Fed+FT / FedDF: server training lr (grid 1e-5, 1e-4, 1e-3)")
-    server_train_epochs: int = _opt(1, COUNT, "Center / Fed+FT / FedDF: server epochs per step (grid 1, 10, 20)")
-    distill_temperature: float = _opt(1.0, POSITIVE, "FedDF: temperature T of the distillation's softmax")
-    local_epochs: int = _opt(1, COUNT, "local epochs per client update")
-    batch_size: int = _opt(32, COUNT, "local mini-batch size")
-    optimizer: str = _opt("sgd", OneOf(lambda: ("sgd", "adam")), "local optimizer")
-    lr: float = _opt(0.05, POSITIVE, "local learning rate")
-    momentum: float = _opt(0.9, Range(0, 1), "SGD momentum (ignored by adam)")
-    eval_every: int = _opt(1, COUNT, "evaluate the global model on the test split every this many rounds")
-    reply_timeout_s: float = _opt(600.0, POSITIVE, "seconds a dispatched update may take before it is given up")
-    poll_interval_s: float = _opt(0.05, Range(0, 1, low_open=True), "seconds between pulls for replies")
-    wait_nodes_s: float = _opt(120.0, POSITIVE, "seconds to wait for num-clients nodes at start, or any node later")
-    output_dir: str = _opt("outputs", None, "where outputs/<run>/ is written (absolute in deployment)")
-    run_name: str = _opt("", None, "run folder; empty = <preset>-s<seed>-<timestamp>[-k], never an existing one")
+    preset: str = option("fedavg-digits", OneOf(_presets), "YAML preset applied before overrides",
+                         "a file in `configs/`, without `.yaml` (`feddle-animal/fedbuff-dir0.1-n20`)")
+    seed: int = option(0, Range(0), "fixes partitions, sampling, delays, initialisation and local shuffling")
+    dataset: str = option("digits", DatasetName(_datasets), "the clients' dataset")
+    partitioner: str = option("dirichlet", OneOf(_partitioners), "how client data is split (common/partitions.py)")
+    dirichlet_alpha: float = option(0.5, POSITIVE, "Dirichlet concentration (smaller = more skewed)")
+    num_clients: int = option(10, COUNT, "client partitions (= SuperNodes)")
+    classes_per_client: int = option(2, COUNT, "pathological: classes each client holds (#C=k)")
+    num_clusters: int = option(5, COUNT, "clusters: class groups, each owned by a block of clients (FedMerge Cluster)")
+    cluster_alpha: float = option(0.0, Range(0), "clusters: Dirichlet α within a group (FedMerge code: 10); 0 = IID")
+    cluster_sizes: str = option("equal", OneOf(("equal", "fedmerge")),
+                                "clusters: clients per group, equal or FedMerge's random uneven sizes")
+    label_noise: float = option(0.0, Range(0, 1), "fraction of client training labels set to a random other class "
+                                "(Feddle 000 Table 4)")
+    test_fraction: float = option(0.2, Range(0, 0.9, low_open=True),
+                                  "stratified fraction of the data kept as the server's test split")
+    central_size: int = option(0, Range(0), "samples moved from the test split to the server's in-domain central "
+                               "split (held out with `server-dataset` too, so ID and OOD runs test on the same "
+                               "samples)")
+    validation_size: int = option(0, Range(0), "samples moved from the test split to a validation split, evaluated "
+                                  "beside it (`val-accuracy`); tune on it, never on the test split")
+    server_dataset: str = option("", DatasetName(lambda: ("", *_datasets())),
+                                 "empty: the server holds the in-domain central split; a dataset name: "
+                                 "out-of-domain server data with its own labels", '`""` or a dataset')
+    server_dataset_size: int = option(0, Range(0), "with `server-dataset`: how many of its samples the server holds "
+                                      "(a seeded sample; 0 = all)")
+    data_root: str = option("data", None, "folder with the datasets' files (a SuperNode may set its own with "
+                            "`--node-config 'data-root=\"/path\"'`)", "path")
+    device: str = option("auto", OneOf(("auto", "cpu", "cuda")),
+                         "where server-side training runs (`auto`: CUDA when there is one)")
+    model: str = option("cnn", OneOf(_models), "see [Models](#models)")
+    pretrained_weights: str = option("", None, "resnet18 / vit-b16: a local torchvision-format `state_dict` "
+                                     "(present on every node); `\"\"` = random init", "path")
+    input_size: int = option(0, Range(0), "model input size; 0 = the model's default (cnn: the data's own, "
+                             "resnet18 / vit-b16: 224, vit-small: 32)")
+    lora_rank: int = option(4, Range(0), "ViTs: LoRA rank (Feddle: 4); 0 = full fine-tuning")
+    lora_alpha: float = option(8.0, POSITIVE, "ViTs: LoRA alpha; scaling = alpha / rank (Feddle's \"adaptation "
+                               "scale 8\" read as alpha = 8)")
+    lora_targets: str = option("q,v", None, "ViTs: comma-separated layers that get adapters",
+                               "subset of `q,k,v,out_proj,mlp`")
+    normalize: str = option("", OneOf(("", "none", "imagenet", "half")),
+                            "input normalisation; `\"\"` = the model's default (none for cnn, ImageNet otherwise)")
+    batch_norm: str = option("batch", OneOf(("batch", "running")),
+                             "resnet18: normalise with batch statistics always, or keep running statistics (they "
+                             "are buffers and do not travel, so federated runs use `batch`)")
+    cnn_width: int = option(32, COUNT, "cnn: channels of the first convolution (2× in the other two, 4× in the "
+                            "hidden layer; the papers do not state widths)")
+    strategy: str = option("fedavg", None, "the method: a registered strategy (strategies/)")
+    num_rounds: int = option(20, COUNT, "server rounds (steps of the runtime)")
+    clients_per_round: int = option(10, COUNT, "clients sampled per step (virtual clock); arrivals per step "
+                                    "(wall clock)", "1 … `num-clients`")
+    loop: str = option("hybridfl", OneOf(("hybridfl", "flower")),
+                       "the hybridfl runtime, or Flower's own `Strategy.start()` rounds (a barrier: needs the "
+                       "virtual clock with `delay-sigma = 0`)")
+    clock: str = option("virtual", OneOf(("virtual", "wall")),
+                        "virtual: seeded delays in steps; wall: real arrival order (see above)")
+    delay_sigma: float = option(0.0, Range(0), "σ of the half-normal client delay, in server steps "
+                                "(0 = synchronous)")
+    concurrency: int = option(10, COUNT, "clients kept busy by the wall clock")
+    local_epochs: int = option(1, COUNT, "local epochs per client update")
+    batch_size: int = option(32, COUNT, "local mini-batch size")
+    optimizer: str = option("sgd", OneOf(("sgd", "adam")), "local optimizer")
+    lr: float = option(0.05, POSITIVE, "local learning rate")
+    momentum: float = option(0.9, Range(0, 1), "SGD momentum (ignored by adam)")
+    local_objective: str = option("cross-entropy", None,
+                                  "the clients' loss: a registered client objective (common/objectives.py)")
+    eval_every: int = option(1, COUNT, "evaluate on the server's test split every this many steps (and at the end)")
+    checkpoint_every: int = option(10, Range(0), "write `checkpoint.pt` every this many steps and at the end "
+                                   "(0 = never)")
+    resume: str = option("", None, "a run folder with a `checkpoint.pt`: continue that run there (the other keys "
+                         "come from the checkpoint; see [Checkpoints](#checkpoints-and-resume))", "a run folder")
+    reply_timeout_s: float = option(600.0, POSITIVE, "seconds a dispatched update may take before it is given up")
+    poll_interval_s: float = option(0.05, Range(0, 1, low_open=True), "seconds between pulls for replies")
+    wait_nodes_s: float = option(120.0, POSITIVE,
+                                 "seconds to wait for `num-clients` nodes at start, or for any node later")
+    output_dir: str = option("outputs", None, "where `<run>/` is written (absolute under `flwr run`)", "path")
+    run_name: str = option("", None, "run folder; empty = `<preset>-s<seed>-<timestamp>` (`-2`, `-3`… when that "
+                           "folder exists)", "name")
+    options: dict[str, Any] = field(default_factory=dict, compare=True, hash=False)
 
     @staticmethod
-    def keys() -> list[str]:
-        return [to_key(f.name) for f in dataclasses.fields(RunConfig)]
+    def specs() -> dict[str, OptionSpec]:
+        return specs_of(RunConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return {to_key(k): v for k, v in dataclasses.asdict(self).items()}
-
-
-def to_key(name: str) -> str:
-    return name.replace("_", "-")
-
-
-_KIND = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-
-
-def _coerce(key: str, value: Any, kind: type) -> Any:
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if type(value) is not kind:  # bool is not an int here, and "3" is not 3
-        raise ConfigError(key, value, _KIND[kind])
-    if kind is float and not math.isfinite(value):
-        raise ConfigError(key, value, "a finite number")
-    return value
+        """Every key with its value: run-level keys, then the method options."""
+        return {**{key: getattr(self, spec.name) for key, spec in self.specs().items()}, **self.options}
 
 
 def read_preset(name: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -228,29 +331,3 @@ def read_preset(name: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
     for base in [bases] if isinstance(bases, str) else bases:
         layered.update(read_preset(base, _seen + (name,)))
     return {**layered, **data}
-
-
-def load_config(overrides: Mapping[str, Any] | None = None) -> RunConfig:
-    """Build and validate the run configuration: defaults <- preset <- `overrides`.
-
-    `overrides` are the keys the user set explicitly (Flower's ``Run.override_config``).
-    """
-    overrides = dict(overrides or {})
-    fields = {to_key(f.name): f for f in dataclasses.fields(RunConfig)}
-    preset = overrides.get("preset", RunConfig.preset)
-    _coerce("preset", preset, str)
-    layered = {**read_preset(preset), **overrides, "preset": preset}
-    values: dict[str, Any] = {}
-    for key, value in layered.items():
-        if key not in fields:
-            raise ConfigError(key, value, "a known key: " + ", ".join(sorted(fields)))
-        f = fields[key]
-        value = _coerce(key, value, f.type)
-        check = f.metadata["check"]
-        if check is not None and not check.ok(value):
-            raise ConfigError(key, value, check.describe())
-        values[f.name] = value
-    cfg = RunConfig(**values)
-    if cfg.clients_per_round > cfg.num_clients:
-        raise ConfigError("clients-per-round", cfg.clients_per_round, f"at most num-clients = {cfg.num_clients}")
-    return cfg

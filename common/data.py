@@ -22,34 +22,7 @@ import numpy as np
 
 from common import datasets as _ds
 from common import partitions
-
-
-@dataclass(frozen=True)
-class ArrayDataset:
-    """Images ``x`` (N, C, H, W) float32 in [0, 1] and labels ``y`` (N,) int64.
-
-    ``groups`` (optional): a natural owner per sample (LEAF writer, celebrity) for natural-id
-    partitions. ``fine`` (optional): finer labels to partition by when the model predicts coarser
-    ones (CIFAR-100: 100 fine classes partitioned, 20 superclasses predicted, as in Feddle).
-    """
-
-    x: np.ndarray
-    y: np.ndarray
-    num_classes: int
-    groups: np.ndarray | None = None
-    fine: np.ndarray | None = None
-
-    def __len__(self) -> int:
-        return len(self.y)
-
-    def subset(self, idx: np.ndarray) -> ArrayDataset:
-        pick = lambda a: None if a is None else a[idx]  # noqa: E731
-        return ArrayDataset(self.x[idx], self.y[idx], self.num_classes, pick(self.groups), pick(self.fine))
-
-    @property
-    def partition_labels(self) -> np.ndarray:
-        """The labels label-skew partitioners split by."""
-        return self.y if self.fine is None else self.fine
+from common.datasets import ArrayDataset
 
 
 def _digits(root: Path) -> ArrayDataset:

@@ -45,12 +45,9 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from common.data import ArrayDataset
 
 # Side of the square images that decoded-image datasets (CelebA, ISIC, image folders) are resized to.
 # 32 keeps a 200K-image CelebA at 2.4 GB float32 and lets the project's CNNs train on CPU; LEAF uses 84.
@@ -61,6 +58,34 @@ IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".ppm", "
 
 class DatasetNotFound(FileNotFoundError):
     """A dataset's files are not where the loader looks; the message says what to put where."""
+
+
+@dataclass(frozen=True)
+class ArrayDataset:
+    """Images ``x`` (N, C, H, W) float32 in [0, 1] and labels ``y`` (N,) int64.
+
+    ``groups`` (optional): a natural owner per sample (LEAF writer, celebrity) for natural-id
+    partitions. ``fine`` (optional): finer labels to partition by when the model predicts coarser
+    ones (CIFAR-100: 100 fine classes partitioned, 20 superclasses predicted, as in Feddle).
+    """
+
+    x: np.ndarray
+    y: np.ndarray
+    num_classes: int
+    groups: np.ndarray | None = None
+    fine: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def subset(self, idx: np.ndarray) -> ArrayDataset:
+        pick = lambda a: None if a is None else a[idx]  # noqa: E731
+        return ArrayDataset(self.x[idx], self.y[idx], self.num_classes, pick(self.groups), pick(self.fine))
+
+    @property
+    def partition_labels(self) -> np.ndarray:
+        """The labels label-skew partitioners split by."""
+        return self.y if self.fine is None else self.fine
 
 
 @dataclass(frozen=True)
@@ -113,9 +138,6 @@ _ISIC = _Source("ISIC 2019", "ISIC_2019_Training_Input/<image>.jpg and ISIC_2019
 
 def _dataset(x: np.ndarray, y: np.ndarray, num_classes: int, groups: np.ndarray | None = None,
              fine: np.ndarray | None = None) -> ArrayDataset:
-    # Imported here: common.data imports this module to register the loaders.
-    from common.data import ArrayDataset
-
     as_int = lambda a: None if a is None else np.asarray(a, dtype=np.int64)  # noqa: E731
     return ArrayDataset(np.ascontiguousarray(x, dtype=np.float32), as_int(y), num_classes, as_int(groups),
                         as_int(fine))

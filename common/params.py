@@ -25,6 +25,26 @@ class BadArrays(ValueError):
     """Arrays that do not fit the model (wrong names, shapes, dtype) or are not finite."""
 
 
+def _finite_float(name: str, arr: np.ndarray) -> torch.Tensor:
+    """A float32 copy of `arr` (the record's buffer is read-only), or BadArrays if it is not finite floats."""
+    if not np.issubdtype(arr.dtype, np.floating):
+        raise BadArrays(f"'{name}' has dtype {arr.dtype}, expected a float dtype")
+    flat = torch.from_numpy(np.array(arr, dtype=np.float32))
+    if not torch.isfinite(flat).all():
+        raise BadArrays(f"'{name}' has {int((~torch.isfinite(flat)).sum())} non-finite values")
+    return flat
+
+
+def extras_to_record(arrays: dict[str, torch.Tensor]) -> ArrayRecord:
+    """A strategy's extra tensors (any names and shapes) as an ``ArrayRecord``."""
+    return ArrayRecord({k: v.detach().cpu().contiguous() for k, v in arrays.items()})
+
+
+def extras_from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    """The extra tensors in `record` (float32), or :class:`BadArrays` naming one that is not finite floats."""
+    return {k: _finite_float(k, record[k].numpy()) for k in record.keys()}
+
+
 @dataclass(frozen=True)
 class ParamSpec:
     """Names and shapes of a model's trainable parameters, in ``named_parameters()`` order."""
@@ -74,9 +94,4 @@ class ParamSpec:
         arr = record[WIRE_KEY].numpy()
         if tuple(arr.shape) != (self.numel,):
             raise BadArrays(f"'{WIRE_KEY}' has shape {tuple(arr.shape)}, expected ({self.numel},) for this model")
-        if not np.issubdtype(arr.dtype, np.floating):
-            raise BadArrays(f"'{WIRE_KEY}' has dtype {arr.dtype}, expected a float dtype")
-        flat = torch.from_numpy(np.array(arr, dtype=np.float32))  # a copy: the record's buffer is read-only
-        if not torch.isfinite(flat).all():
-            raise BadArrays(f"{int((~torch.isfinite(flat)).sum())} non-finite values")
-        return flat
+        return _finite_float(WIRE_KEY, arr)

@@ -1,7 +1,8 @@
 """Names of the records and keys in the messages between the ServerApp and the ClientApp."""
 
-# Records of a message's RecordDict.
-ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
+# Records of a message's RecordDict: the model (or the update) as one flat array, a strategy's extra
+# tensors (both ways; absent when there are none), the config, the reply's metrics.
+ARRAYS, EXTRAS, CONFIG, METRICS = "arrays", "extras", "config", "metrics"
 
 # Keys of a train reply's metrics (besides the training metrics themselves).
 NUM_EXAMPLES, PARTITION_ID, BASE_VERSION = "num-examples", "partition-id", "base-version"

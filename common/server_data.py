@@ -46,6 +46,16 @@ class ServerData:
         return self._tensors
 
 
+def require_in_domain(server: ServerData | None, method: str) -> None:
+    """Raise a clear error unless `server` is in-domain server data (labels in the clients' label space)."""
+    if server is None or len(server) == 0:
+        raise ValueError(f"{method} trains on the server's data, but this run has none: set central-size > 0 "
+                         "(the in-domain central split) and leave server-dataset empty")
+    if not server.in_domain:
+        raise ValueError(f"{method} needs in-domain server data (the clients' label space), but the server holds "
+                         "out-of-domain data (server-dataset is set); leave server-dataset empty")
+
+
 def build_server_data(cfg, splits: Splits) -> ServerData | None:
     """The run's server data: the ID central split, or `server-dataset` (OOD); None when there is none."""
     device = resolve_device(cfg.device)

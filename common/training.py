@@ -1,38 +1,75 @@
-"""The one train loop and the one eval loop, shared by clients, the server and the benchmarks."""
+"""The one training loop and the one evaluation loop, shared by clients, the server and the benchmarks.
+
+:func:`run_epochs` is the loop every trainer calls: the clients' local training (:func:`train`), the
+server's training on its own data (:func:`train_on_server`: Center, Fed+FT, HFCL), FedDF's
+distillation, Feddle's head fit and its coefficient search. It fixes one batching rule (a seeded
+shuffle per epoch, mini-batches in that order, a lone trailing sample skipped) and one seed policy:
+clients' runs are seeded by ``derive_seed(run seed, client, dispatch count)`` (the runtime's
+``train-seed``), the server's work at model version v by :func:`server_seed` ``(run seed, v)``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from common.data import ArrayDataset
+from common.config import specs_of
+from common.datasets import ArrayDataset
+from common.objectives import OBJECTIVES, BatchLoss
+from common.params import ParamSpec
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed from integers (run seed, client, version...), stable across processes."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint32).view(np.uint64)[0] >> 1)
+
+
+SERVER_STREAM = 2**32 - 1  # the server's seed stream: derive_seed(seed, SERVER_STREAM, version); clients use ids < it
+EVAL_STREAM = 2**32 - 2  # the order evaluation batches are formed in
+
+
+def server_seed(seed: int, version: int) -> int:
+    """The seed of the server's own work at model `version` (distinct from every client's stream)."""
+    return derive_seed(seed, SERVER_STREAM, version)
 
 
 @dataclass(frozen=True)
 class LocalRecipe:
-    """How a client (or the server) trains: the hyperparameters that travel in a train message."""
+    """How a client trains: the hyperparameters that travel in a train message."""
 
     epochs: int
     batch_size: int
     lr: float
     optimizer: str = "sgd"
     momentum: float = 0.9
+    objective: str = "cross-entropy"
+    objective_options: tuple[tuple[str, Any], ...] = ()  # the objective's own keys and values
 
-    def to_config(self) -> dict[str, int | float | str]:
+    def to_config(self) -> dict[str, Any]:
         return {"local-epochs": self.epochs, "batch-size": self.batch_size, "lr": self.lr,
-                "optimizer": self.optimizer, "momentum": self.momentum}
+                "optimizer": self.optimizer, "momentum": self.momentum, "local-objective": self.objective,
+                **dict(self.objective_options)}
 
     @staticmethod
-    def from_config(config: dict) -> LocalRecipe:
+    def from_config(config: Mapping[str, Any]) -> LocalRecipe:
+        """The recipe in a message config or a run's ``to_dict()`` (the objective's keys picked from it)."""
+        objective = str(config.get("local-objective", "cross-entropy"))
+        if objective not in OBJECTIVES:
+            raise KeyError(f"unknown client objective {objective!r}; known: {sorted(OBJECTIVES)}")
+        keys = specs_of(OBJECTIVES[objective].Config)
         return LocalRecipe(int(config["local-epochs"]), int(config["batch-size"]), float(config["lr"]),
-                           str(config["optimizer"]), float(config["momentum"]))
+                           str(config["optimizer"]), float(config["momentum"]), objective,
+                           tuple((k, config[k]) for k in keys if k in config))
 
 
-def make_optimizer(recipe: LocalRecipe, params) -> torch.optim.Optimizer:
+def make_optimizer(recipe: LocalRecipe, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     if recipe.optimizer == "sgd":
         return torch.optim.SGD(params, lr=recipe.lr, momentum=recipe.momentum)
     if recipe.optimizer == "adam":
@@ -40,50 +77,101 @@ def make_optimizer(recipe: LocalRecipe, params) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {recipe.optimizer!r}; known: 'sgd', 'adam'")
 
 
-def train(model: nn.Module, data: ArrayDataset, recipe: LocalRecipe, seed: int,
-          device: torch.device | None = None) -> dict[str, float]:
-    """Train `model` in place on `data`; `seed` fixes the shuffling; batches go to `device` (the model's
-    device, e.g. the server's GPU; default: where the data is). Returns mean loss and accuracy."""
+def run_epochs(optimizer: torch.optim.Optimizer, n: int, batch_size: int, epochs: int, seed: int,
+               batch_loss: Callable[[torch.Tensor], torch.Tensor]) -> float:
+    """The one training loop: `epochs` passes over `n` samples, each in mini-batches of a fresh shuffle
+    drawn from `seed`; per batch of indices ``idx`` (on the CPU): zero the gradients,
+    ``batch_loss(idx).backward()``, ``optimizer.step()``. A lone trailing sample is skipped (BatchNorm
+    cannot train on a batch of one). Returns the mean batch loss per sample."""
+    gen = torch.Generator().manual_seed(seed)
+    total, seen = 0.0, 0
+    for _ in range(epochs):
+        for idx in torch.randperm(n, generator=gen).split(batch_size):
+            if len(idx) == 1 < n:
+                continue
+            optimizer.zero_grad(set_to_none=True)
+            loss = batch_loss(idx)
+            loss.backward()
+            optimizer.step()
+            total += loss.item() * len(idx)
+            seen += len(idx)
+    return total / max(seen, 1)
+
+
+def train(model: nn.Module, data: ArrayDataset, recipe: LocalRecipe, seed: int, device: torch.device | None = None,
+          loss: BatchLoss | None = None) -> dict[str, float]:
+    """Train `model` in place on `data` with `recipe`; `seed` fixes the shuffling; batches go to `device`
+    (the model's device, e.g. the server's GPU; default: where the data is); `loss(x, y, logits)` is
+    the objective (default: cross-entropy). Returns mean loss and accuracy."""
     if len(data) == 0:
         raise ValueError("cannot train on an empty dataset")
     x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
-    gen = torch.Generator().manual_seed(seed)
+    loss = loss or (lambda xb, yb, logits: F.cross_entropy(logits, yb))
     opt = make_optimizer(recipe, [p for p in model.parameters() if p.requires_grad])
+    hits = {"correct": 0, "seen": 0}
+
+    def batch_loss(idx: torch.Tensor) -> torch.Tensor:
+        xb, yb = x[idx], y[idx]
+        if device is not None:
+            xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+        logits = model(xb)
+        hits["correct"] += int((logits.argmax(1) == yb).sum())
+        hits["seen"] += len(yb)
+        return loss(xb, yb, logits)
+
     model.train()
-    total_loss, correct, seen = 0.0, 0, 0
-    for _ in range(recipe.epochs):
-        for idx in torch.randperm(len(y), generator=gen).split(recipe.batch_size):
-            if len(idx) == 1 < len(y):
-                continue  # a lone trailing sample: BatchNorm cannot train on a batch of one
-            xb, yb = x[idx], y[idx]
-            if device is not None:
-                xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
-            opt.zero_grad(set_to_none=True)
-            logits = model(xb)
-            loss = F.cross_entropy(logits, yb)
-            loss.backward()
-            opt.step()
-            total_loss += loss.item() * len(yb)
-            correct += int((logits.argmax(1) == yb).sum())
-            seen += len(yb)
-    return {"train-loss": total_loss / seen, "train-accuracy": correct / seen}
+    mean_loss = run_epochs(opt, len(y), recipe.batch_size, recipe.epochs, seed, batch_loss)
+    return {"train-loss": mean_loss, "train-accuracy": hits["correct"] / max(hits["seen"], 1)}
+
+
+def train_on_server(model: nn.Module, spec: ParamSpec, params: torch.Tensor, server: Any, recipe: LocalRecipe,
+                    seed: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """Load `params` into `model`, train it on ``server.data`` (cross-entropy on the server's labels) with
+    `recipe` and `seed` on ``server.device``.
+
+    Returns the trained flat parameters (float32, on the CPU) and ``train()``'s metrics. `model` is left
+    on the device holding the trained parameters; buffers that do not travel (BatchNorm running
+    statistics) keep evolving across calls, as on a client.
+    """
+    device = torch.device(server.device)
+    model.to(device)
+    spec.load_into(model, params.to(device))
+    stats = train(model, server.data, dataclasses.replace(recipe, objective="cross-entropy", objective_options=()),
+                  seed, device=device)
+    return spec.flatten(model).cpu(), stats
+
+
+def eval_order(n: int, seed: int) -> torch.Tensor:
+    """The order evaluation batches are formed in: a seeded shuffle, so that a split stored class by
+    class never gives a batch of one class (with batch statistics, the batch's label mix would leak
+    into the predictions)."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(derive_seed(seed, EVAL_STREAM)))
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data: ArrayDataset, batch_size: int = 1024) -> dict[str, float]:
-    """Mean cross-entropy and accuracy of `model` on `data`."""
+def predict(model: nn.Module, x: torch.Tensor, batch_size: int = 1024, seed: int = 0) -> torch.Tensor:
+    """`model`'s logits for every row of `x`, in `x`'s order, computed in eval mode over batches of a
+    seeded shuffle (:func:`eval_order`)."""
     model.eval()
-    total_loss, correct = 0.0, 0
-    for start in range(0, len(data), batch_size):
-        xb = torch.from_numpy(data.x[start : start + batch_size])
-        yb = torch.from_numpy(data.y[start : start + batch_size])
-        logits = model(xb)
-        total_loss += float(F.cross_entropy(logits, yb, reduction="sum"))
-        correct += int((logits.argmax(1) == yb).sum())
-    n = max(len(data), 1)
-    return {"loss": total_loss / n, "accuracy": correct / n}
+    order = eval_order(len(x), seed)
+    out: torch.Tensor | None = None
+    for idx in order.split(batch_size):
+        logits = model(x[idx.to(x.device)])
+        if out is None:
+            out = logits.new_empty((len(x), *logits.shape[1:]))
+        out[idx.to(out.device)] = logits
+    if out is None:
+        raise ValueError("cannot predict on an empty input")
+    return out
 
 
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed from integers (run seed, client, version...), stable across processes."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint32).view(np.uint64)[0] >> 1)
+@torch.no_grad()
+def evaluate(model: nn.Module, data: ArrayDataset, batch_size: int = 1024, seed: int = 0) -> dict[str, float]:
+    """Mean cross-entropy and accuracy of `model` on `data` (batches in :func:`eval_order`)."""
+    if len(data) == 0:
+        return {"loss": 0.0, "accuracy": 0.0}
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    x, y = torch.from_numpy(data.x).to(device), torch.from_numpy(data.y).to(device)
+    logits = predict(model, x, batch_size, seed)
+    return {"loss": float(F.cross_entropy(logits, y, reduction="sum")) / len(y),
+            "accuracy": int((logits.argmax(1) == y).sum()) / len(y)}

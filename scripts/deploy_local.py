@@ -21,7 +21,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from common.config import load_config
+from server_app.config import load_config
 from scripts.flower import (PROJECT_DIR, ProcessGroup, check_completed, flower_env, flwr_run, free_port,
                             run_and_report, wait_healthy, write_connection)
 from scripts.simulate import parse_overrides, prepare

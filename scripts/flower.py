@@ -20,6 +20,8 @@ from typing import Any
 
 import httpx
 
+from common.config import ConfigError
+
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 
 
@@ -211,7 +213,6 @@ def run_status(env: dict[str, str], connection: str, run_id: int) -> str:
 
 def run_and_report(fn: Callable[[], Path]) -> int:
     """Run a launcher; print its summary. Exit code 0 = completed, 1 = the run failed, 2 = bad config."""
-    from common.config import ConfigError
 
     try:
         run_path = fn()

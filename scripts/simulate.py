@@ -2,7 +2,8 @@
 
     python -m scripts.simulate [KEY=VALUE ...]          e.g. preset="fedbuff-digits" num-rounds=5
 
-Without a ``preset`` it runs the main job, :data:`MAIN_JOB` (README command (1)).
+Without a ``preset`` it runs the main job, :data:`MAIN_JOB` (README command (1)); with
+``resume="<run folder>"`` it continues that run from its checkpoint.
 KEY=VALUE pairs are run-config overrides with ``flwr run -c`` syntax (TOML values; strings quoted).
 The script validates the config first (a bad key fails here, naming key, value and what is
 allowed), starts a simulation SuperLink on free loopback ports with a project-local FLWR_HOME,
@@ -19,7 +20,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from common.config import load_config
+from server_app.config import load_config
 from server_app.outputs import run_dir
 from scripts.flower import (PROJECT_DIR, ProcessGroup, check_completed, flower_env, flwr_run, free_port,
                             run_and_report, wait_healthy, write_connection)
@@ -37,8 +38,11 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
 
 
 def prepare(overrides: dict[str, Any]) -> tuple[dict[str, Any], Path]:
-    """Validate `overrides`, pin an absolute output-dir and a run-name; return them and the run folder."""
+    """Validate `overrides`, pin an absolute output-dir and a run-name (or, with ``resume``, the absolute
+    folder of the run to continue); return them and the run folder."""
     cfg = load_config(overrides)
+    if cfg.resume:
+        return {**overrides, "resume": cfg.resume}, Path(cfg.resume)
     out_root = Path(cfg.output_dir)
     out_root = out_root if out_root.is_absolute() else PROJECT_DIR / out_root
     name = run_dir(cfg, out_root).name  # created now, so a parallel run cannot take it
@@ -69,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flwr-home", type=Path, default=PROJECT_DIR / ".flwr",
                         help="FLWR_HOME for this run (default: ./.flwr)")
     args = parser.parse_args(argv)
-    overrides = {"preset": MAIN_JOB, **parse_overrides(args.overrides)}
+    given = parse_overrides(args.overrides)
+    overrides = given if "resume" in given else {"preset": MAIN_JOB, **given}
     return run_and_report(lambda: simulate(overrides, args.flwr_home.resolve()))
 
 

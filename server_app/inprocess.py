@@ -21,6 +21,11 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from client_app.app import app as default_client_app
+from server_app.app import RUN_STATE
+from server_app.app import app as default_server_app
+from server_app.config import load_config
+
 
 class InProcessGrid(Grid):
     """A Grid over `num_nodes` in-process nodes running `client_app`.
@@ -107,11 +112,6 @@ def run_inprocess(overrides: Mapping[str, Any] | None = None, client_app: Client
 
     `client_app` (default: the project's) runs on every node; pass `grid` instead to control the nodes.
     """
-    from client_app.app import app as default_client_app
-    from common.config import load_config
-    from server_app.app import RUN_STATE
-    from server_app.app import app as default_server_app
-
     overrides = dict(overrides or {})
     cfg = load_config(overrides)
     grid = grid or InProcessGrid(client_app or default_client_app, cfg.num_clients)

@@ -2,7 +2,9 @@
 
 ``NodeDirectory`` learns which client (partition) each node holds, so sampling, seeds and
 aggregation order depend on stable client ids, not on the random node ids of a run.
-``Dispatcher`` builds train/evaluate messages tagged with the model version they carry.
+``Dispatcher`` turns a strategy's :class:`~strategies.base.Payload` into train/evaluate messages
+tagged with the model version they carry; :func:`parse_reply` turns a train reply back into an
+:class:`~strategies.base.Update`, or says why it cannot be used.
 """
 
 from __future__ import annotations
@@ -17,12 +19,51 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
-from common.params import ParamSpec
-from common.protocol import ARRAYS, CONFIG, METRICS, PARTITION_ID, TRAIN_SEED, VERSION
+from common.params import BadArrays, ParamSpec, extras_from_record, extras_to_record
+from common.protocol import (ARRAYS, BASE_VERSION, CONFIG, EXTRAS, METRICS, NUM_EXAMPLES, PARTITION_ID, REPLY_KEYS,
+                             TRAIN_SEED, VERSION)
 from common.training import derive_seed
-from strategies.base import weighted_mean
+from strategies.base import Payload, Strategy, Update
 
 POLL_INTERVAL_S = 0.05
+
+
+class RejectedReply(ValueError):
+    """A reply that cannot enter a strategy; the reason is logged and counted by the runner."""
+
+
+def parse_reply(msg: Message, spec: ParamSpec) -> Update:
+    """The :class:`Update` in a train reply (``sent`` left for the caller), or :class:`RejectedReply`."""
+    if msg.has_error():
+        raise RejectedReply(f"error reply (code {msg.error.code}): {msg.error.reason}")
+    content = msg.content
+    if ARRAYS not in content.array_records or METRICS not in content.metric_records:
+        raise RejectedReply(f"reply lacks '{ARRAYS}' or '{METRICS}' records")
+    metrics = content[METRICS]
+    for key in REPLY_KEYS:
+        if key not in metrics:
+            raise RejectedReply(f"reply metrics lack '{key}'")
+    if metrics[NUM_EXAMPLES] <= 0:
+        raise RejectedReply(f"num-examples = {metrics[NUM_EXAMPLES]} is not positive")
+    try:
+        delta = spec.from_record(content[ARRAYS])
+        extras = extras_from_record(content[EXTRAS]) if EXTRAS in content.array_records else {}
+    except BadArrays as err:
+        raise RejectedReply(str(err)) from err
+    rest = {k: float(v) for k, v in metrics.items() if k not in REPLY_KEYS and isinstance(v, (int, float))}
+    return Update(int(metrics[PARTITION_ID]), int(metrics[BASE_VERSION]), delta, int(metrics[NUM_EXAMPLES]),
+                  extras, rest)
+
+
+def weighted_mean(values: Iterable[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """Example-weighted mean of metric dicts: ``[(weight, {name: value})]`` -> ``{name: mean}``."""
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for w, metrics in values:
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + w * v
+            weights[k] = weights.get(k, 0.0) + w
+    return {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
 
 
 def collect(grid: Grid, message_ids: Iterable[str], timeout: float, poll: float = POLL_INTERVAL_S) -> list[Message]:
@@ -52,6 +93,9 @@ class NodeDirectory:
     @property
     def clients(self) -> list[int]:
         return sorted(self.node_of)
+
+    def client_of(self, node: int) -> int | None:
+        return next((c for c, n in self.node_of.items() if n == node), None)
 
     def poll(self) -> set[int]:
         """Ask connected nodes not yet known which partition they hold, record the answers that are in
@@ -93,34 +137,41 @@ class NodeDirectory:
 class Dispatcher:
     """Builds train/evaluate messages from a strategy's payload, tagged with the model version.
 
-    `run_config` holds what every message carries (data spec, model name); each train message
-    gets a seed derived from (run seed, client, how many times that client was dispatched).
+    `run_config` holds what every message carries (data spec, model, the clients' local recipe); a
+    payload's config is laid over it. Each train message gets a seed derived from (run seed, client,
+    how many times that client was dispatched): :meth:`next_seed`.
     """
 
     spec: ParamSpec
     run_config: dict[str, Any]
     seed: int
-    _dispatches: dict[int, int] = field(default_factory=dict)
+    dispatches: dict[int, int] = field(default_factory=dict)
 
-    def message(self, node: int, client: int, params, config: dict[str, Any], version: int,
-                message_type: str = MessageType.TRAIN) -> Message:
-        config = {**self.run_config, **config, VERSION: version}
-        if message_type == MessageType.TRAIN:
-            count = self._dispatches.get(client, 0)
-            self._dispatches[client] = count + 1
-            config[TRAIN_SEED] = derive_seed(self.seed, client, count)
-        content = RecordDict({ARRAYS: self.spec.to_record(params), CONFIG: ConfigRecord(config)})
+    def next_seed(self, client: int) -> int:
+        count = self.dispatches.get(client, 0)
+        self.dispatches[client] = count + 1
+        return derive_seed(self.seed, client, count)
+
+    def message(self, node: int, payload: Payload, version: int, message_type: str = MessageType.TRAIN,
+                train_seed: int | None = None) -> Message:
+        config = {**self.run_config, **payload.config, VERSION: version}
+        if train_seed is not None:
+            config[TRAIN_SEED] = train_seed
+        content = RecordDict({ARRAYS: self.spec.to_record(payload.params), CONFIG: ConfigRecord(config)})
+        if payload.arrays:
+            content[EXTRAS] = extras_to_record(payload.arrays)
         return Message(content, dst_node_id=node, message_type=message_type, group_id=str(version))
 
 
-def federated_evaluate(grid: Grid, directory: NodeDirectory, dispatcher: Dispatcher, params, version: int,
+def federated_evaluate(grid: Grid, directory: NodeDirectory, dispatcher: Dispatcher, strategy: Strategy,
                        timeout: float) -> dict[str, float]:
-    """Evaluate `params` on every connected client's partition; example-weighted means (+ replies count)."""
+    """Evaluate on every connected client's partition the model the strategy has for that client
+    (``model_for``); example-weighted means, plus how many replied."""
     connected = directory.poll()
-    msgs = [dispatcher.message(node, client, params, {}, version, MessageType.EVALUATE)
+    msgs = [dispatcher.message(node, strategy.model_for(client), strategy.version, MessageType.EVALUATE)
             for client, node in sorted(directory.node_of.items()) if node in connected]
     replies = [m for m in collect(grid, grid.push_messages(msgs), timeout) if not m.has_error()]
-    result = weighted_mean((float(m.content[METRICS]["num-examples"]),
+    result = weighted_mean((float(m.content[METRICS][NUM_EXAMPLES]),
                             {k: float(m.content[METRICS][k]) for k in ("eval-loss", "eval-accuracy")})
                            for m in replies)
     return {**result, "replies": len(replies), "sampled": len(msgs)}

@@ -1,4 +1,4 @@
-"""The run's outputs: ``outputs/<run>/{metrics.jsonl, summary.json, model.pt, accuracy.png}``."""
+"""The run's outputs: ``outputs/<run>/{metrics.jsonl, events.jsonl, summary.json, model.pt, *.png}``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from common.config import RunConfig
 
@@ -42,35 +41,66 @@ def papers_metric(accuracies: list[float]) -> float | None:
     return max(accuracies[-5:]) if accuracies else None
 
 
-class Recorder:
-    """Appends one JSON line per round and writes the summary, the model and the plot at the end."""
+def _kept_lines(path: Path, count: int) -> list[str]:
+    """The first `count` complete lines of `path`, the file cut to them (a killed run may have written more)."""
+    lines = [line for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")][:count]
+    if len(lines) < count:
+        raise RuntimeError(f"{path} has {len(lines)} complete lines, fewer than the checkpoint's {count}")
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(lines))
+    tmp.replace(path)
+    return lines
 
-    def __init__(self, path: Path) -> None:
+
+class Recorder:
+    """Appends one JSON line per round and per event, and writes the summary, the model and the plots at the end.
+
+    `position` (from :meth:`state_dict`) resumes a run: both files are cut back to what the checkpoint
+    had recorded, and what the rest of the run writes follows on.
+    """
+
+    def __init__(self, path: Path, position: dict[str, int] | None = None) -> None:
         self.path = path
         self.rows: list[dict[str, Any]] = []
         self.staleness: list[int] = []
         self.outcomes: dict[str, int] = {}
+        self.events = 0
         self.first_event_t: float | None = None
         self.last_event_t = 0.0
-        for name in ("metrics.jsonl", "events.jsonl"):
-            (path / name).write_text("")
+        if position is None:
+            for name in ("metrics.jsonl", "events.jsonl"):
+                (path / name).write_text("")
+            return
+        self.rows = [json.loads(line) for line in _kept_lines(path / "metrics.jsonl", position["rows"])]
+        for line in _kept_lines(path / "events.jsonl", position["events"]):
+            self._count(json.loads(line))
+
+    def state_dict(self) -> dict[str, int]:
+        """The recorder's position: rows and events written so far."""
+        return {"rows": len(self.rows), "events": self.events}
 
     def round(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
-    def event(self, event: dict[str, Any]) -> None:
-        """One update handed over or lost: client, base version, dispatch and arrival step, staleness, outcome."""
+    def _count(self, event: dict[str, Any]) -> None:
         if event["outcome"] == "accepted":
             self.staleness.append(event["staleness"])
         self.outcomes[event["outcome"]] = self.outcomes.get(event["outcome"], 0) + 1
         self.first_event_t = event["t"] if self.first_event_t is None else self.first_event_t
         self.last_event_t = event["t"]
+        self.events += 1
+
+    def event(self, event: dict[str, Any]) -> None:
+        """One update handed over or lost: client, base version, dispatch and arrival step, staleness, outcome."""
+        self._count(event)
         with open(self.path / "events.jsonl", "a") as f:
             f.write(json.dumps(event) + "\n")
 
-    def finish(self, summary: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    def finish(self, summary: dict[str, Any], models: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
+        """Write summary.json, ``model.pt`` (the headline model's ``state_dict``; ``models.pt`` holds all of
+        them by name when the strategy has several) and the plots; return the summary."""
         evals = [r for r in self.rows if "test-accuracy" in r]
         accs = [r["test-accuracy"] for r in evals]
         totals = {k: sum(r.get(k, 0) for r in self.rows) for k in ("accepted", "failures", "rejected", "timeouts")}
@@ -87,7 +117,9 @@ class Recorder:
             "staleness-max": int(max(self.staleness)) if self.staleness else None,
         }
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        torch.save(model.state_dict(), self.path / "model.pt")
+        torch.save(next(iter(models.values())), self.path / "model.pt")
+        if len(models) > 1:
+            torch.save(models, self.path / "models.pt")
         self._plots(evals)
         return summary
 

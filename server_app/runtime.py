@@ -18,10 +18,15 @@ Two clocks decide when an update is handed over:
 
 An error reply, an unusable reply or a reply slower than ``reply-timeout-s`` frees its slot and the
 work goes to another idle client; a run with no reachable client for ``wait-nodes-s`` fails.
+
+Every flight keeps the payload it carries (shared between the flights of one version) and its
+``train-seed``: the update it brings back is handed to the strategy with that payload (``sent``),
+and a resumed run sends exactly the same messages again (:meth:`Runner.state_dict`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable
@@ -30,14 +35,12 @@ from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.app import Message
 from flwr.common import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Result
 
-from common.params import ParamSpec
-from server_app.messaging import Dispatcher, NodeDirectory, federated_evaluate
-from strategies.base import HybridStrategy, RejectedReply, Update, parse_reply, weighted_mean
+from server_app.messaging import Dispatcher, NodeDirectory, RejectedReply, parse_reply, weighted_mean
+from strategies.base import Payload, Strategy, Update
 
 CLOCKS = ("virtual", "wall")
 
@@ -48,12 +51,19 @@ class Flight:
 
     seq: int  # dispatch order: ties between arrivals are broken by it, so runs are reproducible
     client: int
-    node: int
-    message_id: str
     version: int  # the model version it carries
     dispatch_step: int
     due_step: int  # virtual clock: the step it is handed over in; wall clock: unused (-1)
-    sent_at: float  # perf_counter() at push
+    payload: Payload  # what the client was sent
+    train_seed: int
+    node: int = -1  # where it went (transient: node ids change when a run resumes)
+    message_id: str = ""
+    sent_at: float = 0.0  # perf_counter() at push
+
+    def state(self) -> dict[str, Any]:
+        """What survives a restart (not where it went: node ids change)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("node", "message_id", "sent_at")}
 
 
 @dataclass
@@ -65,13 +75,13 @@ class StepLog:
     sampled: int = 0  # dispatches made in this step (replacements included)
     accepted: int = 0
     failures: int = 0  # error replies: exception on the device, node unavailable
-    rejected: int = 0  # replies that arrived but could not be used (shape, NaN, missing keys)
+    rejected: int = 0  # replies that arrived but could not be used (shape, NaN, missing keys, wrong version)
     timeouts: int = 0  # no reply within reply-timeout-s
     staleness: list[int] = field(default_factory=list)
     train: dict[str, float] = field(default_factory=dict)
     test: dict[str, float] = field(default_factory=dict)
     validation: dict[str, float] = field(default_factory=dict)  # with validation-size, for tuning
-    strategy: dict[str, float] = field(default_factory=dict)  # e.g. Feddle's coefficient search
+    strategy: dict[str, float] = field(default_factory=dict)  # what the step's last strategy step measured
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -89,11 +99,13 @@ class StepLog:
 class Runner:
     """Drives a strategy over a Grid with a virtual or a wall clock (see the module docstring).
 
+    It owns the run's :class:`NodeDirectory` (node <-> client; fill it with ``directory.wait_for`` before
+    ``run``) and :class:`Dispatcher` (messages and train seeds).
+
     Args:
         grid: Flower grid (simulation, deployment, or the in-process engine).
-        strategy: an initialised :class:`HybridStrategy`.
-        directory: node <-> client map (filled with ``wait_for`` before ``run``).
-        dispatcher: builds the messages.
+        strategy: an initialised :class:`~strategies.base.Strategy`.
+        run_config: what every message carries (data spec, model, the clients' local recipe).
         clients_per_round: N, clients sampled per step (virtual) / arrivals per step (wall).
         clock: ``"virtual"`` or ``"wall"``.
         delay_sigma: σ of the virtual half-normal delay, in server steps (0 = synchronous).
@@ -102,18 +114,18 @@ class Runner:
         poll_interval: seconds between ``pull_messages`` calls when nothing arrived.
         wait_nodes: seconds to wait for a reachable client before failing the run.
         seed: seeds client sampling and delays.
-        server_data: passed to ``strategy.aggregate``.
+        server_data: passed to ``strategy.step``.
         on_event: called with a dict for every update handed over or lost (events.jsonl).
     """
 
-    def __init__(self, grid: Grid, strategy: HybridStrategy, directory: NodeDirectory, dispatcher: Dispatcher, *,
-                 clients_per_round: int, clock: str = "virtual", delay_sigma: float = 0.0, concurrency: int = 10,
+    def __init__(self, grid: Grid, strategy: Strategy, run_config: dict[str, Any], *, clients_per_round: int, clock: str = "virtual", delay_sigma: float = 0.0, concurrency: int = 10,
                  reply_timeout: float = 600.0, poll_interval: float = 0.05, wait_nodes: float = 120.0,
                  seed: int = 0, server_data: Any = None,
                  on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
         if clock not in CLOCKS:
             raise ValueError(f"clock {clock!r} is not one of {CLOCKS}")
-        self.grid, self.strategy, self.directory, self.dispatcher = grid, strategy, directory, dispatcher
+        self.grid, self.strategy = grid, strategy
+        self.directory, self.dispatcher = NodeDirectory(grid), Dispatcher(strategy.spec, dict(run_config), seed)
         self.clients_per_round, self.clock, self.delay_sigma = clients_per_round, clock, delay_sigma
         self.concurrency, self.reply_timeout, self.poll_interval = concurrency, reply_timeout, poll_interval
         self.wait_nodes, self.server_data = wait_nodes, server_data
@@ -126,7 +138,26 @@ class Runner:
         self._reachable: set[int] = set()
         self._reachable_at = -1e9
         self._t0 = time.perf_counter()
+        self._step_metrics: dict[str, float] = {}  # what the last strategy step of the current step measured
         self.reply_to_dispatch: list[float] = []  # wall clock: seconds from a reply to the next dispatch
+
+    # -- checkpointing ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs from the runner: its generators, the dispatch counter, the flights in
+        the air with their payloads and seeds, each client's dispatch count and the elapsed time."""
+        return {"sample-rng": self._sample_rng.getstate(), "delay-rng": self._delay_rng.bit_generator.state,
+                "seq": self._seq, "flights": [f.state() for f in sorted(self.flights.values(), key=lambda f: f.seq)],
+                "dispatches": dict(self.dispatcher.dispatches), "elapsed": time.perf_counter() - self._t0}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state`; its flights are sent again (to their clients' current nodes) when the run goes on."""
+        self._sample_rng.setstate(state["sample-rng"])
+        self._delay_rng.bit_generator.state = state["delay-rng"]
+        self._seq = state["seq"]
+        self.flights = {f["client"]: Flight(**f) for f in state["flights"]}
+        self._replies = {}
+        self.dispatcher.dispatches = dict(state["dispatches"])
+        self._t0 = time.perf_counter() - state["elapsed"]
 
     # -- shared machinery -------------------------------------------------------------------
     def delay(self) -> int:
@@ -149,21 +180,39 @@ class Runner:
         idle = self.idle(exclude, refresh_every)
         return sorted(self._sample_rng.sample(idle, min(k, len(idle))))
 
-    def dispatch(self, clients: list[int], step: int, virtual: bool) -> None:
-        version = self.strategy.version
-        msgs, flights = [], []
+    def launch(self, clients: list[int], step: int, virtual: bool) -> list[Flight]:
+        """New flights to `clients`: each gets the strategy's payload, a train seed and (virtual) a delay."""
+        flights = []
         for c in clients:
-            payload = self.strategy.configure(c, version)
-            node = self.directory.node_of[c]
-            msgs.append(self.dispatcher.message(node, c, payload.params, payload.config, version))
+            payload = self.strategy.model_for(c)
             self._seq += 1
-            flights.append(Flight(self._seq, c, node, "", version, step, step + self.delay() if virtual else -1, 0.0))
-        if not msgs:
+            flights.append(Flight(self._seq, c, self.strategy.version, step,
+                                  step + self.delay() if virtual else -1, payload, self.dispatcher.next_seed(c)))
+        return flights
+
+    def message(self, flight: Flight) -> Message:
+        """The train message of `flight`, addressed to its client's current node."""
+        flight.node = self.directory.node_of[flight.client]
+        return self.dispatcher.message(flight.node, flight.payload, flight.version, train_seed=flight.train_seed)
+
+    def push(self, flights: list[Flight]) -> None:
+        if not flights:
             return
+        msgs = [self.message(f) for f in flights]
         now = time.perf_counter()
         for flight, mid in zip(flights, self.grid.push_messages(msgs)):
             flight.message_id, flight.sent_at = mid, now
             self.flights[flight.client] = flight
+
+    def dispatch(self, clients: list[int], step: int, virtual: bool) -> None:
+        self.push(self.launch(clients, step, virtual))
+
+    def resend(self) -> None:
+        """Send the flights restored from a checkpoint again (they were in the air when it was written)."""
+        restored = sorted((f for f in self.flights.values() if not f.message_id), key=lambda f: f.seq)
+        if restored:
+            log(INFO, "resending the %d updates that were in flight at the checkpoint", len(restored))
+            self.push(restored)
 
     def poll(self) -> bool:
         """Pull replies of every flight, mark flights past the timeout; True if anything new."""
@@ -180,46 +229,54 @@ class Runner:
             self._replies[f.message_id] = None
         return bool(got or late)
 
-    def hand_over(self, flight: Flight, step: int, entry: StepLog, accepted: list[Update]) -> bool:
-        """Give `flight`'s reply to the strategy (aggregating whenever it is ready); False if it failed."""
-        del self.flights[flight.client]
-        reply = self._replies.pop(flight.message_id)
+    def hand_over(self, flight: Flight, reply: Message | None, step: int, entry: StepLog,
+                  accepted: list[Update]) -> bool:
+        """Give `flight`'s reply (None: timed out) to the strategy, stepping whenever it is ready; False if
+        the update is lost (error, unusable, late)."""
+        self.flights.pop(flight.client, None)
         event = {"step": step, "client": flight.client, "node": flight.node, "base-version": flight.version,
                  "dispatch-step": flight.dispatch_step, "t": round(time.perf_counter() - self._t0, 4)}
+        update, outcome, reason = None, "accepted", ""
         if reply is None:
             outcome, reason = "timeout", f"no reply within {self.reply_timeout:.0f}s"
             entry.timeouts += 1
         else:
             try:
                 update = parse_reply(reply, self.dispatcher.spec)
-                outcome, reason = "accepted", ""
+                if (update.client, update.base_version) != (flight.client, flight.version):
+                    raise RejectedReply(f"reply is for client {update.client} at version {update.base_version}, "
+                                        f"but client {flight.client} was sent version {flight.version}")
             except RejectedReply as err:
                 outcome, reason = ("failure" if reply.has_error() else "rejected"), str(err)
                 if reply.has_error():
                     entry.failures += 1
                 else:
                     entry.rejected += 1
-        if outcome != "accepted":
+        if update is None or outcome != "accepted":
             log(WARNING, "step %d: update of client %d (node %d) lost: %s", step, flight.client, flight.node, reason)
-            self.strategy.forget(flight.client)
             self.on_event({**event, "outcome": outcome, "reason": reason})
             return False
+        update.sent = flight.payload
         staleness = update.staleness(self.strategy.version)
         self.strategy.receive(update)
         accepted.append(update)
         entry.accepted += 1
         entry.staleness.append(staleness)
         if self.strategy.ready():
-            self.strategy.aggregate(self.server_data)
+            self._step_metrics = self.strategy.step(self.server_data)
         self.on_event({**event, "outcome": "accepted", "staleness": staleness, "version": self.strategy.version})
         return True
+
+    def open_step(self, step: int) -> tuple[StepLog, list[Update]]:
+        self._step_metrics = {}
+        return StepLog(step, self.strategy.version), []
 
     def close_step(self, entry: StepLog, accepted: list[Update], started: float) -> StepLog:
         self.strategy.close_round()
         if self.strategy.ready():
-            self.strategy.aggregate(self.server_data)
+            self._step_metrics = self.strategy.step(self.server_data)
         entry.version = self.strategy.version
-        entry.strategy = self.strategy.metrics()
+        entry.strategy = dict(self._step_metrics)
         entry.train = weighted_mean((u.num_examples, u.metrics) for u in accepted)
         entry.seconds = time.perf_counter() - started
         return entry
@@ -241,18 +298,19 @@ class Runner:
         return {"median": float(np.median(lat)), "p95": float(np.percentile(lat, 95)), "count": int(lat.size)}
 
     # -- the two clocks -----------------------------------------------------------------------
-    def run(self, num_steps: int, on_step: Callable[[StepLog], None]) -> None:
-        """Run `num_steps` server steps, calling `on_step` after each (evaluation, logging)."""
-        self._t0 = time.perf_counter()
+    def run(self, num_steps: int, on_step: Callable[[StepLog], None], first_step: int = 1) -> None:
+        """Run server steps `first_step` .. `num_steps`, calling `on_step` after each (evaluation, logging,
+        checkpoints); flights restored from a checkpoint are sent again first."""
+        self.resend()
         loop = self._run_virtual if self.clock == "virtual" else self._run_wall
-        loop(num_steps, on_step)
+        loop(first_step, num_steps, on_step)
         if self.flights:
             log(INFO, "%d dispatched updates still in flight at the end are discarded", len(self.flights))
 
-    def _run_virtual(self, num_steps: int, on_step: Callable[[StepLog], None]) -> None:
-        for step in range(1, num_steps + 1):
+    def _run_virtual(self, first_step: int, num_steps: int, on_step: Callable[[StepLog], None]) -> None:
+        for step in range(first_step, num_steps + 1):
             started = time.perf_counter()
-            entry, accepted = StepLog(step, self.strategy.version), []
+            entry, accepted = self.open_step(step)
             if not self.flights and not self.idle():
                 self.wait_for_reachable(step)
             chosen = self.sample(self.clients_per_round)
@@ -264,16 +322,16 @@ class Runner:
                     if not self.poll():
                         time.sleep(self.poll_interval)
                 for f in due:
-                    if not self.hand_over(f, step, entry, accepted):
+                    if not self.hand_over(f, self._replies.pop(f.message_id), step, entry, accepted):
                         replacement = self.sample(1, exclude=sampled)
                         self.dispatch(replacement, step, virtual=True)
                         sampled.update(replacement)
                         entry.sampled += len(replacement)
             on_step(self.close_step(entry, accepted, started))
 
-    def _run_wall(self, num_steps: int, on_step: Callable[[StepLog], None]) -> None:
-        step, started = 1, time.perf_counter()
-        entry, accepted = StepLog(step, self.strategy.version), []
+    def _run_wall(self, first_step: int, num_steps: int, on_step: Callable[[StepLog], None]) -> None:
+        step, started = first_step, time.perf_counter()
+        entry, accepted = self.open_step(step)
         while True:
             if not self.flights and not self.idle(refresh_every=1.0):
                 self.wait_for_reachable(step)
@@ -288,7 +346,7 @@ class Runner:
             arrived = sorted((f for f in self.flights.values() if f.message_id in self._replies), key=lambda f: f.seq)
             for f in arrived:
                 got_at = time.perf_counter()
-                self.hand_over(f, step, entry, accepted)
+                self.hand_over(f, self._replies.pop(f.message_id), step, entry, accepted)
                 # Refill the freed slot at once: the reply -> next dispatch latency is the runtime's overhead.
                 fresh = self.sample(1, refresh_every=1.0)
                 self.dispatch(fresh, step, virtual=False)
@@ -300,36 +358,4 @@ class Runner:
                     if step == num_steps:
                         return
                     step, started = step + 1, time.perf_counter()
-                    entry, accepted = StepLog(step, self.strategy.version), []
-
-
-def flower_start(strategy: HybridStrategy, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int, timeout: float,
-                 train_config: ConfigRecord | None, evaluate_config: ConfigRecord | None,
-                 evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None, *, clock: str,
-                 delay_sigma: float, concurrency: int) -> Result:
-    """Flower's ``Strategy.start`` contract on the hybridfl runtime: `num_rounds` server steps, the
-    train/evaluate configs sent with every message, `evaluate_fn(step, arrays)` after each step, and
-    a Flower ``Result``. Used by :class:`strategies.base.AsyncStrategy`."""
-    spec = ParamSpec.of_record(initial_arrays)
-    strategy.initialize(spec.from_record(initial_arrays), spec)
-    directory = NodeDirectory(grid)
-    directory.wait_for(strategy.clients_per_round, timeout)
-    dispatcher = Dispatcher(spec, dict(train_config or {}), strategy.seed)
-    runner = Runner(grid, strategy, directory, dispatcher, clients_per_round=strategy.clients_per_round,
-                    clock=clock, delay_sigma=delay_sigma, concurrency=concurrency, reply_timeout=timeout,
-                    wait_nodes=timeout, seed=strategy.seed)
-    result = Result()
-    if evaluate_fn and (metrics := evaluate_fn(0, initial_arrays)) is not None:
-        result.evaluate_metrics_serverapp[0] = metrics
-
-    def on_step(entry: StepLog) -> None:
-        result.train_metrics_clientapp[entry.round] = MetricRecord(entry.train)
-        if evaluate_fn and (metrics := evaluate_fn(entry.round, spec.to_record(strategy.params))) is not None:
-            result.evaluate_metrics_serverapp[entry.round] = metrics
-
-    runner.run(num_rounds, on_step)
-    eval_dispatcher = Dispatcher(spec, dict(evaluate_config or {}), strategy.seed)
-    result.evaluate_metrics_clientapp[num_rounds] = MetricRecord(
-        federated_evaluate(grid, directory, eval_dispatcher, strategy.params, strategy.version, timeout))
-    result.arrays = spec.to_record(strategy.params)
-    return result
+                    entry, accepted = self.open_step(step)

@@ -1,8 +1,13 @@
-"""Aggregation strategies, one module per method, all on the interface of ``strategies.base``."""
+"""Aggregation strategies, one module per method, on the contract of ``strategies.base``.
 
-from common.config import RunConfig
+Importing this package registers every strategy in :data:`STRATEGIES` (name -> class).
+"""
+
+from typing import Any
+
+from common.config import make_options
 from common.training import LocalRecipe
-from strategies.base import HybridStrategy, Payload, Update
+from strategies.base import STRATEGIES, Payload, Strategy, Update
 from strategies.ca2fl import CA2FL
 from strategies.fedasync import FedAsync
 from strategies.fedavg import FedAvg
@@ -11,17 +16,13 @@ from strategies.feddf import FedDF
 from strategies.feddle import Feddle
 from strategies.hybrid_baselines import HFCL, Center, FedFT
 
-STRATEGIES: dict[str, type[HybridStrategy]] = {"fedavg": FedAvg, "fedbuff": FedBuff, "fedasync": FedAsync,
-                                               "ca2fl": CA2FL, "feddle": Feddle, "feddf": FedDF,
-                                               "center": Center, "fedft": FedFT, "hfcl": HFCL}
 
-
-def build_strategy(cfg: RunConfig) -> HybridStrategy:
-    """The strategy named by ``cfg.strategy``, with its hyperparameters and the run's local recipe."""
-    return STRATEGIES[cfg.strategy].from_config(
-        cfg, train_config=LocalRecipe.from_config(cfg.to_dict()).to_config(),
-        clients_per_round=cfg.clients_per_round, seed=cfg.seed)
+def build_strategy(name: str, options: dict[str, Any], *, seed: int = 0, num_clients: int = 0,
+                   recipe: LocalRecipe | None = None) -> Strategy:
+    """Strategy `name` with its options read from `options` (hyphenated keys; others are ignored)."""
+    cls = STRATEGIES[name]
+    return cls(make_options(cls.Config, options), seed=seed, num_clients=num_clients, recipe=recipe)
 
 
 __all__ = ["CA2FL", "HFCL", "STRATEGIES", "Center", "FedAsync", "FedAvg", "FedBuff", "FedDF", "FedFT", "Feddle",
-           "HybridStrategy", "Payload", "Update", "build_strategy"]
+           "Payload", "Strategy", "Update", "build_strategy"]

@@ -1,180 +1,122 @@
-"""The strategy interface every hybridfl method implements, and its adapter to Flower's ``Strategy``.
+"""The strategy contract every hybridfl method implements.
 
-A strategy owns the global model ω (a flat tensor of trainable parameters) and its version,
-and does the method's math. It never touches the network or the disk: a runner (server_app/)
-decides when to dispatch, collects replies, and calls
+A strategy owns the method's models and math. It never touches the network or the disk: a runner
+(``server_app/``) decides when to dispatch and collects replies, then calls
 
-    configure(client, version) -> Payload      what to send to `client`
-    receive(update)                            one client's update entered the strategy
-    close_round()                              no more updates come for this round (or step)
-    ready() -> bool                            enough has arrived to make a new global model
-    aggregate(server) -> ω                     make it (version + 1); `server` is the server's data
-    state_dict() / load_state_dict()           checkpointing
+    model_for(client) -> Payload     what `client` gets for a train or an evaluation dispatch
+    receive(update)                  one client's update (it carries the Payload it answers: ``sent``)
+    close_round()                    no more updates come for this round (or step)
+    ready() -> bool                  enough has arrived for a step
+    step(server) -> metrics          the server's step: may change several models; `server` is the
+                                     server's own data (``common.server_data.ServerData``) or None
+    central_models() -> {name: ω}    the model(s) the server evaluates on its test split and saves
+    state_dict() / load_state_dict() everything a resumed run needs
 
-The same object is a Flower ``Strategy``: ``configure_train``/``aggregate_train`` and the
-evaluate pair are thin adapters over the methods above, so Flower's own ``start(grid, ...)``
-drives it the way Flower users expect.
+One global model ω is the default case: ``model_for`` sends it to everybody and ``central_models``
+is ``{"global": ω}``; a method with per-client models (FedMerge) overrides the two. A method's
+hyperparameters are a dataclass of options (``Config``) next to its class; the keys are the same
+in YAML, ``flwr run -c``, the dataclass and ``describe()``. A subclass with a ``name`` is
+registered in :data:`STRATEGIES` under it. A client-side counterpart, if the method needs one, is a
+client objective (``common/objectives.py``) its payload names in ``config["local-objective"]``.
 """
 
 from __future__ import annotations
 
-import random
-from abc import abstractmethod
-from collections.abc import Iterable
+import copy
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from logging import INFO, WARNING
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
-from flwr.common import log
-from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy as FlowerStrategy
+from torch import nn
 
-from common.params import BadArrays, ParamSpec
-from common.protocol import ARRAYS, BASE_VERSION, CONFIG, METRICS, NUM_EXAMPLES, PARTITION_ID, REPLY_KEYS, VERSION
-
-
-@dataclass
-class Update:
-    """What a client returned: the delta of the trainable parameters and its context."""
-
-    client: int  # the client's partition id: stable across runs and execution modes
-    base_version: int  # the global version the client started from
-    delta: torch.Tensor  # ω_client − ω_base, flat float32
-    num_examples: int
-    metrics: dict[str, float] = field(default_factory=dict)
-
-    def staleness(self, version: int) -> int:
-        return version - self.base_version
+from common.config import NoOptions, check_options, options_dict
+from common.params import ParamSpec
+from common.training import LocalRecipe
 
 
 @dataclass
 class Payload:
-    """What a strategy sends to one client: the parameters and the config of its local work."""
+    """What a strategy sends to one client."""
 
-    params: torch.Tensor
-    config: dict[str, Any]
-
-
-class RejectedReply(ValueError):
-    """A reply that cannot enter a strategy; the reason is logged and counted by the runner."""
+    params: torch.Tensor  # the model the client starts from (flat trainable parameters)
+    arrays: dict[str, torch.Tensor] = field(default_factory=dict)  # extra tensors (a server gradient, examples)
+    config: dict[str, Any] = field(default_factory=dict)  # method settings for the client's local work
 
 
-def parse_reply(msg: Message, spec: ParamSpec) -> Update:
-    """The :class:`Update` in a train reply, or :class:`RejectedReply` saying what is wrong."""
-    if msg.has_error():
-        raise RejectedReply(f"error reply (code {msg.error.code}): {msg.error.reason}")
-    content = msg.content
-    if ARRAYS not in content.array_records or METRICS not in content.metric_records:
-        raise RejectedReply(f"reply lacks '{ARRAYS}' or '{METRICS}' records")
-    metrics = content[METRICS]
-    for key in REPLY_KEYS:
-        if key not in metrics:
-            raise RejectedReply(f"reply metrics lack '{key}'")
-    if metrics[NUM_EXAMPLES] <= 0:
-        raise RejectedReply(f"num-examples = {metrics[NUM_EXAMPLES]} is not positive")
-    try:
-        delta = spec.from_record(content[ARRAYS])
-    except BadArrays as err:
-        raise RejectedReply(str(err)) from err
-    rest = {k: float(v) for k, v in metrics.items() if k not in REPLY_KEYS and isinstance(v, (int, float))}
-    return Update(int(metrics[PARTITION_ID]), int(metrics[BASE_VERSION]), delta, int(metrics[NUM_EXAMPLES]), rest)
+@dataclass
+class Update:
+    """What a client returned, and what it answers."""
+
+    client: int  # the client's partition id: stable across runs and execution modes
+    base_version: int  # the version of the model it started from
+    delta: torch.Tensor  # ω_client − ω_sent, flat float32
+    num_examples: int
+    arrays: dict[str, torch.Tensor] = field(default_factory=dict)  # extra tensors the client sent back
+    metrics: dict[str, float] = field(default_factory=dict)
+    sent: Payload | None = None  # the payload this update answers (its model: ω^τ, for stale updates too)
+
+    def staleness(self, version: int) -> int:
+        return version - self.base_version
+
+    @property
+    def start(self) -> torch.Tensor:
+        """ω^τ, the model the client started from (stale updates are rebuilt as ``start + delta``)."""
+        if self.sent is None:
+            raise ValueError(f"the update of client {self.client} does not carry the payload it answers")
+        return self.sent.params
 
 
-class VersionHistory:
-    """The global models that in-flight clients started from, kept until their updates are back, so a
-    client's model ω^τ + Δ can be rebuilt (FedAsync, FedDF); a version is dropped once nobody needs it."""
-
-    def __init__(self) -> None:
-        self._bases: dict[int, int] = {}  # in-flight client -> version it started from
-        self._models: dict[int, torch.Tensor] = {}  # version -> ω^version
-
-    def dispatched(self, client: int, version: int, params: torch.Tensor) -> None:
-        self._bases[client] = version
-        self._models.setdefault(version, params)
-
-    def base_of(self, update: Update, version: int, params: torch.Tensor) -> torch.Tensor:
-        """ω^τ of `update` (the current `params` when it started from the current `version`)."""
-        base = self._models.get(update.base_version, params if update.base_version == version else None)
-        if base is None:
-            raise KeyError(f"no global model of version {update.base_version} kept for client {update.client}")
-        return base
-
-    def done(self, client: int, base_version: int | None = None) -> None:
-        """`client`'s dispatch (from `base_version`, if given) came back or will not."""
-        if base_version is None or self._bases.get(client) == base_version:
-            self._bases.pop(client, None)
-        needed = set(self._bases.values())
-        self._models = {v: p for v, p in self._models.items() if v in needed}
-
-    def __len__(self) -> int:
-        return len(self._models)
+STRATEGIES: dict[str, type[Strategy]] = {}
 
 
-def weighted_sum(deltas: Iterable[torch.Tensor], weights: Iterable[float], like: torch.Tensor) -> torch.Tensor:
-    """Σ_i w_i Δ_i, accumulated in the given order (callers fix the order for reproducible floats)."""
-    total = torch.zeros_like(like)
-    for w, delta in zip(weights, deltas):
-        total.add_(delta, alpha=float(w))
-    return total
-
-
-def example_weights(updates: list[Update]) -> list[float]:
-    """n_j / Σ n_i, computed in float64 then rounded to float32 as FedAvg applies them."""
-    n = torch.tensor([float(u.num_examples) for u in updates], dtype=torch.float64)
-    return (n / n.sum()).to(torch.float32).tolist()
-
-
-def weighted_mean(values: Iterable[tuple[float, dict[str, float]]]) -> dict[str, float]:
-    """Example-weighted mean of metric dicts: ``[(weight, {name: value})]`` -> ``{name: mean}``."""
-    sums: dict[str, float] = {}
-    weights: dict[str, float] = {}
-    for w, metrics in values:
-        for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + w * v
-            weights[k] = weights.get(k, 0.0) + w
-    return {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
-
-
-class HybridStrategy(FlowerStrategy):
-    """Base of every hybridfl strategy (see the module docstring for the interface).
+class Strategy(ABC):
+    """Base of every hybridfl strategy (the module docstring has the contract).
 
     Args:
-        train_config: the local recipe sent with every train message (``local-epochs``,
-            ``batch-size``, ``lr``, ...); the runner adds the data spec and the version.
-        clients_per_round: how many clients ``configure_train`` samples when Flower drives it.
-        seed: seeds the node sampling of ``configure_train``.
+        config: the method's hyperparameters (an instance of ``Config``); or give them as keywords,
+            ``FedBuff(buffer_size=20)``. Bad values raise ``ConfigError`` naming the key.
+        seed: the run's seed (server-side work is seeded from it and the model version).
+        num_clients: N, the clients of the run (CA2FL's cache mean needs it).
+        recipe: the clients' local recipe (server-side training reuses it).
+
+    Every instance attribute except the ones in ``_structure`` (configuration, layout, the server's
+    model object) is state: :meth:`state_dict` saves all of it, so a method cannot forget a field.
     """
 
-    def __init__(self, train_config: dict[str, Any] | None = None, clients_per_round: int = 10, seed: int = 0) -> None:
-        self.train_config = dict(train_config or {})
-        self.clients_per_round = clients_per_round
-        self.evaluate_clients = clients_per_round  # nodes configure_evaluate asks (0: no federated evaluation)
+    name: ClassVar[str] = ""
+    Config: ClassVar[type] = NoOptions
+    server_data: ClassVar[str] = "none"  # "none", "in-domain" (labels in the clients' space) or "any"
+    _structure: ClassVar[frozenset[str]] = frozenset({"config", "seed", "num_clients", "recipe", "spec", "model"})
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("name"):
+            if cls.name in STRATEGIES and STRATEGIES[cls.name].__qualname__ != cls.__qualname__:
+                raise ValueError(f"strategy name {cls.name!r} is taken by {STRATEGIES[cls.name].__qualname__}")
+            STRATEGIES[cls.name] = cls
+
+    def __init__(self, config: Any = None, *, seed: int = 0, num_clients: int = 0,
+                 recipe: LocalRecipe | None = None, **options: Any) -> None:
+        if config is not None and options:
+            raise TypeError(f"give {type(self).__name__} a Config or keyword options, not both")
+        self.config = config if config is not None else self.Config(**options)
+        check_options(self.config)
+        self.seed, self.num_clients, self.recipe = seed, num_clients, recipe
+        self.spec: ParamSpec | None = None
+        self.model: nn.Module | None = None
         self.params: torch.Tensor | None = None  # ω
         self.version = 0
-        self.spec: ParamSpec | None = None
-        self.seed = seed
-        self._rng = random.Random(seed)
-        self.accepted_replies = self.rejected_replies = 0  # counted by aggregate_train (Flower-driven runs)
 
-    @classmethod
-    def from_config(cls, cfg: Any, **common: Any) -> HybridStrategy:
-        """The strategy with its hyperparameters read from a RunConfig (same names, hyphens as underscores)."""
-        return cls(**common)
+    def initialize(self, params: torch.Tensor, spec: ParamSpec, model: nn.Module | None = None) -> None:
+        """Start from global parameters `params` (version 0). `model` is the architecture (its trainable
+        parameters are `spec`'s layout), for strategies that train or evaluate on the server's data."""
+        self.params, self.spec, self.model, self.version = params.clone(), spec, model, 0
 
-    # -- the hybridfl interface ------------------------------------------------------------
-    def initialize(self, params: torch.Tensor, spec: ParamSpec) -> None:
-        """Start from global parameters `params` (version 0)."""
-        self.params, self.spec, self.version = params.clone(), spec, 0
-
-    def attach(self, model: Any) -> None:
-        """The model architecture (a torch module whose trainable parameters are ω's layout), for
-        strategies that train or evaluate on the server's data; others ignore it."""
-
-    def configure(self, client: int, version: int) -> Payload:
-        """What `client` gets for a train dispatch at `version` (default: ω and the recipe)."""
-        return Payload(self.params, dict(self.train_config))
+    # -- the contract -------------------------------------------------------------------------
+    def model_for(self, client: int) -> Payload:
+        """What `client` gets now, for a train or an evaluation dispatch (default: ω to everybody)."""
+        return Payload(self.params)
 
     @abstractmethod
     def receive(self, update: Update) -> None:
@@ -183,105 +125,42 @@ class HybridStrategy(FlowerStrategy):
     def close_round(self) -> None:
         """The runner's signal that no more updates arrive for the current round (or step)."""
 
-    def forget(self, client: int) -> None:
-        """The runner's signal that `client`'s dispatch will not come back (error, timeout, lost node)."""
-
     @abstractmethod
     def ready(self) -> bool:
-        """Whether `aggregate` would make a new global model now."""
+        """Whether :meth:`step` would make new model(s) now."""
 
     @abstractmethod
-    def aggregate(self, server: Any = None) -> torch.Tensor:
-        """Make the next global model (increments `version`) and return it."""
+    def step(self, server: Any = None) -> dict[str, float]:
+        """The server's step: make the next version of the model(s) (increments ``version``). Returns what
+        it measured (e.g. Feddle's search), for metrics.jsonl."""
 
-    def metrics(self) -> dict[str, float]:
-        """What the strategy's last aggregation measured (e.g. Feddle's search), for metrics.jsonl."""
-        return {}
-
-    def state_dict(self) -> dict[str, Any]:
-        """ω and its version. Method state (FedBuff's buffer, CA2FL's caches, Feddle's atlas) is not
-        included yet: a run cannot be resumed mid-way (docs/methods.md)."""
-        return {"params": self.params, "version": self.version}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.params, self.version = state["params"].clone(), int(state["version"])
-
-    # -- Flower Strategy adapter -------------------------------------------------------------
-    def _sync_from(self, arrays: ArrayRecord) -> None:
-        if self.spec is None:
-            self.spec = ParamSpec.of_record(arrays)
-        self.params = self.spec.from_record(arrays)
-
-    def _messages(self, grid: Grid, arrays: ArrayRecord, config: ConfigRecord, message_type: str,
-                  count: int, per_client: bool) -> list[Message]:
-        self._sync_from(arrays)
-        nodes = sorted(grid.get_node_ids())
-        chosen = sorted(self._rng.sample(nodes, min(count, len(nodes))))
-        messages = []
-        for node in chosen:
-            payload = self.configure(node, self.version) if per_client else Payload(self.params, {})
-            cfg = ConfigRecord({**payload.config, **dict(config), VERSION: self.version})
-            content = RecordDict({ARRAYS: self.spec.to_record(payload.params), CONFIG: cfg})
-            messages.append(Message(content, dst_node_id=node, message_type=message_type, group_id=str(self.version)))
-        return messages
-
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
-        return self._messages(grid, arrays, config, MessageType.TRAIN, self.clients_per_round, per_client=True)
-
-    def aggregate_train(self, server_round: int,
-                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        accepted = []
-        for msg in replies:
-            try:
-                update = parse_reply(msg, self.spec)
-            except RejectedReply as err:
-                self.rejected_replies += 1
-                log(WARNING, "round %d: rejected reply from node %s: %s", server_round, msg.metadata.src_node_id, err)
-                continue
-            self.receive(update)
-            accepted.append(update)
-        self.accepted_replies += len(accepted)
-        self.close_round()
-        if not self.ready():
-            return None, None
-        self.params = self.aggregate()
-        metrics = weighted_mean((u.num_examples, u.metrics) for u in accepted)
-        log(INFO, "round %d: aggregated %d updates -> version %d", server_round, len(accepted), self.version)
-        return self.spec.to_record(self.params), MetricRecord(metrics)
-
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                           grid: Grid) -> Iterable[Message]:
-        return self._messages(grid, arrays, config, MessageType.EVALUATE, self.evaluate_clients, per_client=False)
-
-    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        ok = [m.content[METRICS] for m in replies if not m.has_error() and METRICS in m.content.metric_records]
-        if not ok:
-            return None
-        return MetricRecord(weighted_mean(
-            (float(r[NUM_EXAMPLES]), {k: float(v) for k, v in r.items() if k not in (NUM_EXAMPLES, PARTITION_ID)})
-            for r in ok))
-
-    def summary(self) -> None:
-        log(INFO, "%s: %s", type(self).__name__, self.describe())
+    def central_models(self) -> dict[str, torch.Tensor]:
+        """The model(s) the server evaluates on its test split and saves; the first is the headline."""
+        return {"global": self.params}
 
     def describe(self) -> dict[str, Any]:
-        """The strategy's hyperparameters, for logs and summary.json."""
-        return {"clients-per-round": self.clients_per_round, **self.train_config}
+        """The strategy's hyperparameters by key, for logs and summary.json."""
+        return {"strategy": self.name, **options_dict(self.config)}
 
+    # -- checkpointing ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Every attribute but the structure, and the server model's buffers (BatchNorm running statistics
+        evolve during server-side training)."""
+        state = {k: v for k, v in vars(self).items() if k not in self._structure}
+        if self.model is not None:
+            state["model-buffers"] = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+        return copy.deepcopy(state)
 
-class AsyncStrategy(HybridStrategy):
-    """A strategy for the asynchronous runtime: Flower's ``start()`` runs hybridfl's loop over the grid
-    (push/pull, at most one message per node, updates handed over as they arrive) instead of
-    Flower's round barrier. The extra keyword arguments choose the clock (see server_app/runtime.py).
-    """
-
-    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
-              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
-              evaluate_fn: Any = None, *, clock: str = "wall", delay_sigma: float = 0.0,
-              concurrency: int | None = None) -> Any:
-        from server_app.runtime import flower_start  # the runner lives with the other runners, not here
-
-        return flower_start(self, grid, initial_arrays, num_rounds, timeout, train_config, evaluate_config,
-                            evaluate_fn, clock=clock, delay_sigma=delay_sigma,
-                            concurrency=concurrency or self.clients_per_round)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = copy.deepcopy(state)
+        buffers = state.pop("model-buffers", {})
+        expected = set(vars(self)) - self._structure
+        missing, unknown = expected - set(state), set(state) - expected
+        if missing or unknown:
+            raise ValueError(f"{type(self).__name__} state: missing {sorted(missing)}, unknown {sorted(unknown)}")
+        vars(self).update(state)
+        if self.model is not None:
+            own = dict(self.model.named_buffers())
+            with torch.no_grad():
+                for n, b in buffers.items():
+                    own[n].copy_(b)

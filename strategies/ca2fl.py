@@ -12,63 +12,60 @@ The calibration replaces each stale contribution by its change against the clien
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from strategies.base import AsyncStrategy, Update
+from common.params import ParamSpec
+from strategies.base import Strategy, Update
+from strategies.fedbuff import BUFFER_SIZE, SERVER_LR
 
 
-class CA2FL(AsyncStrategy):
-    """Cached-update calibration on a FedBuff-style buffer.
+@dataclass(frozen=True)
+class CA2FLConfig:
+    buffer_size: int = BUFFER_SIZE.field()
+    server_lr: float = SERVER_LR.field()
 
-    Args:
-        num_clients: N, the clients whose caches make up h̄.
-        buffer_size: K (paper grid {10, 20, 50}).
-        server_lr: η (paper grid {0.01, 0.1, 1}).
-        train_config, clients_per_round, seed: as in :class:`HybridStrategy`.
-    """
 
-    def __init__(self, num_clients: int, buffer_size: int = 10, server_lr: float = 1.0, *,
-                 train_config: dict[str, Any] | None = None, clients_per_round: int = 10, seed: int = 0) -> None:
-        super().__init__(train_config, clients_per_round, seed)
-        self.num_clients, self.buffer_size, self.server_lr = num_clients, buffer_size, server_lr
+class CA2FL(Strategy):
+    """Cached-update calibration on a FedBuff-style buffer (options: CA2FLConfig; N = ``num_clients``)."""
+
+    name = "ca2fl"
+    Config = CA2FLConfig
+
+    def __init__(self, config: Any = None, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        if self.num_clients < 1:
+            raise ValueError("CA2FL averages its caches over all N clients: give num_clients >= 1")
         self.cache: dict[int, torch.Tensor] = {}  # h_i as at the start of the current step
-        self._next_cache: dict[int, torch.Tensor] = {}  # h_i after this step
-        self._cache_sum: torch.Tensor | None = None  # Σ_i h_i
-        self._calibrated: torch.Tensor | None = None  # Σ_{i∈S} (Δ_i − h_i^old)
-        self._count = 0
+        self.next_cache: dict[int, torch.Tensor] = {}  # h_i after this step
+        self.cache_sum: torch.Tensor | None = None  # Σ_i h_i
+        self.calibrated: torch.Tensor | None = None  # Σ_{i∈S} (Δ_i − h_i^old)
+        self.count = 0
 
-    @classmethod
-    def from_config(cls, cfg: Any, **common: Any) -> CA2FL:
-        return cls(cfg.num_clients, cfg.buffer_size, cfg.server_lr, **common)
-
-    def initialize(self, params: torch.Tensor, spec) -> None:
-        super().initialize(params, spec)
-        self._cache_sum = torch.zeros_like(params)
-        self._calibrated = torch.zeros_like(params)
+    def initialize(self, params: torch.Tensor, spec: ParamSpec, model: Any = None) -> None:
+        super().initialize(params, spec, model)
+        self.cache_sum = torch.zeros_like(params)
+        self.calibrated = torch.zeros_like(params)
 
     def receive(self, update: Update) -> None:
         old = self.cache.get(update.client)
-        self._calibrated += update.delta if old is None else update.delta - old
-        self._next_cache[update.client] = update.delta
-        self._count += 1
+        self.calibrated += update.delta if old is None else update.delta - old
+        self.next_cache[update.client] = update.delta
+        self.count += 1
 
     def ready(self) -> bool:
-        return self._count >= self.buffer_size
+        return self.count >= self.config.buffer_size
 
-    def aggregate(self, server: Any = None) -> torch.Tensor:
-        h_bar = self._cache_sum / self.num_clients
-        self.params = self.params + self.server_lr * (h_bar + self._calibrated / self._count)
-        for client, delta in self._next_cache.items():
+    def step(self, server: Any = None) -> dict[str, float]:
+        h_bar = self.cache_sum / self.num_clients
+        self.params = self.params + self.config.server_lr * (h_bar + self.calibrated / self.count)
+        for client, delta in self.next_cache.items():
             old = self.cache.get(client)
-            self._cache_sum += delta if old is None else delta - old
+            self.cache_sum += delta if old is None else delta - old
             self.cache[client] = delta
-        self._next_cache, self._count = {}, 0
-        self._calibrated.zero_()
+        self.next_cache, self.count = {}, 0
+        self.calibrated.zero_()
         self.version += 1
-        return self.params
-
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "buffer-size": self.buffer_size, "server-lr": self.server_lr,
-                "num-clients": self.num_clients}
+        return {}

@@ -10,39 +10,35 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
+from strategies.aggregation import fedavg_step
+from strategies.base import Strategy, Update
 
-from strategies.base import HybridStrategy, Update, example_weights, weighted_sum
 
+class FedAvg(Strategy):
+    """FedAvg: when the runner closes a round, merge every update that arrived in it. No options.
 
-class FedAvg(HybridStrategy):
-    """FedAvg: when the runner closes a round, merge every update that arrived in it.
-
-    Args:
-        train_config: local recipe sent to every client.
-        clients_per_round: clients sampled per round when Flower's ``start`` drives the strategy.
-        seed: seeds that sampling.
+    Under asynchrony (σ > 0) the round's updates are those that arrived in the step, whatever version
+    they started from; a step with none leaves ω as it is.
     """
 
-    def __init__(self, *, train_config: dict[str, Any] | None = None, clients_per_round: int = 10,
-                 seed: int = 0) -> None:
-        super().__init__(train_config, clients_per_round, seed)
-        self._updates: list[Update] = []
-        self._closed = False
+    name = "fedavg"
+
+    def __init__(self, config: Any = None, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.updates: list[Update] = []
+        self.closed = False
 
     def receive(self, update: Update) -> None:
-        self._updates.append(update)
+        self.updates.append(update)
 
     def close_round(self) -> None:
-        self._closed = bool(self._updates)  # a round with no update leaves ω as it is
+        self.closed = bool(self.updates)
 
     def ready(self) -> bool:
-        return self._closed and bool(self._updates)
+        return self.closed
 
-    def aggregate(self, server: Any = None) -> torch.Tensor:
-        # Sorting by client makes the float sum independent of reply arrival order.
-        updates = sorted(self._updates, key=lambda u: u.client)
-        self.params = self.params + weighted_sum((u.delta for u in updates), example_weights(updates), self.params)
+    def step(self, server: Any = None) -> dict[str, float]:
+        self.params = fedavg_step(self.params, self.updates)
         self.version += 1
-        self._updates, self._closed = [], False
-        return self.params
+        self.updates, self.closed = [], False
+        return {}

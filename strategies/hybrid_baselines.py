@@ -1,7 +1,8 @@
 """The hybrid baselines with in-domain server data (Feddle papers, §4 of docs/specs): Center, Fed+FT, HFCL.
 
-All three train the global model on the server's labelled data 𝒟_S with the clients' own loop
-(``strategies.server_training.train_on_server``) and close on ``close_round`` like FedAvg:
+All three train the global model on the server's labelled data 𝒟_S with the one training loop
+(``common.training.train_on_server``, the clients' loop on the server's device) and close on
+``close_round`` like FedAvg:
 
     Center   ω^{k+1} = train(ω^k; 𝒟_S, E_s epochs, lr_s)                  client updates are ignored
     Fed+FT   ω^{k+1} = train(ω^k + Σ_j n_j/Σn · Δ_j; 𝒟_S, E_s, lr_s)       FedAvg, then fine-tuning
@@ -16,142 +17,109 @@ whatever version they started from (no staleness weighting), as for FedAvg.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
+from common.config import COUNT, POSITIVE, Option
+from common.server_data import require_in_domain
+from common.training import server_seed, train_on_server
+from strategies.aggregation import fedavg_step
 from strategies.base import Update
 from strategies.fedavg import FedAvg
-from strategies.server_training import recipe_from, require_in_domain, server_seed, train_on_server
 
 SERVER_CLIENT = -1  # the client id HFCL gives the server's own update (sorts first in FedAvg's sum)
 
+# The server's own training schedule, shared with FedDF (where it schedules the distillation).
+SERVER_TRAIN_LR = Option(1e-3, POSITIVE, "the server's training learning rate (FedDF: of the distillation; "
+                                         "grid 1e-5, 1e-4, 1e-3)")
+SERVER_TRAIN_EPOCHS = Option(1, COUNT, "the server's epochs per step (grid 1, 10, 20)")
+
+
+@dataclass(frozen=True)
+class ServerScheduleConfig:
+    server_train_lr: float = SERVER_TRAIN_LR.field()
+    server_train_epochs: int = SERVER_TRAIN_EPOCHS.field()
+
 
 class _ServerTrained(FedAvg):
-    """FedAvg plus the model, the server-training call and its metrics, shared by the three baselines."""
+    """FedAvg plus training on the server's labelled data, shared by the three baselines."""
 
-    name = "server training"
-
-    def __init__(self, *, train_config: dict[str, Any] | None = None, clients_per_round: int = 10,
-                 seed: int = 0) -> None:
-        super().__init__(train_config=train_config, clients_per_round=clients_per_round, seed=seed)
-        self.model: nn.Module | None = None
-        self.last: dict[str, float] = {}
-
-    def attach(self, model: nn.Module) -> None:
-        self.model = model
-
-    def check(self, server: Any) -> None:
-        require_in_domain(server, self.name)
-        if self.model is None:
-            raise RuntimeError(f"{self.name} needs attach(model) before it can train on the server's data")
+    server_data = "in-domain"
 
     def server_train(self, params: torch.Tensor, server: Any, version: int, epochs: int | None = None,
-                     lr: float | None = None) -> torch.Tensor:
-        """`params` trained on the server data, seeded by the run seed and `version` (the one the step starts from)."""
+                     lr: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """`params` trained on the server data with the clients' recipe (`epochs`, `lr` replaced when
+        given), seeded by the run seed and `version` (the one the step starts from)."""
+        require_in_domain(server, type(self).__name__)
+        if self.model is None or self.recipe is None:
+            raise RuntimeError(f"{type(self).__name__} trains on the server: initialize it with the model and "
+                               "give it the clients' recipe")
         started = time.perf_counter()
+        changes = {k: v for k, v in (("epochs", epochs), ("lr", lr)) if v is not None}
         trained, stats = train_on_server(self.model, self.spec, params, server,
-                                         recipe_from(self.train_config, epochs, lr),
-                                         server_seed(self.seed, version))
-        self.last = {"server-train-loss": stats["train-loss"], "server-train-accuracy": stats["train-accuracy"],
-                     "server-samples": float(len(server)), "server-seconds": time.perf_counter() - started}
-        return trained
-
-    def metrics(self) -> dict[str, float]:
-        return dict(self.last)
+                                         dataclasses.replace(self.recipe, **changes), server_seed(self.seed, version))
+        return trained, {"server-train-loss": stats["train-loss"], "server-train-accuracy": stats["train-accuracy"],
+                         "server-samples": float(len(server)), "server-seconds": time.perf_counter() - started}
 
 
-class _ServerSchedule(_ServerTrained):
-    """A baseline with its own server training schedule: lr_s = ``server-train-lr``, E_s = ``server-train-epochs``."""
-
-    def __init__(self, server_train_lr: float = 1e-3, server_train_epochs: int = 1, *,
-                 train_config: dict[str, Any] | None = None, clients_per_round: int = 10, seed: int = 0) -> None:
-        super().__init__(train_config=train_config, clients_per_round=clients_per_round, seed=seed)
-        self.server_train_lr, self.server_train_epochs = server_train_lr, server_train_epochs
-
-    @classmethod
-    def from_config(cls, cfg: Any, **common: Any) -> _ServerSchedule:
-        return cls(cfg.server_train_lr, cfg.server_train_epochs, **common)
-
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "server-train-lr": self.server_train_lr,
-                "server-train-epochs": self.server_train_epochs}
-
-
-class Center(_ServerSchedule):
+class Center(_ServerTrained):
     """Trains only on the server's data: each step, E_s epochs at lr_s from ω; client updates are
-    received, counted and dropped.
+    received, counted and dropped (options: ServerScheduleConfig)."""
 
-    Args:
-        server_train_lr: lr_s (papers' grid 1e-5, 1e-4, 1e-3).
-        server_train_epochs: E_s, epochs per step (papers' grid 10, 20, 50 in total; here per step).
-        train_config, clients_per_round, seed: as in :class:`HybridStrategy`.
-    """
+    name = "center"
+    Config = ServerScheduleConfig
 
-    name = "Center"
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.ignored = 0  # client updates received (and not used) since the start
-        self._step_ignored = 0
+    def __init__(self, config: Any = None, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.ignored = 0  # client updates received (and not used) in this step
 
     def receive(self, update: Update) -> None:
         self.ignored += 1
-        self._step_ignored += 1
 
     def close_round(self) -> None:
-        self._closed = True  # the server's training does not wait for clients: one step per round
+        self.closed = True  # the server's training does not wait for clients: one step per round
 
-    def ready(self) -> bool:
-        return self._closed
-
-    def aggregate(self, server: Any = None) -> torch.Tensor:
-        self.check(server)
-        self.params = self.server_train(self.params, server, self.version, self.server_train_epochs,
-                                        self.server_train_lr)
-        self.last["ignored-updates"] = float(self._step_ignored)
+    def step(self, server: Any = None) -> dict[str, float]:
+        self.params, stats = self.server_train(self.params, server, self.version, self.config.server_train_epochs,
+                                               self.config.server_train_lr)
         self.version += 1
-        self._closed, self._step_ignored = False, 0
-        return self.params
+        metrics = {**stats, "ignored-updates": float(self.ignored)}
+        self.closed, self.ignored = False, 0
+        return metrics
 
 
-class FedFT(_ServerSchedule):
+class FedFT(_ServerTrained):
     """Fed+FT: FedAvg's aggregate of the step's updates, then E_s epochs of fine-tuning at lr_s on the
-    server's data.
+    server's data (options: ServerScheduleConfig)."""
 
-    Args:
-        server_train_lr: lr_s (papers' grid 1e-5, 1e-4, 1e-3).
-        server_train_epochs: E_s (papers' grid 1, 10, 20).
-        train_config, clients_per_round, seed: as in :class:`HybridStrategy`.
-    """
+    name = "fedft"
+    Config = ServerScheduleConfig
 
-    name = "Fed+FT"
-
-
-    def aggregate(self, server: Any = None) -> torch.Tensor:
-        self.check(server)
-        count, version = len(self._updates), self.version
-        merged = super().aggregate(server)  # FedAvg: ω + Σ n_j/Σn Δ_j, version + 1
-        self.params = self.server_train(merged, server, version, self.server_train_epochs, self.server_train_lr)
-        self.last["updates"] = float(count)
-        return self.params
+    def step(self, server: Any = None) -> dict[str, float]:
+        require_in_domain(server, "FedFT")
+        merged, count = fedavg_step(self.params, self.updates), len(self.updates)
+        self.params, stats = self.server_train(merged, server, self.version, self.config.server_train_epochs,
+                                               self.config.server_train_lr)
+        self.version += 1
+        self.updates, self.closed = [], False
+        return {**stats, "updates": float(count)}
 
 
 class HFCL(_ServerTrained):
     """HFCL: the server trains like one more client (the clients' recipe) from ω on its data, and its
-    update Δ_S joins the step's client updates in FedAvg's mean with weight |𝒟_S|.
+    update Δ_S joins the step's client updates in FedAvg's mean with weight |𝒟_S|. No options."""
 
-    Args:
-        train_config, clients_per_round, seed: as in :class:`HybridStrategy`; no extra hyperparameter.
-    """
+    name = "hfcl"
 
-    name = "HFCL"
-
-    def aggregate(self, server: Any = None) -> torch.Tensor:
-        self.check(server)
-        trained = self.server_train(self.params, server, self.version)
-        self._updates.append(Update(SERVER_CLIENT, self.version, trained - self.params, len(server)))
-        self.last["updates"] = float(len(self._updates) - 1)
-        return super().aggregate(server)
+    def step(self, server: Any = None) -> dict[str, float]:
+        trained, stats = self.server_train(self.params, server, self.version)
+        server_update = Update(SERVER_CLIENT, self.version, trained - self.params, len(server))
+        count = len(self.updates)
+        self.params = fedavg_step(self.params, [*self.updates, server_update])
+        self.version += 1
+        self.updates, self.closed = [], False
+        return {**stats, "updates": float(count)}

@@ -7,7 +7,7 @@ import torch
 
 from common.params import ParamSpec
 from strategies import CA2FL, FedAsync, FedBuff
-from strategies.base import Update
+from strategies.base import Payload, Update
 
 SPEC = ParamSpec(("w",), ((6,),))
 
@@ -41,36 +41,34 @@ def test_fedbuff_step_after_k_updates(weighting, staleness_weight):
     b = [1 / 3] * 3 if weighting == "uniform" else [0.1, 0.3, 0.6]
     st = [1.0, 3 ** -0.5, 4 ** -0.5] if staleness_weight == "polynomial" else [1.0] * 3
     expected = omega + 0.5 * sum(bi * si * u.delta for bi, si, u in zip(b, st, updates))
-    close(s.aggregate(), expected)
+    s.step()
+    close(s.params, expected)
     assert s.version == 5 and not s.ready() and s.buffer == []
 
 
 def test_fedasync_mixes_the_stale_client_model_with_polynomial_weight():
     s = init(FedAsync(mixing_alpha=0.6, staleness_exponent=0.5))
     omega0 = s.params.clone()
-    s.configure(client=7, version=0)  # client 7 starts from version 0
-    s.configure(client=8, version=0)
+    sent7, sent8 = s.model_for(7), s.model_for(8)  # both start from version 0
     d8 = vec(8)
-    s.receive(Update(8, 0, d8, 5))
+    s.receive(Update(8, 0, d8, 5, sent=sent8))
+    s.step()
     omega1 = (1 - 0.6) * omega0 + 0.6 * (omega0 + d8)
-    close(s.aggregate(), omega1)
+    close(s.params, omega1)
     d7 = vec(7)
-    s.receive(Update(7, 0, d7, 5))  # staleness 1: α_t = 0.6 · 2^-0.5, and ω_new = ω^0 + Δ (its own base)
+    s.receive(Update(7, 0, d7, 5, sent=sent7))  # staleness 1: α_t = 0.6 · 2^-0.5, ω_new = ω^0 + Δ (what it was sent)
+    metrics = s.step()
     a = 0.6 * 2 ** -0.5
-    close(s.aggregate(), (1 - a) * omega1 + a * (omega0 + d7))
-    assert s.version == 2
-    assert len(s.history) == 0  # nobody in flight: no old global model is kept
+    close(s.params, (1 - a) * omega1 + a * (omega0 + d7))
+    assert s.version == 2 and metrics["alpha-t"] == pytest.approx(a)
 
 
-def test_fedasync_history_holds_only_versions_in_flight():
+def test_an_update_without_its_payload_cannot_be_rebuilt():
     s = init(FedAsync())
-    for v in range(5):
-        s.configure(client=v, version=s.version)
-        s.receive(Update(v, s.version, vec(v), 1))
-        s.aggregate()
-    s.configure(client=99, version=s.version)
-    s.forget(99)  # its dispatch failed
-    assert len(s.history) == 0
+    s.receive(Update(0, 0, vec(1), 1))
+    with pytest.raises(ValueError, match="does not carry the payload"):
+        s.step()
+    assert s.version == 0
 
 
 def test_ca2fl_calibrates_with_cached_updates():
@@ -83,21 +81,23 @@ def test_ca2fl_calibrates_with_cached_updates():
     s.receive(Update(1, 0, d[1], 1))
     assert s.ready()
     omega = omega + 0.5 * (d[0] + d[1]) / 2
-    close(s.aggregate(), omega)
+    s.step()
+    close(s.params, omega)
     # Step 2: client 0 again (cached d0) and client 2 (new): h̄ = (d0 + d1) / N.
     s.receive(Update(0, 1, d[3], 1))
     s.receive(Update(2, 1, d[4], 1))
     h_bar = (d[0] + d[1]) / n_clients
     omega = omega + 0.5 * (h_bar + ((d[3] - d[0]) + d[4]) / 2)
-    close(s.aggregate(), omega)
+    s.step()
+    close(s.params, omega)
     close(s.cache[0], d[3])
-    close(s._cache_sum, d[3] + d[1] + d[4])
+    close(s.cache_sum, d[3] + d[1] + d[4])
 
 
 def test_state_dict_round_trip_keeps_the_global_model_and_version():
     s = init(FedBuff(buffer_size=1))
     s.receive(Update(0, 0, vec(3), 1))
-    s.aggregate()
+    s.step()
     other = init(FedBuff(buffer_size=1), seed=9)
     other.load_state_dict(s.state_dict())
     assert other.version == 1 and torch.equal(other.params, s.params)

@@ -6,13 +6,64 @@ import tomllib
 
 import pytest
 
-from common.config import CONFIG_DIR, ConfigError, RunConfig, load_config, read_preset
+from common.config import CONFIG_DIR, ConfigError, RunConfig, read_preset
+from scripts.config_table import pyproject_with_table, readme_with_tables
 from scripts.flower import PROJECT_DIR
+from server_app.config import load_config, option_owners, option_specs
+from strategies import STRATEGIES, FedBuff, build_strategy
 
 
 def test_pyproject_run_config_mirrors_schema_defaults():
     pyproject = tomllib.loads((PROJECT_DIR / "pyproject.toml").read_text())
-    assert pyproject["tool"]["flwr"]["app"]["config"] == RunConfig().to_dict()
+    defaults = {**RunConfig().to_dict(), **{k: s.default for k, s in option_specs().items()}}
+    assert pyproject["tool"]["flwr"]["app"]["config"] == defaults
+
+
+def test_readme_and_pyproject_tables_are_generated_from_the_config_dataclasses():
+    """`python -m scripts.config_table --write` leaves both files unchanged: every key is documented."""
+    readme, pyproject = (PROJECT_DIR / "README.md").read_text(), (PROJECT_DIR / "pyproject.toml").read_text()
+    assert readme_with_tables(readme) == readme, "run: python -m scripts.config_table --write"
+    assert pyproject_with_table(pyproject) == pyproject, "run: python -m scripts.config_table --write"
+    for key in [*RunConfig.specs(), *option_specs()]:
+        assert f"| `{key}` |" in readme
+
+
+def test_method_options_live_with_their_strategy_and_keep_their_names_from_yaml_to_code():
+    cfg = load_config({"strategy": "fedbuff", "buffer-size": 7, "server-lr": 0.5, "atlas-size": 3})
+    assert "buffer-size" not in RunConfig.specs() and cfg.options["buffer-size"] == 7
+    s = build_strategy(cfg.strategy, cfg.options)
+    assert isinstance(s, FedBuff) and s.config.buffer_size == 7 and s.config.server_lr == 0.5
+    assert s.describe() == {"strategy": "fedbuff", "buffer-size": 7, "server-lr": 0.5, "staleness-weight": "none",
+                            "staleness-exponent": 0.5, "weighting": "uniform"}  # atlas-size is Feddle's
+    assert option_owners()["buffer-size"] == ["ca2fl", "fedbuff"]
+    assert option_owners()["proximal-mu"] == ["objective proximal"]
+
+
+def test_options_built_in_code_are_checked_like_configured_ones():
+    with pytest.raises(ConfigError, match="'buffer-size' = 0"):
+        FedBuff(buffer_size=0)
+    with pytest.raises(ConfigError, match="'weighting' = 'random'.*'examples', 'uniform'"):
+        FedBuff(weighting="random")
+    with pytest.raises(TypeError):
+        FedBuff(atlas_size=3)  # not FedBuff's option
+
+
+def test_a_key_declared_twice_differently_is_refused(monkeypatch):
+    from dataclasses import dataclass
+
+    from common.config import option
+    from strategies.base import Strategy
+
+    @dataclass(frozen=True)
+    class Clash:
+        buffer_size: int = option(99, None, "another meaning")
+
+    class Clashing(Strategy):
+        Config = Clash
+
+    monkeypatch.setitem(STRATEGIES, "clashing", Clashing)
+    with pytest.raises(ValueError, match="'buffer-size' is declared twice"):
+        option_specs()
 
 
 def test_preset_overrides_defaults_and_user_overrides_preset():
@@ -66,6 +117,10 @@ def test_a_preset_builds_on_its_bases_in_order_and_a_cycle_is_an_error(tmp_path,
         ("num-clients", 0, "[1, inf]"),
         ("dataset", "cifar11", "'digits'"),
         ("strategy", "fedfoo", "'fedavg'"),
+        ("local-objective", "hinge", "'cross-entropy'"),
+        ("buffer-size", 0, "[1, inf]"),
+        ("staleness-weight", "linear", "'polynomial'"),
+        ("fallback-init", 1, "true or false"),
         ("model", "resnet1000", "'cnn'"),
         ("partitioner", "random", "'dirichlet'"),
         ("optimizer", "lbfgs", "'adam'"),
@@ -80,9 +135,13 @@ def test_bad_value_names_key_value_and_what_is_allowed(key, value, allowed):
     assert f"'{key}'" in msg and repr(value) in msg and allowed in msg
 
 
-def test_cross_field_check():
+def test_cross_field_checks():
     with pytest.raises(ConfigError, match="clients-per-round.*at most num-clients = 4"):
         load_config({"num-clients": 4, "clients-per-round": 5})
+    with pytest.raises(ConfigError, match="'delay-sigma' = 5.0.*barrier"):
+        load_config({"loop": "flower", "delay-sigma": 5.0})
+    with pytest.raises(ConfigError, match="'clock' = 'wall'"):
+        load_config({"loop": "flower", "clock": "wall"})
 
 
 def test_bad_key_inside_a_preset_is_reported(tmp_path, monkeypatch):
@@ -91,8 +150,3 @@ def test_bad_key_inside_a_preset_is_reported(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="'learning-rate'"):
         load_config({"preset": "broken"})
 
-
-def test_readme_documents_every_key():
-    readme = (PROJECT_DIR / "README.md").read_text()
-    missing = [k for k in RunConfig.keys() if f"| `{k}` |" not in readme]
-    assert missing == []

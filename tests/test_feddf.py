@@ -1,16 +1,17 @@
-"""FedDF: FedAvg start, teachers rebuilt from their own base versions, distillation of the ensemble's
-averaged logits on server inputs (ID and OOD), version history pruned, config wiring."""
+"""FedDF: FedAvg start, teachers rebuilt from the model each client was sent, distillation of the ensemble's
+averaged logits on server inputs (ID and OOD), config wiring."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.nn import functional as F
 
-from common.config import load_config
 from common.data import ArrayDataset
 from common.models import build_model
 from common.params import ParamSpec
 from common.server_data import ServerData
+from server_app.config import load_config
 from strategies import STRATEGIES, FedAvg, FedDF, build_strategy
 from strategies.base import Update
 from strategies.feddf import distill_loss
@@ -33,16 +34,14 @@ def setup(seed: int = 0, n: int = 48):
 def feddf_with(model, spec, **kw) -> FedDF:
     """A FedDF at ω^0 = the model's seed-0 initialisation (tests load other weights into `model`)."""
     s = FedDF(**kw)
-    s.initialize(spec.flatten(build_model("cnn", 1, 8, 4, seed=0)), spec)
-    s.attach(model)
+    s.initialize(spec.flatten(build_model("cnn", 1, 8, 4, seed=0)), spec, model)
     return s
 
 
-def one_step(s: FedDF, deltas, version: int = 0) -> None:
-    for i in range(len(deltas)):
-        s.configure(i, version)
+def one_step(s: FedDF, deltas) -> None:
+    sent = [s.model_for(i) for i in range(len(deltas))]
     for i, d in enumerate(deltas):
-        s.receive(Update(i, version, d, 10 * (i + 1)))
+        s.receive(Update(i, s.version, d, 10 * (i + 1), sent=sent[i]))
     s.close_round()
 
 
@@ -61,48 +60,64 @@ def test_starts_from_fedavg_and_with_no_distillation_is_fedavg():
     for i, d in enumerate(deltas):
         fedavg.receive(Update(i, 0, d, 10 * (i + 1)))
     fedavg.close_round()
-    expected = fedavg.aggregate()
-    for kw, atol in (({"epochs": 0}, 1e-7), ({"epochs": 1, "lr": 1e-12}, 1e-6)):
-        s = feddf_with(model, spec, **kw)
-        one_step(s, deltas)
-        assert s.ready()
-        torch.testing.assert_close(s.aggregate(server(x, y)), expected, rtol=0, atol=atol)
-        assert s.version == 1 and s.metrics()["teachers"] == 3
+    fedavg.step()
+    s = feddf_with(model, spec, server_train_lr=1e-12)  # a distillation that cannot move: FedAvg's model
+    one_step(s, deltas)
+    assert s.ready()
+    metrics = s.step(server(x, y))
+    torch.testing.assert_close(s.params, fedavg.params, rtol=0, atol=1e-6)
+    assert s.version == 1 and metrics["teachers"] == 3
 
 
-def test_stale_teacher_is_rebuilt_from_its_own_base_version():
+def test_without_server_data_it_fails_clearly_and_changes_nothing():
+    model, spec, deltas, _, _ = setup()
+    s = feddf_with(model, spec)
+    one_step(s, deltas)
+    before = s.params.clone()
+    with pytest.raises(ValueError, match="central-size"):
+        s.step(None)
+    assert s.version == 0 and torch.equal(s.params, before)
+
+
+def test_stale_teacher_is_rebuilt_from_the_model_it_was_sent():
     model, spec, deltas, x, y = setup()
-    s = feddf_with(model, spec, epochs=0)
+    s = feddf_with(model, spec)
     omega0 = s.params.clone()
-    s.configure(0, 0)  # the straggler starts from ω^0 ...
-    s.configure(1, 0)
-    s.receive(Update(1, 0, deltas[1], 10))  # ... but only client 1 reports in step 0
-    s.close_round()
-    omega1 = s.aggregate(None)
+    sent_to_straggler = s.model_for(0)  # the straggler starts from ω^0 ...
+    one_step(s, deltas[1:2])  # ... but only one other client reports in step 0
+    s.step(server(x, y))
+    omega1 = s.params.clone()
     assert not torch.equal(omega1, omega0)
-    s.configure(2, 1)
-    s.receive(Update(0, 0, deltas[0], 10))  # stale: started from version 0
-    s.receive(Update(2, 1, deltas[2], 10))  # fresh: started from version 1
-    teachers = dict(s._teachers)
+    teachers = []
+    s.logits = lambda flat, xx: teachers.append(flat.clone()) or FedDF.logits(s, flat, xx)
+    sent_fresh = s.model_for(2)
+    s.receive(Update(0, 0, deltas[0], 10, sent=sent_to_straggler))  # stale: started from version 0
+    s.receive(Update(2, 1, deltas[2], 10, sent=sent_fresh))  # fresh: started from version 1
+    s.close_round()
+    s.step(server(x, y))
     torch.testing.assert_close(teachers[0], omega0 + deltas[0], rtol=0, atol=0)
-    torch.testing.assert_close(teachers[2], omega1 + deltas[2], rtol=0, atol=0)
-    # By hand: the ensemble's logits are the mean of f(x; ω^0 + Δ_0) and f(x; ω^1 + Δ_2).
-    by_hand = (logits_at(model, spec, omega0 + deltas[0], x) + logits_at(model, spec, omega1 + deltas[2], x)) / 2
-    torch.testing.assert_close(s.ensemble_logits([teachers[0], teachers[2]], x), by_hand, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(teachers[1], omega1 + deltas[2], rtol=0, atol=0)
     stale_wrong = logits_at(model, spec, omega1 + deltas[0], x)  # what ω^current + Δ would have given
     assert not torch.allclose(stale_wrong, logits_at(model, spec, omega0 + deltas[0], x), atol=1e-4)
+
+
+def test_teacher_logits_are_the_models_outputs_in_the_inputs_order():
+    model, spec, deltas, x, _ = setup(n=100)
+    s = feddf_with(model, spec, distill_batch_size=16)
+    flat = s.params + deltas[0]
+    torch.testing.assert_close(s.logits(flat, x), logits_at(model, spec, flat, x), rtol=1e-5, atol=1e-6)
 
 
 def test_distillation_lowers_the_kl_to_the_ensemble_and_is_deterministic():
     model, spec, deltas, x, y = setup()
     results = []
     for _ in range(2):
-        s = feddf_with(model, spec, epochs=5, lr=3e-4, seed=3)
+        s = feddf_with(model, spec, server_train_epochs=5, server_train_lr=3e-4, seed=3)
         omega0 = s.params.clone()
         one_step(s, deltas)
-        out = s.aggregate(server(x, y))
+        m = s.step(server(x, y))
+        out = s.params
         results.append(out)
-        m = s.metrics()
         assert m["distill-loss-after"] < m["distill-loss-before"]
         target = (sum(logits_at(model, spec, omega0 + d, x) for d in deltas)) / 3
         kl = float(distill_loss(logits_at(model, spec, out, x), target, 1.0))
@@ -116,43 +131,21 @@ def test_out_of_domain_server_data_with_other_labels_and_shape():
     g = torch.Generator().manual_seed(9)
     x_ood = torch.rand(40, 3, 12, 12, generator=g)  # 3 channels, 12x12: the CNN's adapter maps it to 1x8x8
     y_ood = torch.randint(0, 7, (40,), generator=g)  # its own 7 labels, never used
-    s = feddf_with(model, spec, epochs=5, lr=3e-4, temperature=2.0)
+    s = feddf_with(model, spec, server_train_epochs=5, server_train_lr=3e-4, distill_temperature=2.0)
     one_step(s, deltas)
-    out = s.aggregate(server(x_ood, y_ood, in_domain=False))
-    m = s.metrics()
+    m = s.step(server(x_ood, y_ood, in_domain=False))
+    out = s.params
     assert torch.isfinite(out).all() and m["distill-loss-after"] < m["distill-loss-before"]
     assert logits_at(model, spec, out, x_ood).shape == (40, 4)  # the clients' label space
-
-
-def test_version_history_is_pruned():
-    model, spec, deltas, x, y = setup()
-    s = feddf_with(model, spec, epochs=0)
-    for step in range(6):
-        v = s.version
-        for c in range(3):
-            s.configure(c, v)
-        s.configure(9, v)  # a client whose reply is lost
-        for c in range(3):
-            s.receive(Update(c, v, deltas[c], 10))
-        s.forget(9)
-        assert len(s.history) == 0  # nobody in flight: nothing kept
-        s.close_round()
-        s.aggregate(server(x, y))
-    s.configure(5, s.version)
-    s.configure(6, s.version)
-    assert list(s.history._models) == [s.version]
-    s.receive(Update(5, s.version, deltas[0], 10))
-    assert list(s.history._models) == [s.version]  # 6 still needs it
-    s.forget(6)
-    assert len(s.history) == 0
 
 
 def test_from_config():
     cfg = load_config({"strategy": "feddf", "server-train-lr": 1e-4, "server-train-epochs": 10,
                        "distill-temperature": 3.0})
-    s = build_strategy(cfg)
+    s = build_strategy(cfg.strategy, cfg.options)
     assert STRATEGIES["feddf"] is FedDF and isinstance(s, FedDF)
-    assert (s.lr, s.epochs, s.temperature, s.batch_size) == (1e-4, 10, 3.0, 64)
+    c = s.config
+    assert (c.server_train_lr, c.server_train_epochs, c.distill_temperature, c.distill_batch_size) == (1e-4, 10, 3.0, 64)
     assert s.describe()["server-train-epochs"] == 10
 
 

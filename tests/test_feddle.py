@@ -33,10 +33,9 @@ def cnn_setup(n_anchors: int = 3, seed: int = 0):
     return model, spec, anchors, x, y
 
 
-def feddle_with(model, spec, anchors, **kw) -> Feddle:
-    s = Feddle(**kw)
-    s.initialize(spec.flatten(model), spec)
-    s.attach(model)
+def feddle_with(model, spec, anchors, cls=Feddle, **kw) -> Feddle:
+    s = cls(**kw)
+    s.initialize(spec.flatten(model), spec, model)
     for i, a in enumerate(anchors):
         s.receive(Update(i, 0, a, 10))
     s.close_round()
@@ -58,6 +57,12 @@ def test_projected_gradient_equals_autograd_through_the_combination():
     torch.testing.assert_close(projected, autograd, rtol=1e-4, atol=1e-6)
 
 
+class RegressionFeddle(Feddle):
+    """Feddle with a squared loss: the search then has a closed-form optimum."""
+
+    criterion = staticmethod(F.mse_loss)
+
+
 class Linear(nn.Module):
     def __init__(self, d: int) -> None:
         super().__init__()
@@ -75,23 +80,25 @@ def test_search_reaches_the_closed_form_best_combination_including_a_negative_co
     x = torch.randn(200, d, generator=g)
     model = Linear(d)
     spec = ParamSpec.of(model)
-    s = feddle_with(model, spec, anchors, normalize=False, fallback_init=False, server_epochs=400, search_lr=0.05,
-                    batch_size=200, criterion=F.mse_loss)
-    s.aggregate(server(x, x @ w_star))
+    s = feddle_with(model, spec, anchors, RegressionFeddle, anchor_normalization=False, fallback_init=False,
+                    server_epochs=400, search_lr=0.05, search_batch_size=200)
+    found = s.step(server(x, x @ w_star))
     torch.testing.assert_close(s.params, w_star, rtol=0, atol=2e-3)  # ω = 0 + Σ ĉ a
-    assert s.last_search["c-negative"] > 0 and s.last_search["loss-after"] < 1e-4 < s.last_search["loss-before"]
+    assert found["c-negative"] > 0 and found["loss-after"] < 1e-4 < found["loss-before"]
     assert s.scores == pytest.approx(c_star.abs().tolist(), abs=2e-3)
 
 
 def test_zero_search_steps_with_fallback_init_is_fedbuffs_step():
     model, spec, anchors, x, y = cnn_setup()
-    feddle = feddle_with(model, spec, anchors, server_epochs=0, fallback_lr=0.5)
+    feddle = feddle_with(model, spec, anchors, server_epochs=0, server_lr=0.5)
     fedbuff = FedBuff(buffer_size=3, server_lr=0.5)
     fedbuff.initialize(spec.flatten(model), spec)
     for i, a in enumerate(anchors):
         fedbuff.receive(Update(i, 0, a, 10))
     assert feddle.ready() and fedbuff.ready()
-    torch.testing.assert_close(feddle.aggregate(server(x, y)), fedbuff.aggregate(), rtol=0, atol=1e-7)
+    feddle.step(None)  # no search: no server data needed
+    fedbuff.step()
+    torch.testing.assert_close(feddle.params, fedbuff.params, rtol=0, atol=1e-7)
 
 
 @pytest.mark.parametrize("in_domain", [True, False])
@@ -99,12 +106,12 @@ def test_search_without_diagnostics_moves_the_same_way_with_two_fewer_forward_pa
     model, spec, anchors, x, y = cnn_setup()
     results = {}
     for diagnostics in (True, False):
-        s = feddle_with(model, spec, anchors, server_epochs=2, batch_size=20, search_lr=0.05,
-                        diagnostics=diagnostics)
+        s = feddle_with(model, spec, anchors, server_epochs=2, search_batch_size=20, search_lr=0.05,
+                        search_diagnostics=diagnostics)
         calls, loss = [], s._loss
         s._loss = lambda *a: calls.append(1) or loss(*a)  # one forward pass over a batch or the whole data
-        s.aggregate(server(x, y, in_domain))
-        results[diagnostics] = (s.params, s.last_search, len(calls))
+        metrics = s.step(server(x, y, in_domain))
+        results[diagnostics] = (s.params, metrics, len(calls))
     (with_p, with_m, with_calls), (without_p, without_m, without_calls) = results[True], results[False]
     torch.testing.assert_close(without_p, with_p, rtol=0, atol=0)
     assert {"loss-before", "loss-after"} <= set(with_m) and not {"loss-before", "loss-after"} & set(without_m)
@@ -122,8 +129,8 @@ def test_median_normalisation():
 @pytest.mark.parametrize("importance", [True, False])
 def test_eviction_replaces_the_least_important_anchor_and_new_ones_are_safe(importance):
     model, spec, anchors, x, y = cnn_setup(n_anchors=3)
-    s = feddle_with(model, spec, anchors, atlas_size=3, server_epochs=0, importance=importance)
-    s.aggregate(server(x, y))
+    s = feddle_with(model, spec, anchors, atlas_size=3, server_epochs=0, importance_score=importance)
+    s.step(server(x, y))
     s.scores = [0.5, 0.1, 0.9]  # as a search would have left them
     marks = [torch.full((spec.numel,), float(v)) for v in (7, 8)]
     s.receive(Update(7, 1, marks[0], 10))
@@ -142,15 +149,15 @@ def test_out_of_domain_head_is_fitted_first_then_frozen_while_c_moves(monkeypatc
     snapshots = {}
     fit = Feddle.fit_head
 
-    def recording_fit(self, merged, xx, yy):
-        fit(self, merged, xx, yy)
+    def recording_fit(self, merged, xx, yy, seed):
+        fit(self, merged, xx, yy, seed)
         snapshots["theta"] = [p.detach().clone() for p in self.theta.parameters()]
 
     monkeypatch.setattr(Feddle, "fit_head", recording_fit)
     omega = s.params.clone()
     bar, norms = median_normalize(torch.stack(anchors))
     c_prime = s.fallback(norms)
-    s.aggregate(server(x, y_ood, in_domain=False))
+    s.step(server(x, y_ood, in_domain=False))
     assert s.theta.out_features == 3 and not any(p.requires_grad for p in s.theta.parameters())
     for before, after in zip(snapshots["theta"], s.theta.parameters()):
         assert torch.equal(before, after)  # frozen during the search

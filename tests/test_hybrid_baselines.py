@@ -7,15 +7,14 @@ import copy
 import pytest
 import torch
 
-from common.config import load_config
 from common.data import ArrayDataset
 from common.models import build_model
 from common.params import ParamSpec
 from common.server_data import ServerData
-from common.training import LocalRecipe, evaluate, train
+from common.training import LocalRecipe, evaluate, server_seed, train, train_on_server
+from server_app.config import load_config
 from strategies import HFCL, STRATEGIES, Center, FedAvg, FedFT, build_strategy
 from strategies.base import Update
-from strategies.server_training import server_seed, train_on_server
 
 RECIPE = LocalRecipe(epochs=2, batch_size=8, lr=0.05, optimizer="sgd", momentum=0.9)
 
@@ -33,8 +32,7 @@ def setup(seed: int = 0, n_server: int = 40, in_domain: bool = True):
 
 
 def started(strategy, model, spec, updates):
-    strategy.initialize(spec.flatten(model), spec)
-    strategy.attach(copy.deepcopy(model))
+    strategy.initialize(spec.flatten(model), spec, copy.deepcopy(model))
     for u in updates:
         strategy.receive(u)
     strategy.close_round()
@@ -42,7 +40,9 @@ def started(strategy, model, spec, updates):
 
 
 def fedavg_of(model, spec, updates) -> torch.Tensor:
-    return started(FedAvg(), model, spec, updates).aggregate()
+    s = started(FedAvg(), model, spec, updates)
+    s.step()
+    return s.params
 
 
 def trained(model, spec, flat, server, recipe, seed) -> torch.Tensor:
@@ -55,14 +55,16 @@ def trained(model, spec, flat, server, recipe, seed) -> torch.Tensor:
 
 def test_center_ignores_client_updates_and_lowers_the_server_loss():
     model, spec, server, updates = setup()
-    kw = dict(server_train_lr=0.05, server_train_epochs=3, train_config=RECIPE.to_config(), seed=2)
+    kw = dict(server_train_lr=0.05, server_train_epochs=3, recipe=RECIPE, seed=2)
     with_updates = started(Center(**kw), model, spec, updates)
     without = started(Center(**kw), model, spec, [])
     omega = with_updates.params.clone()
     assert with_updates.ready() and without.ready()  # a step does not wait for clients
-    a, b = with_updates.aggregate(server), without.aggregate(server)
+    metrics = with_updates.step(server)
+    without.step(server)
+    a, b = with_updates.params, without.params
     assert torch.equal(a, b) and with_updates.version == 1
-    assert with_updates.metrics()["ignored-updates"] == 3 and with_updates.ignored == 3
+    assert metrics["ignored-updates"] == 3 and with_updates.ignored == 0  # counted per step
     expected = trained(model, spec, omega, server, LocalRecipe(3, 8, 0.05, "sgd", 0.9), server_seed(2, 0))
     assert torch.equal(a, expected)
     m = copy.deepcopy(model)
@@ -73,22 +75,23 @@ def test_center_ignores_client_updates_and_lowers_the_server_loss():
 
 def test_fedft_is_fedavg_then_exactly_train_on_the_server_data():
     model, spec, server, updates = setup()
-    s = started(FedFT(server_train_lr=0.01, server_train_epochs=2, train_config=RECIPE.to_config(), seed=7),
-                model, spec, updates)
-    got = s.aggregate(server)
+    s = started(FedFT(server_train_lr=0.01, server_train_epochs=2, recipe=RECIPE, seed=7), model, spec, updates)
+    metrics = s.step(server)
+    got = s.params
     merged = fedavg_of(model, spec, updates)
     recipe = LocalRecipe(2, RECIPE.batch_size, 0.01, RECIPE.optimizer, RECIPE.momentum)
     assert torch.equal(got, trained(model, spec, merged, server, recipe, server_seed(7, 0)))
     assert not torch.equal(got, merged) and s.version == 1
-    assert s.metrics()["updates"] == 3 and "server-train-loss" in s.metrics()
+    assert metrics["updates"] == 3 and "server-train-loss" in metrics
     assert not s.ready()  # the step's updates are consumed
 
 
 def test_hfcl_is_fedavg_over_the_clients_and_the_server_as_one_more_client():
     model, spec, server, updates = setup()
-    s = started(HFCL(train_config=RECIPE.to_config(), seed=3), model, spec, updates)
+    s = started(HFCL(recipe=RECIPE, seed=3), model, spec, updates)
     omega = s.params.clone()
-    got = s.aggregate(server)
+    metrics = s.step(server)
+    got = s.params
     delta_s = trained(model, spec, omega, server, RECIPE, server_seed(3, 0)) - omega  # the clients' recipe
     # Hand computation: Σ n_j Δ_j / Σ n_j with the server's n = |D_S| = 40, in FedAvg's float32 weights.
     everyone = [Update(-1, 0, delta_s, len(server)), *sorted(updates, key=lambda u: u.client)]
@@ -97,17 +100,17 @@ def test_hfcl_is_fedavg_over_the_clients_and_the_server_as_one_more_client():
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
     # ...and exactly FedAvg given the server's update as one more reply.
     assert torch.equal(got, fedavg_of(model, spec, [*updates, Update(-1, 0, delta_s, len(server))]))
-    assert s.version == 1 and s.metrics()["updates"] == 3
+    assert s.version == 1 and metrics["updates"] == 3
 
 
 @pytest.mark.parametrize("cls", [Center, FedFT, HFCL])
 def test_out_of_domain_or_missing_server_data_is_a_clear_error(cls):
     model, spec, server, updates = setup(in_domain=False)
-    s = started(cls(train_config=RECIPE.to_config()), model, spec, updates)
+    s = started(cls(recipe=RECIPE), model, spec, updates)
     with pytest.raises(ValueError, match="in-domain"):
-        s.aggregate(server)
-    with pytest.raises(RuntimeError, match="central-size"):
-        s.aggregate(None)
+        s.step(server)
+    with pytest.raises(ValueError, match="central-size"):
+        s.step(None)
     assert s.version == 0 and torch.equal(s.params, spec.flatten(model))  # nothing moved
 
 
@@ -135,8 +138,10 @@ def test_train_on_server_on_cuda_matches_cpu_closely():
 def test_built_from_a_run_config(name, cls):
     assert STRATEGIES[name] is cls
     cfg = load_config({"strategy": name, "server-train-lr": 1e-4, "server-train-epochs": 10, "lr": 0.02, "seed": 4})
-    s = build_strategy(cfg)
-    assert isinstance(s, cls) and s.seed == 4 and s.train_config["lr"] == 0.02
+    s = build_strategy(cfg.strategy, cfg.options, seed=cfg.seed, recipe=LocalRecipe.from_config(cfg.to_dict()))
+    assert isinstance(s, cls) and s.seed == 4 and s.recipe.lr == 0.02
     if cls is not HFCL:
-        assert (s.server_train_lr, s.server_train_epochs) == (1e-4, 10)
+        assert (s.config.server_train_lr, s.config.server_train_epochs) == (1e-4, 10)
         assert s.describe()["server-train-epochs"] == 10
+    else:
+        assert s.describe() == {"strategy": "hfcl"}

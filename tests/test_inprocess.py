@@ -12,12 +12,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from client_app.app import app as client_app
-from common.config import load_config
 from common.data import data_spec, load_dataset, make_splits
 from common.models import build_model
 from common.params import ParamSpec
 from common.protocol import ARRAYS, MODEL, TRAIN_SEED
 from common.training import LocalRecipe, evaluate
+from server_app.config import load_config
+from server_app.flower import FlowerStrategy
 from server_app.inprocess import InProcessGrid, run_inprocess
 from strategies import build_strategy
 
@@ -101,27 +102,28 @@ def test_unknown_node_gets_node_unavailable():
     assert reply.has_error() and reply.error.code == 5
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fedbuff"])
-def test_strategy_runs_under_flowers_start(name):
-    """`strategy.start(grid, ...)` works the way Flower users expect: FedAvg under Flower's own round
-    loop, FedBuff (an AsyncStrategy) under the hybridfl runtime behind the same call."""
-    cfg = load_config({"dataset": "synthetic", "num-clients": 4, "clients-per-round": 4, "local-epochs": 1,
+@pytest.mark.parametrize("name,clock", [("fedavg", None), ("fedbuff", "wall")])
+def test_strategy_runs_under_flowers_start(name, clock):
+    """`FlowerStrategy(strategy).start(grid, ...)` works the way Flower users expect: Flower's own round loop,
+    or (FedBuff, `clock="wall"`) the hybridfl runtime behind the same call."""
+    cfg = load_config({"dataset": "synthetic", "num-clients": 4, "clients-per-round": 4, "local-epochs": 2,
                        "batch-size": 16, "strategy": name, "buffer-size": 2})
     grid = InProcessGrid(client_app, num_nodes=4)
     full, spec = load_dataset("synthetic"), data_spec(cfg)
     model = build_model("cnn", 1, 8, full.num_classes, seed=0)
     pspec = ParamSpec.of(model)
-    strategy = build_strategy(cfg)
+    strategy = build_strategy(cfg.strategy, cfg.options)
     test = make_splits(spec).test
 
     def evaluate_fn(rnd: int, arrays: ArrayRecord) -> MetricRecord:
         pspec.load_into(model, pspec.from_record(arrays))
         return MetricRecord(evaluate(model, test))
 
-    train_config = ConfigRecord({**spec.to_config(), **strategy.train_config, MODEL: "cnn", TRAIN_SEED: 1})
-    result = strategy.start(grid=grid, initial_arrays=pspec.to_record(pspec.flatten(model)), num_rounds=3,
-                            train_config=train_config, evaluate_config=ConfigRecord({**spec.to_config(), MODEL: "cnn"}),
-                            evaluate_fn=evaluate_fn)
+    train_config = ConfigRecord({**spec.to_config(), **LocalRecipe.from_config(cfg.to_dict()).to_config(),
+                                 MODEL: "cnn"})
+    result = FlowerStrategy(strategy, clients_per_round=4, evaluate_clients=4).start(
+        grid=grid, initial_arrays=pspec.to_record(pspec.flatten(model)), num_rounds=3, train_config=train_config,
+        evaluate_fn=evaluate_fn, clock=clock)
     accs = [result.evaluate_metrics_serverapp[r]["accuracy"] for r in range(4)]
     assert accs[-1] > accs[0] + 0.3
     assert strategy.version == (3 if name == "fedavg" else 6)  # FedBuff: 4 arrivals per step, K = 2

@@ -305,7 +305,7 @@ def test_lora_model_trains_only_trainable_parameters():
 
 
 def test_cnn_width_sets_the_channels_and_travels_from_the_run_config():
-    from common.config import load_config
+    from server_app.config import load_config
     from common.models import build_from_config
 
     narrow = build_from_config(load_config({"cnn-width": 16}).to_dict(), 1, 28, 10, seed=0)

@@ -155,7 +155,7 @@ def test_validation_split_is_evaluated_beside_the_test_split_and_summarised(smal
 
 
 def test_default_run_folders_never_collide_and_named_ones_are_reused(tmp_path, monkeypatch):
-    from common.config import load_config
+    from server_app.config import load_config
     from server_app import outputs
 
     monkeypatch.setattr(outputs.time, "strftime", lambda fmt: "20261122-120000")  # all in the same second

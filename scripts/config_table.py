@@ -1,0 +1,77 @@
+"""The README's key tables and pyproject's ``[tool.flwr.app.config]``, generated from the config dataclasses.
+
+    python -m scripts.config_table            # print both
+    python -m scripts.config_table --write    # rewrite them in README.md and pyproject.toml
+
+Run-level keys come from ``common.config.RunConfig``; method options from every registered strategy's
+and client objective's ``Config`` (``server_app.config``). tests/test_config.py fails when the files
+differ from what this prints, so a new option is documented and known to Flower (which only accepts
+``-c`` keys that pyproject declares) the moment it is declared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Any
+
+from common.config import OptionSpec, RunConfig
+from scripts.flower import PROJECT_DIR, toml_value
+from server_app.config import REGISTRY_CHECKS, option_owners, option_specs
+
+BEGIN, END = "<!-- keys:begin (python -m scripts.config_table --write) -->", "<!-- keys:end -->"
+
+
+def _default(value: Any) -> str:
+    return '`""`' if value == "" else f"`{toml_value(value).strip(chr(34))}`"
+
+
+def _row(spec: OptionSpec, *extra: str) -> str:
+    cells = [f"`{spec.key}`", _default(spec.default), spec.allowed_text(REGISTRY_CHECKS.get(spec.key)), *extra,
+             spec.doc.replace("|", "\\|")]
+    return "| " + " | ".join(cells) + " |"
+
+
+def key_tables() -> str:
+    """The two markdown tables: run-level keys, then method options with the methods that use them."""
+    owners = option_owners()
+    lines = ["Run-level keys:", "", "| key | default | allowed | meaning |", "|---|---|---|---|"]
+    lines += [_row(spec) for spec in RunConfig.specs().values()]
+    lines += ["", "Method options (a strategy's or a client objective's own keys; other methods ignore them):", "",
+              "| key | default | allowed | used by | meaning |", "|---|---|---|---|---|"]
+    lines += [_row(spec, ", ".join(f"`{o}`" for o in owners[key])) for key, spec in option_specs().items()]
+    return "\n".join(lines)
+
+
+def pyproject_table() -> str:
+    """``[tool.flwr.app.config]``: every key with its default (Flower fuses only keys declared there)."""
+    defaults = {**{k: s.default for k, s in RunConfig.specs().items()},
+                **{k: s.default for k, s in option_specs().items()}}
+    return "[tool.flwr.app.config]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in defaults.items())
+
+
+def readme_with_tables(text: str) -> str:
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    return text[:start] + "\n" + key_tables() + "\n" + text[end:]
+
+
+def pyproject_with_table(text: str) -> str:
+    return re.sub(r"\[tool\.flwr\.app\.config\]\n(?:[^\[\n][^\n]*\n)*", lambda _: pyproject_table(), text, count=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true", help="rewrite README.md and pyproject.toml")
+    args = parser.parse_args(argv)
+    if not args.write:
+        print(key_tables() + "\n\n" + pyproject_table())
+        return 0
+    for name, rewrite in (("README.md", readme_with_tables), ("pyproject.toml", pyproject_with_table)):
+        path = PROJECT_DIR / name
+        path.write_text(rewrite(path.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""``<run>/checkpoint.pt``: everything a killed run needs to go on as if it had never stopped.
+
+It holds the step it was written after, the run's configuration, the model layout, the strategy's
+whole state, the runner's (its random generators, the dispatches in flight with the payloads they
+carry, each client's dispatch count), the recorder's position in metrics.jsonl / events.jsonl and
+torch's global generator. It is written atomically (a temporary file, then a rename), so a kill
+leaves the previous checkpoint or the new one, never half of one. It is a pickle: resume only from
+checkpoints you wrote.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common.config import ConfigError
+
+CHECKPOINT = "checkpoint.pt"
+FORMAT = 1
+_cache: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}  # path -> ((mtime, size), checkpoint)
+
+
+def _bad(folder: Path, why: str) -> ConfigError:
+    return ConfigError("resume", str(folder), "a run folder whose checkpoint.pt can be resumed",
+                       f"cannot resume {folder}: {why}")
+
+
+def read_checkpoint(folder: Path) -> dict[str, Any]:
+    """The checkpoint of run folder `folder`, or a ConfigError (key ``resume``) saying why it cannot be used."""
+    path = Path(folder) / CHECKPOINT
+    if not path.is_file():
+        raise _bad(folder, f"it has no {CHECKPOINT} (is it a run folder? was checkpoint-every 0?)")
+    stat = path.stat()
+    stamp = (stat.st_mtime_ns, stat.st_size)
+    if str(path) in _cache and _cache[str(path)][0] == stamp:
+        return _cache[str(path)][1]
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - any unpickling failure means the file is unusable
+        raise _bad(folder, f"{CHECKPOINT} is unreadable, corrupt or truncated ({type(err).__name__}: {err})") from err
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise _bad(folder, f"{CHECKPOINT} is not a hybridfl checkpoint of format {FORMAT} (found {found!r})")
+    _cache.clear()
+    _cache[str(path)] = (stamp, state)
+    return state
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    """The configuration (every key) the run in `folder` was written with."""
+    return dict(read_checkpoint(folder)["config"])
+
+
+def write_checkpoint(folder: Path, state: dict[str, Any]) -> Path:
+    """Write `state` (plus the format tag) to ``folder/checkpoint.pt`` atomically; return the path."""
+    path = Path(folder) / CHECKPOINT
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        torch.save({"format": FORMAT, **state}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def check_layout(folder: Path, state: dict[str, Any], names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> None:
+    """The checkpoint's model layout must be this run's (same trainable parameter names and shapes)."""
+    saved = state["layout"]
+    if tuple(saved["names"]) != names or tuple(map(tuple, saved["shapes"])) != shapes:
+        differ = [n for n, s in zip(names, shapes) if dict(zip(saved["names"], map(tuple, saved["shapes"]))).get(n) != s]
+        raise _bad(folder, f"its model differs from this run's ({len(saved['names'])} trainable tensors there, "
+                           f"{len(names)} here; first differing: {differ[:3] or sorted(set(saved['names']) - set(names))[:3]})")

@@ -1,0 +1,171 @@
+"""The one wiring path: :func:`build_run` builds a run from its configuration — data, server data, model,
+strategy, runner, recorder, and, with ``resume``, everything restored from the checkpoint — and
+:meth:`Run.execute` drives it with the hybridfl runtime or Flower's own ``start()`` rounds
+(``loop``), evaluating, recording and checkpointing every step the same way under both. The
+ServerApp, the in-process engine and ``flwr run`` all go through here.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from logging import INFO
+from pathlib import Path
+
+import torch
+from flwr.common import log
+from flwr.serverapp import Grid
+from torch import nn
+
+from common.config import ConfigError, RunConfig
+from common.data import Splits, data_spec, load_dataset, make_splits
+from common.models import build_from_config, model_config
+from common.params import ParamSpec
+from common.server_data import ServerData, build_server_data
+from common.training import LocalRecipe, evaluate
+from server_app.checkpoint import check_layout, read_checkpoint, write_checkpoint
+from server_app.flower import FlowerStrategy
+from server_app.messaging import federated_evaluate
+from server_app.outputs import Recorder, run_dir
+from server_app.runtime import Runner, StepLog
+from strategies import Strategy, build_strategy
+
+
+def describe(server_data: ServerData | None) -> str:
+    if server_data is None:
+        return "none"
+    kind = "in-domain" if server_data.in_domain else "out-of-domain"
+    return f"{len(server_data)} {kind} samples on {server_data.device}"
+
+
+def check_server_data(cfg: RunConfig, strategy: Strategy, server_data: ServerData | None) -> None:
+    """Fail at start, naming the key to set, when the method needs server data the run does not have."""
+    need = type(strategy).server_data
+    if need != "none" and server_data is None:
+        raise ConfigError("central-size", cfg.central_size,
+                          f"> 0 (or a server-dataset): strategy '{cfg.strategy}' uses the server's own data")
+    if need == "in-domain" and not server_data.in_domain:
+        raise ConfigError("server-dataset", cfg.server_dataset,
+                          f"'' (in-domain central split): strategy '{cfg.strategy}' trains on labels of the clients' "
+                          "label space")
+    if need == "none" and server_data is not None:
+        log(INFO, "strategy '%s' does not use the server's data (%s)", cfg.strategy, describe(server_data))
+
+
+@dataclass
+class Run:
+    """A run, built and ready to go: :meth:`execute` trains it and writes its outputs."""
+
+    grid: Grid
+    cfg: RunConfig
+    out: Path
+    splits: Splits
+    server_data: ServerData | None
+    model: nn.Module  # the evaluation model (the strategy holds its own copy)
+    pspec: ParamSpec
+    strategy: Strategy
+    runner: Runner
+    recorder: Recorder
+    first_step: int = 1  # > 1 when resumed
+
+    # -- every step, under either loop --------------------------------------------------------
+    def evaluate(self, entry: StepLog) -> StepLog:
+        """The central model(s) on the test split (and the validation split, when there is one); the first
+        model's metrics are unprefixed, the others' carry the model's name."""
+        for i, (name, params) in enumerate(self.strategy.central_models().items()):
+            self.pspec.load_into(self.model, params)
+            prefix = f"{name}-" if i else ""
+            entry.test.update({prefix + k: v for k, v in evaluate(self.model, self.splits.test, seed=self.cfg.seed).items()})
+            if len(self.splits.validation):
+                entry.validation.update({prefix + k: v for k, v in
+                                         evaluate(self.model, self.splits.validation, seed=self.cfg.seed).items()})
+        return entry
+
+    def on_step(self, entry: StepLog) -> None:
+        cfg = self.cfg
+        last = entry.round == cfg.num_rounds
+        if entry.round % cfg.eval_every == 0 or last:
+            self.evaluate(entry)
+        self.recorder.round(entry.to_dict())
+        acc = f"test-accuracy {entry.test['accuracy']:.4f}" if entry.test else ""
+        log(INFO, "round %d/%d v%d: %d/%d updates, %d failed, %d rejected, %d timed out, %.2fs %s", entry.round,
+            cfg.num_rounds, entry.version, entry.accepted, entry.sampled, entry.failures, entry.rejected,
+            entry.timeouts, entry.seconds, acc)
+        if cfg.checkpoint_every and (entry.round % cfg.checkpoint_every == 0 or last):
+            self.checkpoint(entry.round)
+
+    def checkpoint(self, step: int) -> None:
+        write_checkpoint(self.out, {
+            "step": step, "config": self.cfg.to_dict(),
+            "layout": {"names": list(self.pspec.names), "shapes": [list(s) for s in self.pspec.shapes]},
+            "strategy": self.strategy.state_dict(), "runner": self.runner.state_dict(),
+            "recorder": self.recorder.state_dict(), "torch-rng": torch.get_rng_state()})
+
+    # -- the run ------------------------------------------------------------------------------
+    def execute(self) -> Path:
+        """Train from `first_step` to ``num-rounds``, evaluate on the clients, write the outputs; return the folder."""
+        cfg, t_start = self.cfg, time.perf_counter()
+        log(INFO, "run %s: %s on %s (%d train / %d test), server data: %s, %d clients, %d rounds%s, %s clock (σ=%g), "
+            "%s loop -> %s", self.out.name, cfg.strategy, cfg.dataset, len(self.splits.train), len(self.splits.test),
+            describe(self.server_data), cfg.num_clients, cfg.num_rounds,
+            f" (resumed after step {self.first_step - 1})" if self.first_step > 1 else "", cfg.clock, cfg.delay_sigma,
+            cfg.loop, self.out)
+        self.runner.directory.wait_for(cfg.num_clients, cfg.wait_nodes_s)
+        if self.first_step == 1:
+            self.recorder.round(self.evaluate(StepLog(0, 0)).to_dict())
+        t_train = time.perf_counter()
+        if self.first_step <= cfg.num_rounds:
+            if cfg.loop == "flower":
+                adapter = FlowerStrategy(self.strategy, clients_per_round=cfg.clients_per_round, seed=cfg.seed,
+                                         server_data=self.server_data, runner=self.runner, on_step=self.on_step,
+                                         first_step=self.first_step)
+                adapter.start(self.grid, self.pspec.to_record(self.strategy.params),
+                              num_rounds=cfg.num_rounds - self.first_step + 1, timeout=cfg.reply_timeout_s)
+            else:
+                self.runner.run(cfg.num_rounds, self.on_step, self.first_step)
+        train_seconds = time.perf_counter() - t_train
+        client_eval = federated_evaluate(self.grid, self.runner.directory, self.runner.dispatcher, self.strategy,
+                                         cfg.reply_timeout_s)
+        models = {}
+        for name, params in self.strategy.central_models().items():
+            self.pspec.load_into(self.model, params)
+            models[name] = copy.deepcopy(self.model.state_dict())
+        summary = self.recorder.finish({
+            "run": self.out.name, "config": cfg.to_dict(), "strategy": self.strategy.describe(),
+            "final-version": self.strategy.version, "client-eval": client_eval,
+            "server-data": describe(self.server_data), "resumed-after-step": self.first_step - 1,
+            "reply-to-dispatch-s": self.runner.latency_summary(),
+            "wall-seconds": time.perf_counter() - t_start, "train-seconds": train_seconds}, models)
+        log(INFO, "run %s finished: final test accuracy %.4f (max of last 5 evals %.4f); outputs in %s", self.out.name,
+            summary["final-test-accuracy"], summary["max-last-5-evals"], self.out)
+        return self.out
+
+
+def build_run(grid: Grid, cfg: RunConfig) -> Run:
+    """Everything a run needs, from its configuration; with ``resume``, restored from the run's checkpoint."""
+    resumed = read_checkpoint(Path(cfg.resume)) if cfg.resume else None
+    out = Path(cfg.resume) if cfg.resume else run_dir(cfg)
+    spec = data_spec(cfg)
+    splits, full = make_splits(spec), load_dataset(cfg.dataset, cfg.data_root)
+    server_data = build_server_data(cfg, splits)
+    model = build_from_config(cfg.to_dict(), full.x.shape[1], full.x.shape[2], full.num_classes, seed=cfg.seed)
+    pspec = ParamSpec.of(model)
+    recipe = LocalRecipe.from_config(cfg.to_dict())
+    strategy = build_strategy(cfg.strategy, cfg.options, seed=cfg.seed, num_clients=cfg.num_clients, recipe=recipe)
+    check_server_data(cfg, strategy, server_data)
+    strategy.initialize(pspec.flatten(model), pspec, copy.deepcopy(model))
+    runner = Runner(grid, strategy, {**spec.to_config(), **model_config(cfg.to_dict()), **recipe.to_config()},
+                    clients_per_round=cfg.clients_per_round, clock=cfg.clock, delay_sigma=cfg.delay_sigma,
+                    concurrency=cfg.concurrency, reply_timeout=cfg.reply_timeout_s, poll_interval=cfg.poll_interval_s,
+                    wait_nodes=cfg.wait_nodes_s, seed=cfg.seed, server_data=server_data)
+    first_step = 1
+    if resumed is not None:
+        check_layout(out, resumed, pspec.names, pspec.shapes)
+        strategy.load_state_dict(resumed["strategy"])
+        runner.load_state_dict(resumed["runner"])
+        torch.set_rng_state(resumed["torch-rng"])
+        first_step = int(resumed["step"]) + 1
+    recorder = Recorder(out, resumed["recorder"] if resumed is not None else None)
+    runner.on_event = recorder.event
+    return Run(grid, cfg, out, splits, server_data, model, pspec, strategy, runner, recorder, first_step)

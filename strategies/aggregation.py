@@ -1,0 +1,35 @@
+"""Arithmetic several strategies share: weighted sums of flat updates and their weights."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from strategies.base import Update
+
+
+def weighted_sum(deltas: Iterable[torch.Tensor], weights: Iterable[float], like: torch.Tensor) -> torch.Tensor:
+    """Σ_i w_i Δ_i, accumulated in the given order (callers fix the order for reproducible floats)."""
+    total = torch.zeros_like(like)
+    for w, delta in zip(weights, deltas):
+        total.add_(delta, alpha=float(w))
+    return total
+
+
+def example_weights(updates: list[Update]) -> list[float]:
+    """n_j / Σ n_i, computed in float64 then rounded to float32 as FedAvg applies them."""
+    n = torch.tensor([float(u.num_examples) for u in updates], dtype=torch.float64)
+    return (n / n.sum()).to(torch.float32).tolist()
+
+
+def fedavg_step(params: torch.Tensor, updates: list[Update]) -> torch.Tensor:
+    """ω + Σ_j (n_j / Σ n_i) Δ_j over `updates` summed in client order, so that the float result does not
+    depend on the order replies arrived in (Feddle 004, Eq. 2)."""
+    updates = sorted(updates, key=lambda u: u.client)
+    return params + weighted_sum((u.delta for u in updates), example_weights(updates), params)
+
+
+def polynomial_staleness(tau: int, a: float) -> float:
+    """s(τ) = (1 + τ)^(−a)."""
+    return (1.0 + tau) ** (-a)

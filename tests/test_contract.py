@@ -1,0 +1,192 @@
+"""The strategy contract, checked for every registered strategy (like torch's optimizer test battery):
+state_dict round trip mid-run, resume after a crash, rejection of bad replies, determinism per seed,
+Flower's loop against the runtime, and server data really used under both loops."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, Context, Message
+from flwr.clientapp import ClientApp
+from torch import nn
+
+from client_app.app import app as client_app
+from common.protocol import ARRAYS
+from server_app.config import load_config
+from server_app.inprocess import InProcessGrid, run_inprocess
+from server_app.run import Run, build_run
+from strategies import STRATEGIES
+from strategies.base import Update
+
+NAMES = sorted(STRATEGIES)
+BASE = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 2, "num-rounds": 6, "local-epochs": 1,
+        "batch-size": 16, "central-size": 40, "buffer-size": 2, "checkpoint-every": 2}
+ASYNC = {"delay-sigma": 1.5}  # updates cross step boundaries: checkpoints hold flights and half-full buffers
+
+
+def rows(out: Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]:
+    """Lines of a run's jsonl file without what depends on timing (seconds, event times, node ids)."""
+    drop = lambda k: "seconds" in k or k in ("t", "node")  # noqa: E731
+    return [{k: v for k, v in json.loads(line).items() if not drop(k)} for line in (out / name).read_text().splitlines()]
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def run(tmp_path: Path, name: str, run_name: str, client_app: ClientApp | None = None, **kw: Any) -> Path:
+    return run_inprocess({**BASE, "strategy": name, "output-dir": str(tmp_path), "run-name": run_name, **kw},
+                         client_app=client_app)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Deep equality of strategy state: tensors bit for bit, modules by state_dict, dataclasses by fields."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, nn.Module):
+        return type(a) is type(b) and same(a.state_dict(), b.state_dict())
+    if dataclasses.is_dataclass(a):
+        return type(a) is type(b) and same(vars(a), vars(b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def built(tmp_path: Path, name: str, run_name: str, **kw: Any) -> Run:
+    cfg = load_config({**BASE, "strategy": name, "output-dir": str(tmp_path), "run-name": run_name, **kw})
+    r = build_run(InProcessGrid(client_app, cfg.num_clients), cfg)
+    r.runner.directory.wait_for(cfg.num_clients, 10)
+    return r
+
+
+def feed(r: Run, step: int) -> None:
+    """The same two made-up updates, then the end of a step, into `r`'s strategy."""
+    s = r.strategy
+    for c in (0, 1):
+        delta = 0.01 * torch.randn(s.spec.numel, generator=torch.Generator().manual_seed(10 * step + c))
+        s.receive(Update(c, s.version, delta, 10 + c, sent=s.model_for(c)))
+        if s.ready():
+            s.step(r.server_data)
+    s.close_round()
+    if s.ready():
+        s.step(r.server_data)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_dict_round_trip_mid_run_restores_every_attribute(tmp_path, name):
+    r = built(tmp_path, name, "a", **ASYNC)
+    r.runner.run(3, r.on_step)  # mid-run: flights in the air, buffers and atlases part full
+    state, again = r.strategy.state_dict(), r.strategy.state_dict()
+    twin = built(tmp_path, name, "b", **ASYNC)
+    twin.strategy.load_state_dict(state)
+    structure = type(r.strategy)._structure
+    assert same({k: v for k, v in vars(twin.strategy).items() if k not in structure},
+                {k: v for k, v in vars(r.strategy).items() if k not in structure})
+    for step in range(3):  # the restored twin goes on exactly as the original
+        feed(r, step)
+        feed(twin, step)
+        assert twin.strategy.version == r.strategy.version and torch.equal(twin.strategy.params, r.strategy.params)
+    assert same(state, again)  # a state_dict is a copy: going on did not change it
+    with pytest.raises(ValueError, match="missing"):
+        twin.strategy.load_state_dict({k: v for k, v in state.items() if k != "version"})
+
+
+class Crash(BaseException):
+    """A process death: no handler on the way catches it."""
+
+
+def crashing(after_rows: int, out: Path) -> ClientApp:
+    """The real ClientApp, until metrics.jsonl has `after_rows` rows: then the second train message kills the run."""
+    app, seen = ClientApp(), []
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        if len((out / "metrics.jsonl").read_text().splitlines()) >= after_rows:
+            seen.append(1)
+            if len(seen) == 2:
+                raise Crash
+        return client_app(msg, context)
+
+    for kind in ("evaluate", "query"):
+        getattr(app, kind)()(lambda msg, context: client_app(msg, context))
+    return app
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_run_killed_mid_step_and_resumed_ends_byte_identical(tmp_path, name):
+    whole = run(tmp_path, name, "whole", **ASYNC)
+    with pytest.raises(Crash):  # killed during step 5, after the checkpoint of step 4
+        run(tmp_path, name, "killed", crashing(5, tmp_path / "killed"), **ASYNC)
+    killed = tmp_path / "killed"
+    assert len(rows(killed)) == 5 and not (killed / "summary.json").exists()
+    resumed = run_inprocess({"resume": str(killed)})
+    assert resumed == killed
+    assert digest(resumed / "model.pt") == digest(whole / "model.pt")
+    assert rows(resumed) == rows(whole)
+    assert rows(resumed, "events.jsonl") == rows(whole, "events.jsonl")
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert summary["resumed-after-step"] == 4 and summary["total-accepted"] == sum(r["accepted"] for r in rows(whole))
+
+
+def faulty() -> ClientApp:
+    """Partition 1 sends NaN; partition 2 raises on the device; the others are the real ClientApp."""
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        pid = context.node_config["partition-id"]
+        if pid == 2:
+            raise RuntimeError("device out of memory")
+        reply = client_app(msg, context)
+        if pid == 1:
+            flat = torch.from_numpy(reply.content[ARRAYS]["params"].numpy().copy())
+            reply.content[ARRAYS] = ArrayRecord({"params": flat * float("nan")})
+        return reply
+
+    for kind in ("evaluate", "query"):
+        getattr(app, kind)()(lambda msg, context: client_app(msg, context))
+    return app
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bad_replies_are_rejected_counted_and_the_run_goes_on(tmp_path, name):
+    out = run(tmp_path, name, "faulty", faulty(), **{"clients-per-round": 4, "num-rounds": 3})
+    steps = rows(out)[1:]
+    assert [(r["accepted"], r["rejected"], r["failures"]) for r in steps] == [(2, 1, 1)] * 3
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final-version"] >= 3 and torch.isfinite(torch.tensor(summary["final-test-loss"]))
+    model = torch.load(out / "model.pt")
+    assert all(torch.isfinite(t).all() for t in model.values())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_seed_fixes_the_run(tmp_path, name):
+    a, b, c = (run(tmp_path, name, n, **ASYNC, seed=s) for n, s in (("a", 3), ("b", 3), ("c", 4)))
+    assert digest(a / "model.pt") == digest(b / "model.pt") != digest(c / "model.pt")
+    assert rows(a) == rows(b) and rows(a, "events.jsonl") == rows(b, "events.jsonl")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_flowers_loop_gives_the_runtimes_synchronous_run(tmp_path, name):
+    ours = run(tmp_path, name, "runtime", **{"num-rounds": 3})
+    flowers = run(tmp_path, name, "flower", loop="flower", **{"num-rounds": 3})
+    assert digest(flowers / "model.pt") == digest(ours / "model.pt")
+    assert rows(flowers) == rows(ours) and rows(flowers, "events.jsonl") == rows(ours, "events.jsonl")
+
+
+@pytest.mark.parametrize("loop", ["hybridfl", "flower"])
+@pytest.mark.parametrize("name", NAMES)
+def test_server_data_methods_use_their_data_and_the_others_ignore_it(tmp_path, name, loop):
+    """The server's central split is carved from the test split, so the clients' data is the same with 40 or
+    60 central samples: only a method that uses the server's data can end with another model."""
+    small, large = (run(tmp_path, name, f"c{n}", loop=loop, **{"central-size": n, "num-rounds": 3}) for n in (40, 60))
+    uses = STRATEGIES[name].server_data != "none"
+    assert (digest(small / "model.pt") != digest(large / "model.pt")) == uses
