@@ -34,7 +34,7 @@ from torch import nn
 from common.data import ArrayDataset, DataSpec, client_partition, load_dataset
 from common.models import build_from_config, model_config
 from common.objectives import Received, build_loss
-from common.params import ParamSpec, extras_from_record
+from common.params import ParamSpec, extras_from_record, extras_to_record
 from common.protocol import (ARRAYS, BASE_VERSION, CONFIG, EXTRAS, METRICS, NUM_EXAMPLES, PARTITION_ID, TRAIN_SEED,
                              VERSION)
 from common.training import LocalRecipe, evaluate, train
@@ -115,7 +115,10 @@ def train_handler(msg: Message, context: Context) -> Message:
     metrics = train(model, data, recipe, seed=int(config[TRAIN_SEED]), loss=loss)
     delta = pspec.flatten(model) - start
     reply = MetricRecord({NUM_EXAMPLES: len(data), PARTITION_ID: pid, BASE_VERSION: int(config[VERSION]), **metrics})
-    return Message(RecordDict({ARRAYS: pspec.to_record(delta), METRICS: reply}), reply_to=msg)
+    content = RecordDict({ARRAYS: pspec.to_record(delta), METRICS: reply})
+    if received.reply:
+        content[EXTRAS] = extras_to_record(received.reply)
+    return Message(content, reply_to=msg)
 
 
 @app.evaluate()

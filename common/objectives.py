@@ -30,6 +30,12 @@ class Received:
     model: nn.Module  # with the dispatched parameters loaded; it is the model being trained
     start: list[torch.Tensor]  # detached copies of its trainable parameters as received (w^t)
     arrays: dict[str, torch.Tensor] = field(default_factory=dict)  # the payload's extra arrays
+    reply: dict[str, torch.Tensor] = field(default_factory=dict)  # what the objective sends back (the reply's extras)
+
+    def flat_to_params(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """A flat vector in the layout of the trainable parameters (a payload array), one tensor per parameter."""
+        return [chunk.reshape(p.shape) for chunk, p in zip(torch.split(flat, [p.numel() for p in self.start]),
+                                                           self.start)]
 
 
 @dataclass(frozen=True)
@@ -86,5 +92,19 @@ def proximal(received: Received, options: ProximalConfig) -> BatchLoss:
     def loss(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         drift = sum(((w - w_t) ** 2).sum() for w, w_t in zip(params, received.start))
         return F.cross_entropy(logits, y) + 0.5 * mu * drift
+
+    return loss
+
+
+@objective("scaffold")
+def scaffold(received: Received, options: NoOptions) -> BatchLoss:
+    """SCAFFOLD's corrected local step (Karimireddy et al., ICML 2020, Alg. 1 line 10):
+    y ← y − η_l (g_i(y) − c_i + c). The linear term ⟨w, c − c_i⟩ adds exactly c − c_i to every gradient;
+    the server sends c − c_i as the payload array ``correction`` (``strategies/scaffold.py``)."""
+    params = [p for p in received.model.parameters() if p.requires_grad]
+    correction = received.flat_to_params(received.arrays["correction"])
+
+    def loss(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, y) + sum((w * c).sum() for w, c in zip(params, correction))
 
     return loss

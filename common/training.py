@@ -98,6 +98,12 @@ def run_epochs(optimizer: torch.optim.Optimizer, n: int, batch_size: int, epochs
     return total / max(seen, 1)
 
 
+def local_steps(n: int, batch_size: int, epochs: int) -> int:
+    """How many optimizer steps :func:`run_epochs` takes over `n` samples (a lone trailing sample is skipped)."""
+    batches = -(-n // batch_size)
+    return epochs * (batches - (1 if n % batch_size == 1 and n > 1 else 0))
+
+
 def train(model: nn.Module, data: ArrayDataset, recipe: LocalRecipe, seed: int, device: torch.device | None = None,
           loss: BatchLoss | None = None) -> dict[str, float]:
     """Train `model` in place on `data` with `recipe`; `seed` fixes the shuffling; batches go to `device`

@@ -35,10 +35,11 @@ class InProcessGrid(Grid):
         num_nodes: node i holds partition i of `num_nodes`.
         override_config: what ``run.override_config`` reports (the user's run-config overrides).
         run_id: the run's id.
+        node_config: more keys for every node's ``node_config`` (``latency-s``: a slow device).
     """
 
     def __init__(self, client_app: ClientApp, num_nodes: int, override_config: Mapping[str, Any] | None = None,
-                 run_id: int = 1) -> None:
+                 run_id: int = 1, node_config: Mapping[str, Any] | None = None) -> None:
         self.client_app = client_app
         self._run = Run.create_empty(run_id)
         self._run.override_config = dict(override_config or {})
@@ -47,7 +48,8 @@ class InProcessGrid(Grid):
         # Node ids unrelated to partition ids, as in Flower's runtimes.
         ids = random.Random(run_id).sample(range(1, 2**31), num_nodes)
         self.contexts = {
-            node: Context(run_id=run_id, node_id=node, node_config={"partition-id": i, "num-partitions": num_nodes},
+            node: Context(run_id=run_id, node_id=node,
+                          node_config={"partition-id": i, "num-partitions": num_nodes, **(node_config or {})},
                           state=RecordDict(), run_config={})
             for i, node in enumerate(ids)
         }

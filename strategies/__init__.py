@@ -15,6 +15,7 @@ from strategies.fedbuff import FedBuff
 from strategies.feddf import FedDF
 from strategies.feddle import Feddle
 from strategies.hybrid_baselines import HFCL, Center, FedFT
+from strategies.scaffold import Scaffold
 
 
 def build_strategy(name: str, options: dict[str, Any], *, seed: int = 0, num_clients: int = 0,
@@ -25,4 +26,4 @@ def build_strategy(name: str, options: dict[str, Any], *, seed: int = 0, num_cli
 
 
 __all__ = ["CA2FL", "HFCL", "STRATEGIES", "Center", "FedAsync", "FedAvg", "FedBuff", "FedDF", "FedFT", "Feddle",
-           "Payload", "Strategy", "Update", "build_strategy"]
+           "Payload", "Scaffold", "Strategy", "Update", "build_strategy"]

@@ -5,7 +5,6 @@ Flower's loop against the runtime, and server data really used under both loops.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
+from helpers import Crash, crashing, digest, rows
 from torch import nn
 
 from client_app.app import app as client_app
@@ -28,16 +28,6 @@ NAMES = sorted(STRATEGIES)
 BASE = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 2, "num-rounds": 6, "local-epochs": 1,
         "batch-size": 16, "central-size": 40, "buffer-size": 2, "checkpoint-every": 2}
 ASYNC = {"delay-sigma": 1.5}  # updates cross step boundaries: checkpoints hold flights and half-full buffers
-
-
-def rows(out: Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]:
-    """Lines of a run's jsonl file without what depends on timing (seconds, event times, node ids)."""
-    drop = lambda k: "seconds" in k or k in ("t", "node")  # noqa: E731
-    return [{k: v for k, v in json.loads(line).items() if not drop(k)} for line in (out / name).read_text().splitlines()]
-
-
-def digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def run(tmp_path: Path, name: str, run_name: str, client_app: ClientApp | None = None, **kw: Any) -> Path:
@@ -97,27 +87,6 @@ def test_state_dict_round_trip_mid_run_restores_every_attribute(tmp_path, name):
     assert same(state, again)  # a state_dict is a copy: going on did not change it
     with pytest.raises(ValueError, match="missing"):
         twin.strategy.load_state_dict({k: v for k, v in state.items() if k != "version"})
-
-
-class Crash(BaseException):
-    """A process death: no handler on the way catches it."""
-
-
-def crashing(after_rows: int, out: Path) -> ClientApp:
-    """The real ClientApp, until metrics.jsonl has `after_rows` rows: then the second train message kills the run."""
-    app, seen = ClientApp(), []
-
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        if len((out / "metrics.jsonl").read_text().splitlines()) >= after_rows:
-            seen.append(1)
-            if len(seen) == 2:
-                raise Crash
-        return client_app(msg, context)
-
-    for kind in ("evaluate", "query"):
-        getattr(app, kind)()(lambda msg, context: client_app(msg, context))
-    return app
 
 
 @pytest.mark.parametrize("name", NAMES)

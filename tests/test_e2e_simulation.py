@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import threading
+import time
 
 import pytest
 import torch
+from helpers import digest, rows
 
 from scripts import simulate
+from scripts.flower import alive, process_tree
+from server_app.checkpoint import CHECKPOINT
 from server_app.inprocess import run_inprocess
 
 JOB = {"dataset": "synthetic", "num-clients": 3, "clients-per-round": 3, "num-rounds": 2, "local-epochs": 1,
@@ -46,6 +54,53 @@ def test_virtual_clock_events_are_the_same_under_flwr_run_and_in_process(tmp_pat
     assert events(sim) == events(ref)
     raw = [json.loads(line) for line in (ref / "events.jsonl").read_text().splitlines()]
     assert len(raw) >= 8 and any(e["staleness"] > 0 for e in raw)  # a real asynchronous sequence
+
+
+@pytest.mark.e2e
+def test_serverapp_killed_under_flwr_run_resumes_to_the_model_of_an_uninterrupted_run(tmp_path):
+    """`flwr run`: the ServerApp's process (flwr-simulation) is SIGKILLed after a checkpoint, and the rest of the
+    server machine with it (SuperLink, SuperExec, Ray). A new `flwr run` with resume=<run folder> ends with the
+    very model of an uninterrupted run (in-process, torch on one thread like Ray's workers)."""
+    job = {**ASYNC_JOB, "num-rounds": 10, "checkpoint-every": 2, "output-dir": str(tmp_path), "run-name": "killed"}
+    out, killed = tmp_path / "killed", []
+
+    def kill_the_server_after_a_checkpoint() -> None:
+        metrics, deadline = out / "metrics.jsonl", time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if (out / CHECKPOINT).exists() and metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+                tree = process_tree([os.getpid()]) - {os.getpid()}
+                ps = subprocess.run(["ps", "-o", "pid=,args=", "-p", ",".join(map(str, tree))], capture_output=True,
+                                    text=True).stdout.splitlines()
+                serverapp = [int(line.split()[0]) for line in ps if "flwr-simulation" in line]
+                for pid in [*serverapp, *sorted(tree - set(serverapp))]:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                killed.append((serverapp, tree))
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=kill_the_server_after_a_checkpoint, daemon=True).start()
+    with pytest.raises(RuntimeError):
+        simulate.simulate(job, tmp_path / "flwr-home")
+    assert killed and killed[0][0], "the ServerApp was never killed"
+    time.sleep(1)
+    assert not alive(killed[0][1]), "a process of the killed run survived"
+    assert not (out / "summary.json").exists()
+    resumed = simulate.simulate({"resume": str(out)}, tmp_path / "flwr-home")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = run_inprocess({**job, "run-name": "ref"})
+    finally:
+        torch.set_num_threads(threads)
+    summary = json.loads((resumed / "summary.json").read_text())
+    assert summary["resumed-after-step"] >= 4 and summary["final-version"] > 0
+    assert digest(resumed / "model.pt") == digest(ref / "model.pt")
+    assert rows(resumed, "events.jsonl") == rows(ref, "events.jsonl")
+    same = lambda r: {k: v for k, v in r.items() if not k.startswith("test-")}  # noqa: E731 - evaluation threads
+    assert [same(r) for r in rows(resumed)] == [same(r) for r in rows(ref)]
 
 
 def test_bad_config_fails_before_starting_anything(tmp_path, capsys):

@@ -1,0 +1,45 @@
+"""Helpers shared by the tests of runs: reading outputs without their timing, and a client that kills its run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from flwr.app import Context, Message
+from flwr.clientapp import ClientApp
+
+from client_app.app import app as client_app
+
+
+def rows(out: Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]:
+    """Lines of a run's jsonl file without what depends on timing (seconds, event times) or node ids."""
+    drop = lambda k: "seconds" in k or k in ("t", "node")  # noqa: E731
+    return [{k: v for k, v in json.loads(line).items() if not drop(k)} for line in (out / name).read_text().splitlines()]
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class Crash(BaseException):
+    """A process death: no handler on the way catches it."""
+
+
+def crashing(after_rows: int, out: Path) -> ClientApp:
+    """The real ClientApp until `out`/metrics.jsonl has `after_rows` rows; then the second train message kills
+    the run (mid-step: after the checkpoint of the step before, some of the step's events already written)."""
+    app, seen = ClientApp(), []
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        if len((out / "metrics.jsonl").read_text().splitlines()) >= after_rows:
+            seen.append(1)
+            if len(seen) == 2:
+                raise Crash
+        return client_app(msg, context)
+
+    for kind in ("evaluate", "query"):
+        getattr(app, kind)()(lambda msg, context: client_app(msg, context))
+    return app

@@ -1,0 +1,88 @@
+"""The packages' imports, walked from the source (every import statement, also inside functions): no cycle
+between modules, and each layer imports only the layers below it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from scripts.flower import PROJECT_DIR
+
+PACKAGES = ("common", "strategies", "server_app", "client_app")
+# What each package may import from the others: common is the bottom, the ServerApp the top (its in-process
+# engine runs the ClientApp).
+ALLOWED = {"common": set(), "strategies": {"common"}, "client_app": {"common"},
+           "server_app": {"common", "strategies", "client_app"}}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PROJECT_DIR).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """The project modules `path` imports (``from pkg import name`` counts as ``pkg.name`` when that is a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                     for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n.split(".")[0] in PACKAGES}
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for pkg in PACKAGES for p in (PROJECT_DIR / pkg).rglob("*.py")}
+    return {m: imports_of(p, set(files)) - {m} for m, p in files.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_among_the_packages():
+    g = graph()
+    assert "strategies.base" in g and "common.training" in g["strategies.base"]  # the walk sees real imports
+    assert cycles(g) == []
+
+
+def test_each_package_imports_only_the_layers_below_it():
+    wrong = sorted((m, i) for m, deps in graph().items() for i in deps
+                   if i.split(".")[0] != m.split(".")[0] and i.split(".")[0] not in ALLOWED[m.split(".")[0]])
+    assert wrong == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -1,0 +1,126 @@
+"""Checkpoints and resume beyond the contract battery: what a resumed run keeps and what it may change,
+unusable checkpoints, extending a finished run, the wall clock's re-dispatch, Flower's loop, and a real SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from helpers import Crash, crashing, digest, rows
+
+from common.config import ConfigError
+from scripts.flower import PROJECT_DIR
+from server_app.checkpoint import CHECKPOINT, read_checkpoint
+from server_app.config import MAY_CHANGE_ON_RESUME, load_config
+from server_app.inprocess import run_inprocess
+
+JOB = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 2, "num-rounds": 6, "local-epochs": 1,
+       "batch-size": 16, "strategy": "fedbuff", "buffer-size": 2, "delay-sigma": 1.5, "checkpoint-every": 2}
+
+
+def job(tmp_path, name: str, **kw) -> dict:
+    return {**JOB, "output-dir": str(tmp_path), "run-name": name, **kw}
+
+
+def test_resume_keeps_the_configuration_and_names_every_key_that_differs(tmp_path):
+    out = run_inprocess(job(tmp_path, "a"))
+    written = json.loads((out / "summary.json").read_text())["config"]
+    cfg = load_config({"resume": str(out), "num-rounds": 9, "eval-every": 3})
+    assert (cfg.num_rounds, cfg.eval_every, cfg.resume) == (9, 3, str(out))
+    keep = lambda d: {k: v for k, v in d.items() if k not in MAY_CHANGE_ON_RESUME}  # noqa: E731
+    assert keep(cfg.to_dict()) == keep(written)
+    with pytest.raises(ConfigError) as info:
+        load_config({"resume": str(out), "model": "vit-small", "lr": 0.5, "buffer-size": 2})
+    msg = str(info.value)
+    assert "'model' = 'vit-small' here but 'cnn' in its checkpoint" in msg and "'lr' = 0.5 here but 0.05" in msg
+    assert "buffer-size" not in msg  # given, but equal to the checkpoint's
+    with pytest.raises(ConfigError, match="'preset' = 'fedbuff-digits' here but 'fedavg-digits'"):
+        load_config({"resume": str(out), "preset": "fedbuff-digits"})
+
+
+def test_unusable_checkpoints_fail_at_start_with_the_reason(tmp_path):
+    out = run_inprocess(job(tmp_path, "a", **{"num-rounds": 2}))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="has no checkpoint.pt"):
+        load_config({"resume": str(tmp_path / "empty")})
+    good = (out / CHECKPOINT).read_bytes()
+    (out / CHECKPOINT).write_bytes(good[: len(good) // 2])
+    with pytest.raises(ConfigError, match="unreadable, corrupt or truncated"):
+        run_inprocess({"resume": str(out)})
+    (out / CHECKPOINT).write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="unreadable, corrupt or truncated"):
+        run_inprocess({"resume": str(out)})
+    state = torch.load(__import__("io").BytesIO(good), weights_only=False)
+    state["layout"]["shapes"][0] = [1, 2, 3]  # a checkpoint of another model under this configuration
+    torch.save(state, out / CHECKPOINT)
+    with pytest.raises(ConfigError, match="its model differs from this run's"):
+        run_inprocess({"resume": str(out)})
+    torch.save({"format": 99}, out / CHECKPOINT)
+    with pytest.raises(ConfigError, match="not a hybridfl checkpoint of format 1"):
+        load_config({"resume": str(out)})
+
+
+def test_a_finished_run_extended_equals_the_longer_run(tmp_path):
+    short = run_inprocess(job(tmp_path, "short", **{"num-rounds": 4}))
+    longer = run_inprocess(job(tmp_path, "long", **{"num-rounds": 7}))
+    extended = run_inprocess({"resume": str(short), "num-rounds": 7})
+    assert digest(extended / "model.pt") == digest(longer / "model.pt")
+    # The rows of step 4 differ only because the short run evaluated there as its last step.
+    assert [r for r in rows(extended) if r["round"] != 4] == [r for r in rows(longer) if r["round"] != 4]
+
+
+def test_wall_clock_resume_sends_again_what_was_in_flight(tmp_path):
+    wall = job(tmp_path, "wall", clock="wall", concurrency=3, **{"delay-sigma": 0.0, "num-rounds": 5})
+    with pytest.raises(Crash):
+        run_inprocess(wall, client_app=crashing(3, tmp_path / "wall"))  # killed in step 3
+    checkpoint = read_checkpoint(tmp_path / "wall")
+    in_flight = {(f["client"], f["version"]) for f in checkpoint["runner"]["flights"]}
+    assert len(in_flight) == 3  # concurrency: three clients were busy when step 2's checkpoint was written
+    kept = checkpoint["recorder"]["events"]
+    assert len(rows(tmp_path / "wall", "events.jsonl")) > kept  # the killed run got further than its checkpoint
+    out = run_inprocess({"resume": str(tmp_path / "wall")})
+    first_back = {(e["client"], e["base-version"]) for e in rows(out, "events.jsonl")[kept:kept + 3]}
+    assert first_back == in_flight
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["round"] for r in rows(out)] == [0, 1, 2, 3, 4, 5] and summary["total-accepted"] >= 10
+
+
+def test_a_run_under_flowers_loop_resumes_identically(tmp_path):
+    flower = {"strategy": "fedavg", "loop": "flower", "delay-sigma": 0.0, "clients-per-round": 3}
+    whole = run_inprocess(job(tmp_path, "whole", **flower))
+    with pytest.raises(Crash):
+        run_inprocess(job(tmp_path, "killed", **flower), client_app=crashing(5, tmp_path / "killed"))
+    resumed = run_inprocess({"resume": str(tmp_path / "killed")})
+    assert digest(resumed / "model.pt") == digest(whole / "model.pt") and rows(resumed) == rows(whole)
+
+
+def test_sigkill_of_the_serverapp_process_then_resume_is_byte_identical(tmp_path):
+    """The in-process engine in its own process, killed with SIGKILL mid-run; resumed here."""
+    overrides = job(tmp_path, "killed", **{"num-rounds": 10, "strategy": "feddle", "central-size": 40})
+    code = ("from client_app.app import app\nfrom server_app.inprocess import InProcessGrid, run_inprocess\n"
+            f"run_inprocess({overrides!r}, grid=InProcessGrid(app, 4, node_config={{'latency-s': 0.1}}))\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=PROJECT_DIR, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    metrics, deadline = tmp_path / "killed" / "metrics.jsonl", time.monotonic() + 300
+    try:
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 6):  # steps 0-5 recorded
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be killed"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL and not (tmp_path / "killed" / "summary.json").exists()
+    step = read_checkpoint(tmp_path / "killed")["step"]
+    assert 4 <= step < 10
+    resumed = run_inprocess({"resume": str(tmp_path / "killed")})
+    whole = run_inprocess({**overrides, "run-name": "whole"})
+    assert digest(resumed / "model.pt") == digest(whole / "model.pt")
+    assert rows(resumed) == rows(whole) and rows(resumed, "events.jsonl") == rows(whole, "events.jsonl")
+    assert json.loads((resumed / "summary.json").read_text())["resumed-after-step"] == step
