@@ -27,6 +27,7 @@ Exits 1 if the engine and bare runs disagree (the comparison would not be like w
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import itertools
 import json
@@ -45,14 +46,17 @@ from typing import Any
 
 import torch
 
-from common.config import RunConfig, load_config
+from common.config import RunConfig
 from common.data import client_partition, data_spec, load_dataset, make_splits
 from common.models import build_model
 from common.params import ParamSpec
+from common.server_data import build_server_data
 from common.training import LocalRecipe, derive_seed, evaluate, train
+from server_app.config import load_config
 from server_app.inprocess import run_inprocess
+from server_app.messaging import weighted_mean
 from strategies import build_strategy
-from strategies.base import Update, weighted_mean
+from strategies.base import Update
 
 
 @dataclass
@@ -101,12 +105,13 @@ def run_bare(cfg: RunConfig) -> Outcome:
         raise ValueError("the bare loop is the synchronous job: loop='hybridfl', clock='virtual', delay-sigma=0")
     t0, c0 = time.perf_counter(), time.process_time()
     spec = data_spec(cfg)
-    test = make_splits(spec).test
+    splits = make_splits(spec)
+    test, server = splits.test, build_server_data(cfg, splits)
     model, pspec = _global_model(cfg)  # the server's model: initial weights, test evaluations
-    local, _ = _global_model(cfg)  # one client model, reloaded with the global weights per update
-    strategy = build_strategy(cfg)
-    strategy.initialize(pspec.flatten(model), pspec)
+    local, _ = _global_model(cfg)  # one client model, reloaded with the model it is sent per update
     recipe = LocalRecipe.from_config(cfg.to_dict())
+    strategy = build_strategy(cfg.strategy, cfg.options, seed=cfg.seed, num_clients=cfg.num_clients, recipe=recipe)
+    strategy.initialize(pspec.flatten(model), pspec, copy.deepcopy(model))
     clients = list(range(cfg.num_clients))
     parts = {c: client_partition(spec, c) for c in clients}
     rng = random.Random(cfg.seed)  # the runtime's client sampling
@@ -114,7 +119,7 @@ def run_bare(cfg: RunConfig) -> Outcome:
 
     def test_eval(rnd: int) -> tuple[int, float, float]:
         pspec.load_into(model, strategy.params)
-        m = evaluate(model, test)
+        m = evaluate(model, test, seed=cfg.seed)
         return rnd, m["loss"], m["accuracy"]
 
     evals = [test_eval(0)]
@@ -122,18 +127,20 @@ def run_bare(cfg: RunConfig) -> Outcome:
         sampled = sorted(rng.sample(clients, min(cfg.clients_per_round, len(clients))))
         updates = []
         for c in sampled:
-            pspec.load_into(local, strategy.params)
+            payload = strategy.model_for(c)
+            pspec.load_into(local, payload.params)
             start = pspec.flatten(local)
             metrics = train(local, parts[c], recipe, seed=derive_seed(cfg.seed, c, dispatches[c]))
             dispatches[c] += 1
-            updates.append(Update(c, strategy.version, pspec.flatten(local) - start, len(parts[c]), metrics))
-        for u in updates:  # as the runtime hands them over: aggregate whenever the strategy is ready
+            updates.append(Update(c, strategy.version, pspec.flatten(local) - start, len(parts[c]), {}, metrics,
+                                  sent=payload))
+        for u in updates:  # as the runtime hands them over: a step whenever the strategy is ready
             strategy.receive(u)
             if strategy.ready():
-                strategy.aggregate()
+                strategy.step(server)
         strategy.close_round()
         if strategy.ready():
-            strategy.aggregate()
+            strategy.step(server)
         weighted_mean((u.num_examples, u.metrics) for u in updates)  # the round's train metrics, as logged
         if rnd % cfg.eval_every == 0 or rnd == cfg.num_rounds:
             evals.append(test_eval(rnd))
@@ -141,7 +148,7 @@ def run_bare(cfg: RunConfig) -> Outcome:
     pspec.load_into(local, strategy.params)
     per_client = []
     for c in clients:
-        m = evaluate(local, parts[c])
+        m = evaluate(local, parts[c], seed=cfg.seed)
         per_client.append((float(len(parts[c])), {"eval-loss": m["loss"], "eval-accuracy": m["accuracy"]}))
     client_eval = weighted_mean(per_client)
     return Outcome(time.perf_counter() - t0, time.process_time() - c0, strategy.params.clone(), evals, client_eval)

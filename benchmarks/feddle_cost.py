@@ -3,7 +3,7 @@
 Feddle's papers (004 Table 6 / §5.4) put a Feddle server step at about +15% GFLOPs over fine-tuning,
 the price of the projection of Eq. 17 (∂ℓ/∂c_m = ⟨∂ℓ/∂ω′, ā_m⟩ for M anchors per mini-batch) and
 the merge ω + Σ c_m ā_m. Both strategies are built from the run config (``build_strategy``), fed the
-same M random client updates, and their ``aggregate`` is measured side by side: FLOPs with
+same M random client updates, and their ``step`` is measured side by side: FLOPs with
 ``torch.utils.flop_counter.FlopCounterMode`` (matmuls and convolutions, forward and backward) and
 seconds (median of ``--repeats``, alternating). Feddle runs with ``search-diagnostics = false`` (the
 search alone) and with it on (two more forward passes over the server data for its loss-before/after
@@ -26,11 +26,12 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from common.config import load_config
+from server_app.config import load_config
 from common.data import ArrayDataset
 from common.models import build_from_config
 from common.params import ParamSpec
 from common.server_data import ServerData
+from common.training import LocalRecipe
 from strategies import build_strategy
 from strategies.base import Update
 
@@ -58,12 +59,11 @@ def build(variant: str, shape: dict[str, Any], epochs: int, seed: int = 0):
                        **shape["overrides"], **overrides})
     model = build_from_config(cfg.to_dict(), shape["channels"], shape["size"], 10, seed=seed)
     spec = ParamSpec.of(model)
-    strategy = build_strategy(cfg)
-    strategy.initialize(spec.flatten(model), spec)
-    strategy.attach(model)
+    strategy = build_strategy(cfg.strategy, cfg.options, seed=cfg.seed, recipe=LocalRecipe.from_config(cfg.to_dict()))
+    strategy.initialize(spec.flatten(model), spec, model)
     g = torch.Generator().manual_seed(seed)
     for m in range(shape["atlas"]):
-        strategy.receive(Update(m, 0, 1e-3 * torch.randn(spec.numel, generator=g), 50))
+        strategy.receive(Update(m, 0, 1e-3 * torch.randn(spec.numel, generator=g), 50, sent=strategy.model_for(m)))
     strategy.close_round()
     return strategy, spec
 
@@ -89,7 +89,7 @@ def measure(label: str, shape: dict[str, Any], epochs: int, repeats: int) -> dic
     for _ in range(repeats):
         for variant in VARIANTS:  # alternate, so drift hits all alike
             strategy, spec = build(variant, shape, epochs)
-            flops[variant], s = flops_of(lambda: strategy.aggregate(server))
+            flops[variant], s = flops_of(lambda: strategy.step(server))
             seconds[variant].append(s)
     median = {v: statistics.median(t) for v, t in seconds.items()}
     row = {"params": spec.numel, **{f"{v}-gflops": f / 1e9 for v, f in flops.items()},

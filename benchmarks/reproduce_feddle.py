@@ -224,8 +224,8 @@ def plot(results: dict[str, dict[str, Any]], path: Path, rounds: int | None) -> 
     fig.savefig(path, dpi=120)
 
 
-def tune(workers: int, methods: Sequence[str], rounds: int | None) -> None:
-    path = RESULTS / "tuning.jsonl"
+def tune(workers: int, methods: Sequence[str], rounds: int | None, results_dir: Path = RESULTS) -> None:
+    path = results_dir / "tuning.jsonl"
     jobs = [job(m, MAIN, TUNE_SEED, extra, rounds) for m in methods if m in GRIDS for extra in GRIDS[m]]
     results = run_all(jobs, path, workers)
     for method in methods:
@@ -237,7 +237,7 @@ def tune(workers: int, methods: Sequence[str], rounds: int | None) -> None:
 def ablation_jobs(seeds: Sequence[int],
                   rounds: int | None = None) -> list[tuple[str, str, int, tuple[str, dict[str, Any]]]]:
     """(row label, method, seed, job) for the cumulative rows; a row equal to the preset is its main run."""
-    from common.config import load_config
+    from server_app.config import load_config
 
     out = []
     for method in ("feddle-id", "feddle-ood"):
@@ -250,16 +250,16 @@ def ablation_jobs(seeds: Sequence[int],
     return out
 
 
-def ablation(workers: int, seeds: Sequence[int], rounds: int | None = None) -> str:
+def ablation(workers: int, seeds: Sequence[int], rounds: int | None = None, results_dir: Path = RESULTS) -> str:
     rows = ablation_jobs(seeds, rounds)
-    results = run_all([j for *_, j in rows], RESULTS / "runs.jsonl", workers)
+    results = run_all([j for *_, j in rows], results_dir / "runs.jsonl", workers)
     lines = ["| Configuration | In-domain (Feddle-ID) | Out-of-domain (Feddle-OOD) |", "|---|---|---|"]
     for label, _ in ABLATION:
         cells = [mean_std([results[key]["test"] for lbl, m, _, (key, _) in rows if lbl == label and m == method])
                  for method in ("feddle-id", "feddle-ood")]
         lines.append(f"| {label} | {cells[0]} | {cells[1]} |")
     text = "\n".join(lines)
-    (RESULTS / "ablation.md").write_text(text + "\n")
+    (results_dir / "ablation.md").write_text(text + "\n")
     return text
 
 
@@ -274,24 +274,26 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--tune", action="store_true", help="run the tuning grids instead (validation split)")
     ap.add_argument("--ablation", action="store_true", help="run the component ablation (Dir(0.1)/N(20), --seeds)")
     ap.add_argument("--report", action="store_true", help="run nothing: tabulate and plot the results so far")
+    ap.add_argument("--results", type=Path, default=RESULTS, help=f"results folder (default: {RESULTS})")
     args = ap.parse_args(argv)
     methods = args.methods.split(",")
     unknown = sorted(set(methods) - {m for m, _, _ in METHODS})
     if unknown:
         ap.error(f"unknown methods {unknown}")
+    args.results.mkdir(parents=True, exist_ok=True)
     if args.tune:
-        tune(args.jobs, methods, args.rounds)
+        tune(args.jobs, methods, args.rounds, args.results)
         return
     if args.ablation:
-        print(ablation(args.jobs, [int(s) for s in args.seeds.split(",")], args.rounds))
+        print(ablation(args.jobs, [int(s) for s in args.seeds.split(",")], args.rounds, args.results))
         return
     settings = [(float(a), int(s)) for a, s in (x.split("/") for x in args.settings.split(","))]
     seeds, other = [int(s) for s in args.seeds.split(",")], [int(s) for s in args.other_seeds.split(",")]
     jobs = [] if args.report else grid_jobs(methods, settings, seeds, other, args.rounds)
-    results = run_all(jobs, RESULTS / "runs.jsonl", args.jobs)
+    results = run_all(jobs, args.results / "runs.jsonl", args.jobs)
     text = table(results, settings, args.rounds)
-    (RESULTS / "table.md").write_text(text + "\n")
-    plot(results, RESULTS / "accuracy.png", args.rounds)
+    (args.results / "table.md").write_text(text + "\n")
+    plot(results, args.results / "accuracy.png", args.rounds)
     print(text)
 
 

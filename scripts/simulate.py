@@ -30,11 +30,19 @@ MAIN_JOB = "feddle-digits"  # README command (1): Feddle-ID on digits
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """``["k=v", ...]`` with TOML values (as ``flwr run -c``) -> dict."""
-    try:
-        return tomllib.loads("\n".join(pairs))
-    except tomllib.TOMLDecodeError as err:
-        raise SystemExit(f"bad KEY=VALUE override ({err}); strings need quotes: run-name=\"x\"") from err
+    """``["k=v", ...]`` -> dict. A value is read as TOML (``3``, ``0.5``, ``true``, ``"x"``, as ``flwr run -c``);
+    one that is not TOML is a string, so that ``preset=fedbuff-digits`` works too (``make demo
+    ARGS='preset="x"'`` loses its quotes to make's shell)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"bad override {pair!r}: expected KEY=VALUE")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = value
+    return out
 
 
 def prepare(overrides: dict[str, Any]) -> tuple[dict[str, Any], Path]:

@@ -150,3 +150,15 @@ def test_bad_key_inside_a_preset_is_reported(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="'learning-rate'"):
         load_config({"preset": "broken"})
 
+
+
+def test_command_line_overrides_take_toml_values_or_bare_strings():
+    """`make demo ARGS='preset="x"'` reaches the script as preset=x (make's shell drops the quotes)."""
+    from scripts.simulate import parse_overrides
+
+    assert parse_overrides(['preset="fedbuff-digits"', "num-rounds=5", "lr=0.1", "fallback-init=false",
+                            "data-root=/data/x"]) == {"preset": "fedbuff-digits", "num-rounds": 5, "lr": 0.1,
+                                                      "fallback-init": False, "data-root": "/data/x"}
+    assert load_config(parse_overrides(["preset=fedbuff-digits"])).strategy == "fedbuff"
+    with pytest.raises(SystemExit, match="expected KEY=VALUE"):
+        parse_overrides(["num-rounds"])
