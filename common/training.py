@@ -28,7 +28,8 @@ from common.params import ParamSpec
 
 def derive_seed(*parts: int) -> int:
     """A 63-bit seed from integers (run seed, client, version...), stable across processes."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint32).view(np.uint64)[0] >> 1)
+    state = np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint32)
+    return int(state.view(np.uint64)[0] >> 1)
 
 
 SERVER_STREAM = 2**32 - 1  # the server's seed stream: derive_seed(seed, SERVER_STREAM, version); clients use ids < it

@@ -66,10 +66,12 @@ def write_checkpoint(folder: Path, state: dict[str, Any]) -> Path:
     return path
 
 
-def check_layout(folder: Path, state: dict[str, Any], names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> None:
-    """The checkpoint's model layout must be this run's (same trainable parameter names and shapes)."""
-    saved = state["layout"]
-    if tuple(saved["names"]) != names or tuple(map(tuple, saved["shapes"])) != shapes:
-        differ = [n for n, s in zip(names, shapes) if dict(zip(saved["names"], map(tuple, saved["shapes"]))).get(n) != s]
-        raise _bad(folder, f"its model differs from this run's ({len(saved['names'])} trainable tensors there, "
-                           f"{len(names)} here; first differing: {differ[:3] or sorted(set(saved['names']) - set(names))[:3]})")
+def check_layout(folder: Path, state: dict[str, Any], names: tuple[str, ...],
+                 shapes: tuple[tuple[int, ...], ...]) -> None:
+    """The checkpoint's model layout must be this run's (the same trainable tensors, shapes and order)."""
+    saved = list(zip(state["layout"]["names"], map(tuple, state["layout"]["shapes"])))
+    here = list(zip(names, shapes))
+    if saved != here:
+        differ = sorted({n for n, s in set(saved) ^ set(here)}) or ["(their order)"]
+        raise _bad(folder, f"its model differs from this run's ({len(saved)} trainable tensors there, {len(here)} "
+                           f"here; differing: {', '.join(differ[:3])})")

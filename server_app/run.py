@@ -76,10 +76,9 @@ class Run:
         for i, (name, params) in enumerate(self.strategy.central_models().items()):
             self.pspec.load_into(self.model, params)
             prefix = f"{name}-" if i else ""
-            entry.test.update({prefix + k: v for k, v in evaluate(self.model, self.splits.test, seed=self.cfg.seed).items()})
-            if len(self.splits.validation):
-                entry.validation.update({prefix + k: v for k, v in
-                                         evaluate(self.model, self.splits.validation, seed=self.cfg.seed).items()})
+            for split, into in ((self.splits.test, entry.test), (self.splits.validation, entry.validation)):
+                if len(split):
+                    into.update({prefix + k: v for k, v in evaluate(self.model, split, seed=self.cfg.seed).items()})
         return entry
 
     def on_step(self, entry: StepLog) -> None:

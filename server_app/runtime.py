@@ -85,7 +85,8 @@ class StepLog:
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k not in ("train", "test", "validation", "staleness", "strategy")}
+        out = {k: v for k, v in self.__dict__.items()
+               if k not in ("train", "test", "validation", "staleness", "strategy")}
         out.update(self.strategy)
         if self.staleness:
             out["staleness-mean"] = float(np.mean(self.staleness))
@@ -118,7 +119,8 @@ class Runner:
         on_event: called with a dict for every update handed over or lost (events.jsonl).
     """
 
-    def __init__(self, grid: Grid, strategy: Strategy, run_config: dict[str, Any], *, clients_per_round: int, clock: str = "virtual", delay_sigma: float = 0.0, concurrency: int = 10,
+    def __init__(self, grid: Grid, strategy: Strategy, run_config: dict[str, Any], *, clients_per_round: int,
+                 clock: str = "virtual", delay_sigma: float = 0.0, concurrency: int = 10,
                  reply_timeout: float = 600.0, poll_interval: float = 0.05, wait_nodes: float = 120.0,
                  seed: int = 0, server_data: Any = None,
                  on_event: Callable[[dict[str, Any]], None] | None = None) -> None:

@@ -29,7 +29,8 @@ import torch
 
 from common.params import ParamSpec
 from common.training import local_steps
-from strategies.base import Payload, Strategy, Update
+from strategies.base import Payload
+from strategies.fedavg import FedAvg
 from strategies.fedbuff import SERVER_LR
 
 
@@ -38,8 +39,9 @@ class ScaffoldConfig:
     server_lr: float = SERVER_LR.field()  # η_g: the key FedBuff, CA2FL and Feddle use for it
 
 
-class Scaffold(Strategy):
-    """SCAFFOLD with server-side control variates (options: ScaffoldConfig; N = ``num_clients``)."""
+class Scaffold(FedAvg):
+    """SCAFFOLD with server-side control variates (options: ScaffoldConfig; N = ``num_clients``). A round's
+    updates are collected as FedAvg's are; the step is SCAFFOLD's."""
 
     name = "scaffold"
     Config = ScaffoldConfig
@@ -50,8 +52,6 @@ class Scaffold(Strategy):
             raise ValueError("SCAFFOLD needs num_clients (N) and the clients' recipe (η_l and K)")
         self.c: torch.Tensor | None = None  # the server's control variate
         self.c_i: dict[int, torch.Tensor] = {}  # each client's control variate
-        self.updates: list[Update] = []
-        self.closed = False
 
     def initialize(self, params: torch.Tensor, spec: ParamSpec, model: Any = None) -> None:
         super().initialize(params, spec, model)
@@ -61,15 +61,6 @@ class Scaffold(Strategy):
         c_i = self.c_i.get(client)
         correction = self.c - c_i if c_i is not None else self.c
         return Payload(self.params, {"correction": correction}, {"local-objective": "scaffold"})
-
-    def receive(self, update: Update) -> None:
-        self.updates.append(update)
-
-    def close_round(self) -> None:
-        self.closed = bool(self.updates)
-
-    def ready(self) -> bool:
-        return self.closed
 
     def step(self, server: Any = None) -> dict[str, float]:
         updates = sorted(self.updates, key=lambda u: u.client)  # order-free float sums

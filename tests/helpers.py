@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from flwr.app import Context, Message
+import torch
+from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from client_app.app import app as client_app
+from common.protocol import ARRAYS
 
 
 def rows(out: Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]:
@@ -43,3 +45,24 @@ def crashing(after_rows: int, out: Path) -> ClientApp:
     for kind in ("evaluate", "query"):
         getattr(app, kind)()(lambda msg, context: client_app(msg, context))
     return app
+
+
+def faulty_client_app() -> ClientApp:
+    """Partition 1 raises on the device; partition 2 sends NaN; partition 3 sends a wrong shape."""
+    faulty = ClientApp()
+
+    @faulty.train()
+    def train(msg: Message, context: Context) -> Message:
+        pid = context.node_config["partition-id"]
+        if pid == 1:
+            raise RuntimeError("device out of memory")
+        reply = client_app(msg, context)
+        if pid in (2, 3) and not reply.has_error():
+            (name, array), = reply.content[ARRAYS].items()
+            flat = torch.from_numpy(array.numpy().copy())
+            reply.content[ARRAYS] = ArrayRecord({name: flat * float("nan") if pid == 2 else flat[:1]})
+        return reply
+
+    for kind in ("evaluate", "query"):
+        getattr(faulty, kind)()(lambda msg, context: client_app(msg, context))
+    return faulty

@@ -7,7 +7,7 @@ import torch
 
 from common.params import ParamSpec
 from strategies import CA2FL, FedAsync, FedBuff
-from strategies.base import Payload, Update
+from strategies.base import Update
 
 SPEC = ParamSpec(("w",), ((6,),))
 

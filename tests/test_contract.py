@@ -11,13 +11,11 @@ from typing import Any
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
-from helpers import Crash, crashing, digest, rows
+from helpers import Crash, crashing, digest, faulty_client_app, rows
 from torch import nn
 
 from client_app.app import app as client_app
-from common.protocol import ARRAYS
 from server_app.config import load_config
 from server_app.inprocess import InProcessGrid, run_inprocess
 from server_app.run import Run, build_run
@@ -105,31 +103,12 @@ def test_a_run_killed_mid_step_and_resumed_ends_byte_identical(tmp_path, name):
     assert summary["resumed-after-step"] == 4 and summary["total-accepted"] == sum(r["accepted"] for r in rows(whole))
 
 
-def faulty() -> ClientApp:
-    """Partition 1 sends NaN; partition 2 raises on the device; the others are the real ClientApp."""
-    app = ClientApp()
-
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        pid = context.node_config["partition-id"]
-        if pid == 2:
-            raise RuntimeError("device out of memory")
-        reply = client_app(msg, context)
-        if pid == 1:
-            flat = torch.from_numpy(reply.content[ARRAYS]["params"].numpy().copy())
-            reply.content[ARRAYS] = ArrayRecord({"params": flat * float("nan")})
-        return reply
-
-    for kind in ("evaluate", "query"):
-        getattr(app, kind)()(lambda msg, context: client_app(msg, context))
-    return app
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_bad_replies_are_rejected_counted_and_the_run_goes_on(tmp_path, name):
-    out = run(tmp_path, name, "faulty", faulty(), **{"clients-per-round": 4, "num-rounds": 3})
+    out = run(tmp_path, name, "faulty", faulty_client_app(), **{"num-clients": 5, "clients-per-round": 5,
+                                                                "num-rounds": 3})
     steps = rows(out)[1:]
-    assert [(r["accepted"], r["rejected"], r["failures"]) for r in steps] == [(2, 1, 1)] * 3
+    assert [(r["accepted"], r["rejected"], r["failures"]) for r in steps] == [(2, 2, 1)] * 3
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final-version"] >= 3 and torch.isfinite(torch.tensor(summary["final-test-loss"]))
     model = torch.load(out / "model.pt")

@@ -8,8 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.clientapp import ClientApp
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from client_app.app import app as client_app
 from common.data import data_spec, load_dataset, make_splits
@@ -17,6 +16,8 @@ from common.models import build_model
 from common.params import ParamSpec
 from common.protocol import ARRAYS, MODEL, TRAIN_SEED
 from common.training import LocalRecipe, evaluate
+from helpers import faulty_client_app
+
 from server_app.config import load_config
 from server_app.flower import FlowerStrategy
 from server_app.inprocess import InProcessGrid, run_inprocess
@@ -56,27 +57,6 @@ def test_outputs_written(small_run):
     model.load_state_dict(state)
     acc = evaluate(model, make_splits(data_spec(cfg)).test)["accuracy"]
     assert acc == pytest.approx(summary["final-test-accuracy"])
-
-
-def faulty_client_app() -> ClientApp:
-    """Partition 1 raises on the device; partition 2 sends NaN; partition 3 sends a wrong shape."""
-    faulty = ClientApp()
-
-    @faulty.train()
-    def train(msg: Message, context: Context) -> Message:
-        pid = context.node_config["partition-id"]
-        if pid == 1:
-            raise RuntimeError("device out of memory")
-        reply = client_app(msg, context)
-        if pid in (2, 3) and not reply.has_error():
-            (name, array), = reply.content[ARRAYS].items()
-            flat = torch.from_numpy(array.numpy().copy())
-            reply.content[ARRAYS] = ArrayRecord({name: flat * float("nan") if pid == 2 else flat[:1]})
-        return reply
-
-    for kind in ("evaluate", "query"):
-        getattr(faulty, kind)()(lambda msg, context: client_app(msg, context))
-    return faulty
 
 
 def test_bad_replies_are_counted_and_the_run_goes_on(small_run):
