@@ -109,26 +109,29 @@ def train(model: nn.Module, data: ArrayDataset, recipe: LocalRecipe, seed: int, 
           loss: BatchLoss | None = None) -> dict[str, float]:
     """Train `model` in place on `data` with `recipe`; `seed` fixes the shuffling; batches go to `device`
     (the model's device, e.g. the server's GPU; default: where the data is); `loss(x, y, logits)` is
-    the objective (default: cross-entropy). Returns mean loss and accuracy."""
+    the objective (default: cross-entropy). Returns the mean cross-entropy and accuracy of the batches
+    trained on (cross-entropy whatever the objective, so that every method's train-loss compares)."""
     if len(data) == 0:
         raise ValueError("cannot train on an empty dataset")
     x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
-    loss = loss or (lambda xb, yb, logits: F.cross_entropy(logits, yb))
     opt = make_optimizer(recipe, [p for p in model.parameters() if p.requires_grad])
-    hits = {"correct": 0, "seen": 0}
+    seen = {"ce": 0.0, "correct": 0, "samples": 0}
 
     def batch_loss(idx: torch.Tensor) -> torch.Tensor:
         xb, yb = x[idx], y[idx]
         if device is not None:
             xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
         logits = model(xb)
-        hits["correct"] += int((logits.argmax(1) == yb).sum())
-        hits["seen"] += len(yb)
-        return loss(xb, yb, logits)
+        ce = F.cross_entropy(logits, yb)
+        seen["ce"] += ce.item() * len(yb)
+        seen["correct"] += int((logits.argmax(1) == yb).sum())
+        seen["samples"] += len(yb)
+        return ce if loss is None else loss(xb, yb, logits)
 
     model.train()
-    mean_loss = run_epochs(opt, len(y), recipe.batch_size, recipe.epochs, seed, batch_loss)
-    return {"train-loss": mean_loss, "train-accuracy": hits["correct"] / max(hits["seen"], 1)}
+    run_epochs(opt, len(y), recipe.batch_size, recipe.epochs, seed, batch_loss)
+    n = max(seen["samples"], 1)
+    return {"train-loss": seen["ce"] / n, "train-accuracy": seen["correct"] / n}
 
 
 def train_on_server(model: nn.Module, spec: ParamSpec, params: torch.Tensor, server: Any, recipe: LocalRecipe,

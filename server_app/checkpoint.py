@@ -28,15 +28,15 @@ def _bad(folder: Path, why: str) -> ConfigError:
                        f"cannot resume {folder}: {why}")
 
 
-def read_checkpoint(folder: Path) -> dict[str, Any]:
-    """The checkpoint of run folder `folder`, or a ConfigError (key ``resume``) saying why it cannot be used."""
+def _load(folder: Path) -> tuple[tuple[int, int], dict[str, Any]]:
     path = Path(folder) / CHECKPOINT
     if not path.is_file():
         raise _bad(folder, f"it has no {CHECKPOINT} (is it a run folder? was checkpoint-every 0?)")
     stat = path.stat()
     stamp = (stat.st_mtime_ns, stat.st_size)
-    if str(path) in _cache and _cache[str(path)][0] == stamp:
-        return _cache[str(path)][1]
+    cached = _cache.get(str(path))
+    if cached and cached[0] == stamp:
+        return cached
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # noqa: BLE001 - any unpickling failure means the file is unusable
@@ -44,14 +44,24 @@ def read_checkpoint(folder: Path) -> dict[str, Any]:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise _bad(folder, f"{CHECKPOINT} is not a hybridfl checkpoint of format {FORMAT} (found {found!r})")
-    _cache.clear()
-    _cache[str(path)] = (stamp, state)
-    return state
+    return stamp, state
 
 
 def read_config(folder: Path) -> dict[str, Any]:
-    """The configuration (every key) the run in `folder` was written with."""
-    return dict(read_checkpoint(folder)["config"])
+    """The configuration (every key) the run in `folder` was written with. The checkpoint stays cached
+    for the :func:`read_checkpoint` that restores the run (a ServerApp reads both)."""
+    stamp, state = _load(folder)
+    _cache.clear()
+    _cache[str(Path(folder) / CHECKPOINT)] = (stamp, state)
+    return dict(state["config"])
+
+
+def read_checkpoint(folder: Path) -> dict[str, Any]:
+    """The checkpoint of run folder `folder`, or a ConfigError (key ``resume``) saying why it cannot be used.
+    It leaves the cache: a restored run should not hold the checkpoint in memory a second time."""
+    _, state = _load(folder)
+    _cache.pop(str(Path(folder) / CHECKPOINT), None)
+    return state
 
 
 def write_checkpoint(folder: Path, state: dict[str, Any]) -> Path:

@@ -72,11 +72,11 @@ class FlowerStrategy(FlowerBase):
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
         runner = self._runner(grid, arrays, config)
-        if len(runner.directory.node_of) < self.clients_per_round:
-            runner.directory.wait_for(self.clients_per_round, runner.wait_nodes)
+        if len(runner.directory.node_of) < runner.clients_per_round:
+            runner.directory.wait_for(runner.clients_per_round, runner.wait_nodes)
         step = self.first_step + server_round - 1
         entry, accepted = runner.open_step(step)
-        flights = runner.launch(runner.sample(self.clients_per_round), step, virtual=True)
+        flights = runner.launch(runner.sample(runner.clients_per_round), step, virtual=True)
         entry.sampled = len(flights)
         outgoing = [(runner.message(f), f) for f in flights]
         self._round = (entry, accepted, time.perf_counter(), outgoing)

@@ -24,7 +24,7 @@ from common.models import build_from_config, model_config
 from common.params import ParamSpec
 from common.server_data import ServerData, build_server_data
 from common.training import LocalRecipe, evaluate
-from server_app.checkpoint import check_layout, read_checkpoint, write_checkpoint
+from server_app.checkpoint import CHECKPOINT, check_layout, read_checkpoint, write_checkpoint
 from server_app.flower import FlowerStrategy
 from server_app.messaging import federated_evaluate
 from server_app.outputs import Recorder, run_dir
@@ -145,6 +145,8 @@ def build_run(grid: Grid, cfg: RunConfig) -> Run:
     """Everything a run needs, from its configuration; with ``resume``, restored from the run's checkpoint."""
     resumed = read_checkpoint(Path(cfg.resume)) if cfg.resume else None
     out = Path(cfg.resume) if cfg.resume else run_dir(cfg)
+    if resumed is None:  # a named folder may hold an older run's checkpoint: it must not be resumed into this run
+        (out / CHECKPOINT).unlink(missing_ok=True)
     spec = data_spec(cfg)
     splits, full = make_splits(spec), load_dataset(cfg.dataset, cfg.data_root)
     server_data = build_server_data(cfg, splits)

@@ -124,3 +124,13 @@ def test_sigkill_of_the_serverapp_process_then_resume_is_byte_identical(tmp_path
     assert digest(resumed / "model.pt") == digest(whole / "model.pt")
     assert rows(resumed) == rows(whole) and rows(resumed, "events.jsonl") == rows(whole, "events.jsonl")
     assert json.loads((resumed / "summary.json").read_text())["resumed-after-step"] == step
+
+
+def test_a_new_run_in_a_used_folder_drops_the_old_checkpoint(tmp_path):
+    """Killed before its first checkpoint, a new run must not be resumable as the run that used the folder."""
+    run_inprocess(job(tmp_path, "reused", **{"num-rounds": 2}))
+    assert (tmp_path / "reused" / CHECKPOINT).exists()
+    with pytest.raises(Crash):
+        run_inprocess(job(tmp_path, "reused", strategy="fedavg"), client_app=crashing(1, tmp_path / "reused"))
+    with pytest.raises(ConfigError, match="has no checkpoint.pt"):
+        load_config({"resume": str(tmp_path / "reused")})
