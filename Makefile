@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install demo test simulate deploy clean
+.PHONY: install data demo test simulate deploy clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,6 +14,17 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Fashion-MNIST, the papers' dataset (configs/feddle-fmnist): Debian's package puts the original idx files in
+# /usr/share/datasets/fashion-mnist/, where the loader looks when data-root lacks them.
+FMNIST := /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz
+data:
+	@if [ -f $(FMNIST) ]; then echo "Fashion-MNIST: $(dir $(FMNIST))"; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		apt-get install -y dataset-fashion-mnist || { apt-get update && apt-get install -y dataset-fashion-mnist; }; \
+	else echo "Fashion-MNIST: run 'sudo apt-get install dataset-fashion-mnist' (Debian/Ubuntu), or download the four" \
+		"idx files from https://github.com/zalandoresearch/fashion-mnist (data/fashion) into data/fashion-mnist/"; \
+		exit 1; fi
 
 # (1) the main job: Feddle-ID on digits with `flwr run .` (local simulation); ARGS='num-rounds=5 ...'
 demo: $(STAMP)

@@ -1,26 +1,35 @@
 """The Feddle papers' CNN table (004 Table 5 = 000 Table 7), reproduced on data that ships offline.
 
-Protocol (``configs/feddle-animal/protocol.yaml``; spec feddle.md §3): Animal-MNIST on 100 clients,
-10 per server step, Dirichlet α ∈ {0.1, 0.3} label skew, half-normal delays σ ∈ {5, 20} steps, 100
-steps, the papers' CNN from scratch. In-domain (ID) server data: 1000 held-out Animal-MNIST samples;
-out-of-domain (OOD): scikit-learn's digits. Each method × setting is a preset,
-``configs/feddle-animal/<method>-dir<α>-n<σ>.yaml``; this script only runs them and tabulates.
+Two preset families (``--family``), each a protocol file, one file per method and one per method ×
+setting, ``configs/<family>/<method>-dir<α>-n<σ>.yaml``; this script only runs them and tabulates:
 
-Metric: the papers' "max of the last five evaluations" (every 10 steps) of test accuracy, mean ± std
-over seeds. Dir(0.1)/σ=20 runs seeds 0–2, the other settings seed 0 (``--seeds``, ``--other-seeds``).
-Center does not depend on the clients' split or delays: it runs once per seed and fills every column.
+* ``feddle-fmnist`` — the papers' own data and protocol: Fashion-MNIST (``make data``) on 500 clients,
+  10 per server step, 200 steps; ID server data 1000 held-out samples, OOD server data Animal-MNIST.
+* ``feddle-animal`` (default) — the first offline stand-in: Animal-MNIST on 100 clients, 100 steps;
+  OOD server data scikit-learn's digits.
 
-``--tune`` runs the small grids of :data:`GRIDS` on Dir(0.1)/σ=20 with seed 100 (not a reported seed)
-and ranks them by the VALIDATION split (``validation-size``), never the test split; the winners are
-written into the method presets by hand (BENCHMARKS.md lists the grid and the choice).
+Both: Dirichlet α ∈ {0.1, 0.3} label skew, half-normal delays σ ∈ {5, 20} steps, the papers' CNN from
+scratch. Metric: the papers' "max of the last five evaluations" (every 10 steps) of test accuracy,
+mean ± std over seeds. Dir(0.1)/σ=20 runs seeds 0–2, the other settings seed 0 (``--seeds``,
+``--other-seeds``). Center does not depend on the clients' split or delays: it runs once per seed and
+fills every column. The table also gives the accepted client updates per server step of each setting.
 
-Runs are independent processes (``--jobs``, one torch thread each) and resumable: a run whose result
-is already in ``<results>/runs.jsonl`` is not run again. Outputs: ``runs.jsonl``, ``table.md`` (ours
-beside the papers' Fashion-MNIST and CIFAR-10 CNN numbers) and ``accuracy.png`` (test accuracy per
-step, mean over seeds, Dir(0.1)/σ=20).
+``--tune`` runs the family's grids (:data:`FAMILIES`) on Dir(0.1)/σ=20 with seed 100 (not a reported
+seed) and ranks them by the VALIDATION split (``validation-size``), never the test split; the winners
+are written into the presets by hand (BENCHMARKS.md lists the grid and the choice). Feddle-fmnist tunes
+in two stages, as App. D: ``--methods fedavg`` first (client lr × local epochs, written into the
+protocol and then reused by every method), then each method's own grid.
 
-    python -m benchmarks.reproduce_feddle --jobs 2                 # the table (63 runs, about 2 h on 2 cores)
-    python -m benchmarks.reproduce_feddle --tune --jobs 2          # the tuning grids
+Runs are independent processes (``--jobs``, one torch thread each) and resumable: a run whose result is
+already in ``<results>/runs.jsonl`` (``tuning.jsonl``) with the same resolved configuration is not run
+again; one whose preset changed since is run again. Outputs: ``runs.jsonl``, ``table.md`` (ours beside
+the papers' Fashion-MNIST and CIFAR-10 CNN numbers) and ``accuracy.png`` (test accuracy per step, mean
+over seeds, Dir(0.1)/σ=20).
+
+    python -m benchmarks.reproduce_feddle --family feddle-fmnist --tune --methods fedavg --jobs 2
+    python -m benchmarks.reproduce_feddle --family feddle-fmnist --tune --jobs 2
+    python -m benchmarks.reproduce_feddle --family feddle-fmnist --jobs 2     # the table
+    python -m benchmarks.reproduce_feddle --jobs 2                 # the Animal-MNIST table (63 runs)
     python -m benchmarks.reproduce_feddle --ablation --seeds 0,1,2 --rounds 50   # Feddle's component ablation
     python -m benchmarks.reproduce_feddle --methods feddle-id,fedbuff --settings 0.1/20 --seeds 0
 """
@@ -28,6 +37,7 @@ step, mean over seeds, Dir(0.1)/σ=20).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 from collections.abc import Iterable, Sequence
@@ -35,7 +45,6 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
-FAMILY = "feddle-animal"
 SETTINGS: list[tuple[float, int]] = [(0.1, 20), (0.1, 5), (0.3, 20), (0.3, 5)]
 MAIN = (0.1, 20)
 TUNE_SEED = 100
@@ -71,17 +80,36 @@ PAPER = {
         "feddf-ood": ["18.5 ± 1.9", "19.4 ± 1.9", "35.1 ± 0.2", "39.3 ± 1.4"],
         "feddle-ood": ["37.6 ± 4.5", "42.3 ± 1.6", "44.5 ± 0.8", "53.1 ± 2.5"]},
 }
-# --tune: candidate overrides per method (the papers' grids, App. D, cut to what 100 steps can use)
-GRIDS: dict[str, list[dict[str, Any]]] = {
-    "fedbuff": [{"server-lr": g, "buffer-size": b} for g in (0.3, 1.0) for b in (10, 20)],
-    "ca2fl": [{"server-lr": g} for g in (0.3, 1.0)],
-    "fedasync": [{"mixing-alpha": a} for a in (0.4, 0.8)],
-    "center": [{"server-train-lr": lr} for lr in (1e-4, 1e-3)],
-    "fedft": [{"server-train-lr": lr} for lr in (1e-4, 1e-3)],
-    "feddf-id": [{"server-train-lr": lr} for lr in (1e-5, 1e-4, 1e-3)],
-    "feddf-ood": [{"server-train-lr": lr} for lr in (1e-5, 1e-4, 1e-3)],
-    "feddle-id": [{"search-lr": 0.01}, {"search-lr": 0.03}, {"search-lr": 0.1}, {"search-lr": 0.03, "server-epochs": 2}],
-    "feddle-ood": [{"search-lr": lr} for lr in (0.01, 0.03, 0.1)],
+# --tune: candidate overrides per method and family (the papers' grids, App. D, cut to what the CPU budget
+# allows; BENCHMARKS.md says what was cut)
+FAMILIES: dict[str, dict[str, list[dict[str, Any]]]] = {
+    "feddle-animal": {
+        "fedbuff": [{"server-lr": g, "buffer-size": b} for g in (0.3, 1.0) for b in (10, 20)],
+        "ca2fl": [{"server-lr": g} for g in (0.3, 1.0)],
+        "fedasync": [{"mixing-alpha": a} for a in (0.4, 0.8)],
+        "center": [{"server-train-lr": lr} for lr in (1e-4, 1e-3)],
+        "fedft": [{"server-train-lr": lr} for lr in (1e-4, 1e-3)],
+        "feddf-id": [{"server-train-lr": lr} for lr in (1e-5, 1e-4, 1e-3)],
+        "feddf-ood": [{"server-train-lr": lr} for lr in (1e-5, 1e-4, 1e-3)],
+        "feddle-id": [{"search-lr": 0.01}, {"search-lr": 0.03}, {"search-lr": 0.1},
+                      {"search-lr": 0.03, "server-epochs": 2}],
+        "feddle-ood": [{"search-lr": lr} for lr in (0.01, 0.03, 0.1)],
+    },
+    "feddle-fmnist": {
+        # stage 1: the clients' Adam lr and local epochs, with FedAvg (App. D)
+        "fedavg": [{"lr": lr, "local-epochs": e} for lr in (3e-4, 1e-3, 3e-3) for e in (1, 2, 5)],
+        # stage 2: each method's grid, on the tuned clients
+        "fedbuff": [{"server-lr": g, "buffer-size": b} for g in (0.1, 1.0) for b in (10, 20)],
+        "ca2fl": [{"server-lr": g, "buffer-size": b} for g in (0.1, 1.0) for b in (10, 20)],
+        "fedasync": [{"mixing-alpha": a, "staleness-exponent": e} for a in (0.4, 0.8) for e in (0.1, 0.5)],
+        "center": [{"server-train-lr": lr, "server-train-epochs": e} for lr in (1e-4, 1e-3) for e in (1, 2)],
+        "fedft": [{"server-train-lr": lr, "server-train-epochs": e} for lr in (1e-5, 1e-4, 1e-3) for e in (1, 2)],
+        "hfcl": [{"server-train-lr": lr} for lr in (3e-4, 1e-3)],
+        "feddf-id": [{"server-train-lr": lr} for lr in (1e-5, 1e-4, 1e-3)],
+        "feddf-ood": [{"server-train-lr": lr} for lr in (1e-5, 1e-4, 1e-3)],
+        "feddle-id": [{"search-lr": lr, "server-epochs": e} for lr in (1e-4, 1e-3, 1e-2) for e in (1, 10)],
+        "feddle-ood": [{"search-lr": lr, "server-epochs": e} for lr in (1e-4, 1e-3, 1e-2) for e in (1, 10)],
+    },
 }
 # --ablation: 004 Table 3's rows, cumulative; each row's Feddle switches (the presets' values elsewhere)
 ABLATION: list[tuple[str, dict[str, Any]]] = [
@@ -92,17 +120,25 @@ ABLATION: list[tuple[str, dict[str, Any]]] = [
     ("+ fallback initialisation", {"fallback-init": True}),
     ("+ fallback regularisation (λ = 0.01)", {"fallback-lambda": 0.01}),
 ]
-RESULTS = Path(__file__).resolve().parent / "results" / FAMILY
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def preset(method: str, setting: tuple[float, int]) -> str:
+def preset(family: str, method: str, setting: tuple[float, int]) -> str:
     alpha, sigma = setting
-    return f"{FAMILY}/{method}-dir{alpha:g}-n{sigma:g}"
+    return f"{family}/{method}-dir{alpha:g}-n{sigma:g}"
 
 
-def run_key(method: str, setting: tuple[float, int], seed: int, extra: dict[str, Any]) -> str:
+def run_key(family: str, method: str, setting: tuple[float, int], seed: int, extra: dict[str, Any]) -> str:
     tail = ",".join(f"{k}={v}" for k, v in sorted(extra.items()))
-    return f"{preset(method, setting)}/s{seed}" + (f"/{tail}" if tail else "")
+    return f"{preset(family, method, setting)}/s{seed}" + (f"/{tail}" if tail else "")
+
+
+def config_digest(overrides: dict[str, Any]) -> str:
+    """A digest of the run's resolved configuration (presets applied), output folder aside."""
+    from server_app.config import load_config
+
+    resolved = {k: v for k, v in load_config(overrides).to_dict().items() if k not in ("output-dir", "run-name")}
+    return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _one(key: str, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -118,8 +154,9 @@ def _one(key: str, overrides: dict[str, Any]) -> dict[str, Any]:
     out = run_inprocess(overrides)
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return {"key": key, "test": summary["max-last-5-evals"], "val": summary["val-max-last-5-evals"],
-            "seconds": summary["wall-seconds"], "accepted": summary["total-accepted"],
+    return {"key": key, "config": config_digest(overrides), "test": summary["max-last-5-evals"],
+            "val": summary["val-max-last-5-evals"], "seconds": summary["wall-seconds"],
+            "accepted": summary["total-accepted"],
             "curve": [[r["round"], r["test-accuracy"]] for r in rows if "test-accuracy" in r],
             "val-curve": [[r["round"], r["val-accuracy"]] for r in rows if "val-accuracy" in r]}
 
@@ -133,7 +170,12 @@ def load_results(path: Path) -> dict[str, dict[str, Any]]:
 def run_all(jobs: Iterable[tuple[str, dict[str, Any]]], path: Path, workers: int) -> dict[str, dict[str, Any]]:
     """Run the jobs not yet in `path` (in parallel), appending each result as it finishes."""
     done = load_results(path)
-    todo = [(k, o) for k, o in jobs if k not in done]
+    jobs = list(jobs)
+    # A record made before digests were kept (no "config") is taken as it is.
+    stale = [k for k, o in jobs if k in done and done[k].get("config", config_digest(o)) != config_digest(o)]
+    if stale:
+        print(f"{len(stale)} runs again: their presets changed since they ran ({', '.join(stale)})", flush=True)
+    todo = [(k, o) for k, o in jobs if k not in done or k in stale]
     path.parent.mkdir(parents=True, exist_ok=True)
     print(f"{len(todo)} runs to do ({len(done)} already in {path})", flush=True)
     with ProcessPoolExecutor(max_workers=workers) as pool:
@@ -148,23 +190,23 @@ def run_all(jobs: Iterable[tuple[str, dict[str, Any]]], path: Path, workers: int
     return done
 
 
-def job(method: str, setting: tuple[float, int], seed: int, extra: dict[str, Any] | None = None,
+def job(family: str, method: str, setting: tuple[float, int], seed: int, extra: dict[str, Any] | None = None,
         rounds: int | None = None) -> tuple[str, dict[str, Any]]:
     extra = dict(extra or {})
     if rounds:
         extra["num-rounds"] = rounds
-    key = run_key(method, setting, seed, extra)
-    return key, {"preset": preset(method, setting), "seed": seed, "run-name": key.replace("/", "_"),
+    key = run_key(family, method, setting, seed, extra)
+    return key, {"preset": preset(family, method, setting), "seed": seed, "run-name": key.replace("/", "_"),
                  "output-dir": "outputs/reproduce-feddle", **extra}
 
 
-def grid_jobs(methods: Sequence[str], settings: Sequence[tuple[float, int]], seeds: Sequence[int],
+def grid_jobs(family: str, methods: Sequence[str], settings: Sequence[tuple[float, int]], seeds: Sequence[int],
               other_seeds: Sequence[int], rounds: int | None) -> list[tuple[str, dict[str, Any]]]:
     out = []
     for method in methods:
         for setting in ([MAIN] if method in SETTING_FREE else settings):
             for seed in (seeds if setting == MAIN or method in SETTING_FREE else other_seeds):
-                out.append(job(method, setting, seed, rounds=rounds))
+                out.append(job(family, method, setting, seed, rounds=rounds))
     return out
 
 
@@ -175,28 +217,40 @@ def mean_std(values: Sequence[float]) -> str:
     return f"{statistics.mean(pct):.1f} ± {statistics.stdev(pct):.1f}"
 
 
-def cell(results: dict[str, dict[str, Any]], method: str, setting: tuple[float, int], rounds: int | None) -> list[float]:
+def cell(results: dict[str, dict[str, Any]], family: str, method: str, setting: tuple[float, int],
+         rounds: int | None, field: str = "test") -> list[float]:
+    """`field` of the reported runs (seeds, no extra overrides) of one method × setting."""
     setting = MAIN if method in SETTING_FREE else setting
-    prefix = preset(method, setting) + "/s"
-    suffix = "" if not rounds else f"/num-rounds={rounds}"
-    return [r["test"] for k, r in sorted(results.items())
+    prefix = preset(family, method, setting) + "/s"
+    suffix = "" if not rounds else f"num-rounds={rounds}"
+    return [r[field] for k, r in sorted(results.items())
             if k.startswith(prefix) and k[len(prefix):].split("/", 1)[0].isdigit()
-            and k[len(prefix):].partition("/")[2] == suffix.lstrip("/")]
+            and k[len(prefix):].partition("/")[2] == suffix]
 
 
-def table(results: dict[str, dict[str, Any]], settings: Sequence[tuple[float, int]], rounds: int | None) -> str:
+def table(results: dict[str, dict[str, Any]], family: str, settings: Sequence[tuple[float, int]],
+          rounds: int | None) -> str:
     head = " | ".join(f"Dir({a:g}),N({s})" for a, s in settings)
     lines = [f"| Method | ID | {head} | papers' FMNIST CNN ({', '.join(f'D({a:g}),N({s})' for a, s in settings)}) |",
              "|---|---|" + "---|" * len(settings) + "---|"]
     for method, label, in_domain in METHODS:
-        ours = [cell(results, method, st, rounds) for st in settings]
+        ours = [cell(results, family, method, st, rounds) for st in settings]
         paper = [PAPER["Fashion-MNIST"][method][SETTINGS.index(st)] for st in settings]
         lines.append(f"| {label} | {'✓' if in_domain else '✗'} | "
                      + " | ".join(mean_std(v) if v else "—" for v in ours) + f" | {'; '.join(paper)} |")
+    # How many client updates the protocol delivered: accepted updates per server step, FedBuff's runs.
+    from server_app.config import load_config
+
+    delivered = []
+    for st in settings:
+        steps = rounds or load_config({"preset": preset(family, "fedbuff", st)}).num_rounds
+        per_step = [a / steps for a in cell(results, family, "fedbuff", st, rounds, "accepted")]
+        delivered.append(f"{statistics.mean(per_step):.2f}" if per_step else "—")
+    lines.append(f"| accepted updates per step (FedBuff runs) | | {' | '.join(delivered)} | papers: ~10 |")
     return "\n".join(lines)
 
 
-def plot(results: dict[str, dict[str, Any]], path: Path, rounds: int | None) -> None:
+def plot(results: dict[str, dict[str, Any]], family: str, path: Path, rounds: int | None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -204,11 +258,12 @@ def plot(results: dict[str, dict[str, Any]], path: Path, rounds: int | None) -> 
     import numpy as np
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    ood = "Animal-MNIST" if family == "feddle-fmnist" else "digits"
     for ax, group in zip(axes, (True, False)):
         for method, label, in_domain in METHODS:
             if in_domain != group and method not in ("fedavg",):
                 continue
-            prefix = preset(method, MAIN) + "/s"
+            prefix = preset(family, method, MAIN) + "/s"
             curves = [r["curve"] for k, r in results.items() if k.startswith(prefix)
                       and k[len(prefix):].partition("/")[2] == ("" if not rounds else f"num-rounds={rounds}")]
             if not curves:
@@ -216,7 +271,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path, rounds: int | None) -> 
             steps = [s for s, _ in curves[0]]
             acc = np.mean([[a for _, a in c] for c in curves], axis=0)
             ax.plot(steps, 100 * acc, marker="o", ms=3, label=label, lw=2.5 if method.startswith("feddle") else 1.2)
-        ax.set(title=("with ID server data" if group else "without ID data (OOD: digits)") + ", Dir(0.1), N(20)",
+        ax.set(title=("with ID server data" if group else f"without ID data (OOD: {ood})") + ", Dir(0.1), N(20)",
                xlabel="server step", ylabel="test accuracy (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -224,34 +279,36 @@ def plot(results: dict[str, dict[str, Any]], path: Path, rounds: int | None) -> 
     fig.savefig(path, dpi=120)
 
 
-def tune(workers: int, methods: Sequence[str], rounds: int | None, results_dir: Path = RESULTS) -> None:
+def tune(workers: int, family: str, methods: Sequence[str], rounds: int | None, results_dir: Path) -> None:
+    grids = FAMILIES[family]
     path = results_dir / "tuning.jsonl"
-    jobs = [job(m, MAIN, TUNE_SEED, extra, rounds) for m in methods if m in GRIDS for extra in GRIDS[m]]
+    jobs = [job(family, m, MAIN, TUNE_SEED, extra, rounds) for m in methods if m in grids for extra in grids[m]]
     results = run_all(jobs, path, workers)
     for method in methods:
-        rows = [(r["val"], r["test"], k) for k, r in results.items() if k.startswith(preset(method, MAIN) + "/")]
+        rows = [(r["val"], r["test"], k) for k, r in results.items()
+                if k.startswith(preset(family, method, MAIN) + "/")]
         for rank, (val, _, key) in enumerate(sorted(rows, reverse=True)):
             print(f"{method:11s} {'*' if rank == 0 else ' '} val {val:.4f}  {key.split('/', 3)[-1]}")
 
 
-def ablation_jobs(seeds: Sequence[int],
+def ablation_jobs(family: str, seeds: Sequence[int],
                   rounds: int | None = None) -> list[tuple[str, str, int, tuple[str, dict[str, Any]]]]:
     """(row label, method, seed, job) for the cumulative rows; a row equal to the preset is its main run."""
     from server_app.config import load_config
 
     out = []
     for method in ("feddle-id", "feddle-ood"):
-        base = load_config({"preset": preset(method, MAIN)}).to_dict()
+        base = load_config({"preset": preset(family, method, MAIN)}).to_dict()
         switches: dict[str, Any] = {}
         for label, change in ABLATION:
             switches.update(change)
             extra = {k: v for k, v in switches.items() if base[k] != v}
-            out += [(label, method, seed, job(method, MAIN, seed, extra, rounds)) for seed in seeds]
+            out += [(label, method, seed, job(family, method, MAIN, seed, extra, rounds)) for seed in seeds]
     return out
 
 
-def ablation(workers: int, seeds: Sequence[int], rounds: int | None = None, results_dir: Path = RESULTS) -> str:
-    rows = ablation_jobs(seeds, rounds)
+def ablation(workers: int, family: str, seeds: Sequence[int], rounds: int | None, results_dir: Path) -> str:
+    rows = ablation_jobs(family, seeds, rounds)
     results = run_all([j for *_, j in rows], results_dir / "runs.jsonl", workers)
     lines = ["| Configuration | In-domain (Feddle-ID) | Out-of-domain (Feddle-OOD) |", "|---|---|---|"]
     for label, _ in ABLATION:
@@ -265,6 +322,7 @@ def ablation(workers: int, seeds: Sequence[int], rounds: int | None = None, resu
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--family", default="feddle-animal", choices=sorted(FAMILIES), help="preset family")
     ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes, one torch thread each)")
     ap.add_argument("--methods", default=",".join(m for m, _, _ in METHODS))
     ap.add_argument("--settings", default=",".join(f"{a:g}/{s}" for a, s in SETTINGS), help="alpha/sigma,...")
@@ -274,26 +332,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--tune", action="store_true", help="run the tuning grids instead (validation split)")
     ap.add_argument("--ablation", action="store_true", help="run the component ablation (Dir(0.1)/N(20), --seeds)")
     ap.add_argument("--report", action="store_true", help="run nothing: tabulate and plot the results so far")
-    ap.add_argument("--results", type=Path, default=RESULTS, help=f"results folder (default: {RESULTS})")
+    ap.add_argument("--results", type=Path, default=None, help=f"results folder (default: {RESULTS}/<family>)")
     args = ap.parse_args(argv)
     methods = args.methods.split(",")
     unknown = sorted(set(methods) - {m for m, _, _ in METHODS})
     if unknown:
         ap.error(f"unknown methods {unknown}")
-    args.results.mkdir(parents=True, exist_ok=True)
+    results_dir = args.results or RESULTS / args.family
+    results_dir.mkdir(parents=True, exist_ok=True)
     if args.tune:
-        tune(args.jobs, methods, args.rounds, args.results)
+        tune(args.jobs, args.family, methods, args.rounds, results_dir)
         return
     if args.ablation:
-        print(ablation(args.jobs, [int(s) for s in args.seeds.split(",")], args.rounds, args.results))
+        print(ablation(args.jobs, args.family, [int(s) for s in args.seeds.split(",")], args.rounds, results_dir))
         return
     settings = [(float(a), int(s)) for a, s in (x.split("/") for x in args.settings.split(","))]
     seeds, other = [int(s) for s in args.seeds.split(",")], [int(s) for s in args.other_seeds.split(",")]
-    jobs = [] if args.report else grid_jobs(methods, settings, seeds, other, args.rounds)
-    results = run_all(jobs, args.results / "runs.jsonl", args.jobs)
-    text = table(results, settings, args.rounds)
-    (args.results / "table.md").write_text(text + "\n")
-    plot(results, args.results / "accuracy.png", args.rounds)
+    jobs = [] if args.report else grid_jobs(args.family, methods, settings, seeds, other, args.rounds)
+    results = run_all(jobs, results_dir / "runs.jsonl", args.jobs)
+    text = table(results, args.family, settings, args.rounds)
+    (results_dir / "table.md").write_text(text + "\n")
+    plot(results, args.family, results_dir / "accuracy.png", args.rounds)
     print(text)
 
 

@@ -9,7 +9,7 @@ concatenated (train first), since the project makes its own test split.
 | name            | files below ``root``                                     | classes | x       | licence          |
 |-----------------|----------------------------------------------------------|---------|---------|------------------|
 | animal-mnist    | pip ``animal-mnist==0.4``; cache ``animal-mnist/*.npz``  | 10      | 1x28x28 | MIT              |
-| fashion-mnist   | ``fashion-mnist/{train,t10k}-*-ubyte[.gz]`` (idx)        | 10      | 1x28x28 | MIT              |
+| fashion-mnist   | ``fashion-mnist/{train,t10k}-*-ubyte[.gz]`` (idx) [3]    | 10      | 1x28x28 | MIT              |
 | cifar10         | ``cifar-10-batches-py/{data_batch_1..5,test_batch}``     | 10      | 3x32x32 | none stated [1]  |
 | cifar100        | ``cifar-100-python/{train,test}``                        | 100     | 3x32x32 | none stated [1]  |
 | cifar100-coarse | same; y = 20 superclasses, ``fine`` = 100 fine labels    | 20      | 3x32x32 | none stated [1]  |
@@ -20,6 +20,8 @@ concatenated (train first), since the project makes its own test split.
 | imagefolder:DIR | ``DIR/<class>/**/<image>``, classes = sorted folders     | #folders| 3xSxS   | that of the data |
 
 [1] cite Krizhevsky 2009. [2] LEAF's scripts are BSD-2-Clause. CelebA: non-commercial research only.
+[3] or below a :data:`SYSTEM_ROOTS` folder: Debian's ``dataset-fashion-mnist`` installs them in
+``/usr/share/datasets/fashion-mnist/`` (``make data``).
 S is :data:`IMAGE_SIZE` (32 by default). Notes:
 
 * FEMNIST (LEAF) pixels are kept as LEAF stores them: in [0, 1] with 1.0 = white background and dark
@@ -54,6 +56,10 @@ import numpy as np
 # One constant for all of them, so that server OOD data (imagefolder) matches the client images.
 IMAGE_SIZE: int = 32
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".ppm", ".pgm", ".tif", ".tiff", ".webp"})
+
+
+# Where distributions install datasets (Debian's dataset-* packages), looked in after the data root.
+SYSTEM_ROOTS: tuple[Path, ...] = (Path("/usr/share/datasets"),)
 
 
 class DatasetNotFound(FileNotFoundError):
@@ -109,8 +115,10 @@ _ANIMAL = _Source("Animal-MNIST 0.4", "gzip'd pickles of a uint8 array (10000, 2
                   "pip install --no-deps animal-mnist==0.4 (https://pypi.org/project/animal-mnist/)",
                   "MIT, Copyright (c) 2025 SinaSR-6")
 _FASHION = _Source("Fashion-MNIST", "the original idx files (gzip'd or not)",
-                   "https://github.com/zalandoresearch/fashion-mnist (data/fashion), put the four files in the "
-                   "folder above", "MIT, Copyright (c) 2017 Zalando SE")
+                   "`make data` (runs `apt-get install dataset-fashion-mnist`, Debian/Ubuntu, as root: it puts them "
+                   "in /usr/share/datasets/fashion-mnist/), or download them from "
+                   "https://github.com/zalandoresearch/fashion-mnist (data/fashion) into the first folder above",
+                   "MIT, Copyright (c) 2017 Zalando SE")
 _CIFAR10 = _Source("CIFAR-10", "the CIFAR-10 python version (pickled dicts with b'data', b'labels')",
                    "download cifar-10-python.tar.gz from https://www.cs.toronto.edu/~kriz/cifar.html and extract it "
                    "into the data root (it creates cifar-10-batches-py/)",
@@ -232,12 +240,15 @@ def _read_idx(path: Path, magic: int) -> np.ndarray:
 
 
 def fashion_mnist(root: Path) -> ArrayDataset:
-    """Fashion-MNIST: 60000 train then 10000 test images."""
-    folder = Path(root) / "fashion-mnist"
+    """Fashion-MNIST: 60000 train then 10000 test images, from ``root`` or else a :data:`SYSTEM_ROOTS` folder."""
     names = [f"{s}-{kind}-ubyte" for s in ("train", "t10k") for kind in ("images-idx3", "labels-idx1")]
-    found = [next((p for p in (folder / f"{n}.gz", folder / n) if p.is_file()), None) for n in names]
-    if None in found:
-        raise _FASHION.missing(*(folder / f"{n}[.gz]" for n in names))
+    folders = [Path(base) / "fashion-mnist" for base in (root, *SYSTEM_ROOTS)]
+    for folder in folders:
+        found = [next((p for p in (folder / f"{n}.gz", folder / n) if p.is_file()), None) for n in names]
+        if None not in found:
+            break
+    else:
+        raise _FASHION.missing(*(folder / f"{n}[.gz]" for folder in folders for n in names))
     xs = [_read_idx(p, 2051) for p in found[0::2]]
     ys = [_read_idx(p, 2049) for p in found[1::2]]
     x, y = np.concatenate(xs), np.concatenate(ys)

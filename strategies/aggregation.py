@@ -17,9 +17,9 @@ def weighted_sum(deltas: Iterable[torch.Tensor], weights: Iterable[float], like:
     return total
 
 
-def example_weights(updates: list[Update]) -> list[float]:
+def example_weights(counts: list[int]) -> list[float]:
     """n_j / Σ n_i, computed in float64 then rounded to float32 as FedAvg applies them."""
-    n = torch.tensor([float(u.num_examples) for u in updates], dtype=torch.float64)
+    n = torch.tensor([float(c) for c in counts], dtype=torch.float64)
     return (n / n.sum()).to(torch.float32).tolist()
 
 
@@ -27,7 +27,7 @@ def fedavg_step(params: torch.Tensor, updates: list[Update]) -> torch.Tensor:
     """ω + Σ_j (n_j / Σ n_i) Δ_j over `updates` summed in client order, so that the float result does not
     depend on the order replies arrived in (Feddle 004, Eq. 2)."""
     updates = sorted(updates, key=lambda u: u.client)
-    return params + weighted_sum((u.delta for u in updates), example_weights(updates), params)
+    return params + weighted_sum((u.delta for u in updates), example_weights([u.num_examples for u in updates]), params)
 
 
 def polynomial_staleness(tau: int, a: float) -> float:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from common.config import COUNT, POSITIVE, OneOf, Option, Range, option
+from common.config import COUNT, POSITIVE, OneOf, Option, Range
 from strategies.aggregation import example_weights, polynomial_staleness, weighted_sum
 from strategies.base import Strategy, Update
 
@@ -26,27 +26,33 @@ BUFFER_SIZE = Option(10, COUNT, "K, updates per server step (papers' grid 10, 20
 SERVER_LR = Option(1.0, POSITIVE, "server learning rate η_g of the buffered step (Feddle: of its FedBuff "
                                   "fallback; grid 0.01, 0.1, 1)")
 STALENESS_EXPONENT = Option(0.5, Range(0), "a of the staleness weight (1 + τ)^−a (FedAsync grid 0.1, 0.5, 0.9)")
+STALENESS_WEIGHT = Option("none", OneOf(("none", "polynomial")), "weight updates by (1+τ)^−a (`polynomial`) or not")
+WEIGHTING = Option("uniform", OneOf(("uniform", "examples")), "buffer weights 1/K or by examples (with K = clients "
+                   "per step, η_g = 1 and no delay: synchronous FedAvg)")
 
 
 @dataclass(frozen=True)
 class FedBuffConfig:
     buffer_size: int = BUFFER_SIZE.field()
     server_lr: float = SERVER_LR.field()
-    staleness_weight: str = option("none", OneOf(("none", "polynomial")),
-                                   "weight updates by (1+τ)^−a (`polynomial`) or not")
+    staleness_weight: str = STALENESS_WEIGHT.field()
     staleness_exponent: float = STALENESS_EXPONENT.field()
-    weighting: str = option("uniform", OneOf(("uniform", "examples")),
-                            "buffer weights 1/K or by examples (with K = clients per step, η_g = 1 "
-                            "and no delay: synchronous FedAvg)")
+    weighting: str = WEIGHTING.field()
+
+
+def buffer_weights(config: Any, examples: list[int], staleness: list[int]) -> list[float]:
+    """b_i s(τ_i), the weight of each buffered update (its example count, its staleness on arrival) in
+    FedBuff's step; Feddle's fallback c′ uses the same weights."""
+    base = example_weights(examples) if config.weighting == "examples" else [1.0 / len(examples)] * len(examples)
+    if config.staleness_weight == "polynomial":
+        base = [b * polynomial_staleness(tau, config.staleness_exponent) for b, tau in zip(base, staleness)]
+    return base
 
 
 def buffered_step(config: Any, params: torch.Tensor, updates: list[tuple[Update, int]]) -> torch.Tensor:
-    """η_g · Σ b_i s(τ_i) Δ_i for buffered (update, staleness) pairs; Feddle uses it as its fallback."""
-    base = (example_weights([u for u, _ in updates]) if config.weighting == "examples"
-            else [1.0 / len(updates)] * len(updates))
-    if config.staleness_weight == "polynomial":
-        base = [b * polynomial_staleness(tau, config.staleness_exponent) for b, (_, tau) in zip(base, updates)]
-    return config.server_lr * weighted_sum((u.delta for u, _ in updates), base, params)
+    """η_g · Σ b_i s(τ_i) Δ_i for buffered (update, staleness) pairs."""
+    weights = buffer_weights(config, [u.num_examples for u, _ in updates], [tau for _, tau in updates])
+    return config.server_lr * weighted_sum((u.delta for u, _ in updates), weights, params)
 
 
 class FedBuff(Strategy):

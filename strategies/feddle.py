@@ -17,6 +17,10 @@ fitted first at c′ (Eq. 9) and frozen while c moves (Eq. 10); the found ĉ upd
 Gradients w.r.t. c use the projection of App. E (Eq. 16–17): one forward/backward at the merged
 weights ω′, then ∂ℓ/∂c_m = ⟨∂ℓ/∂ω′, ā_m⟩. After a search each anchor's importance is s_m = |ĉ_m|;
 a new update replaces the anchor with the lowest score once the atlas is full.
+
+The fallback is FedBuff with the run's own FedBuff keys (buffer-size K, server-lr η_g, weighting,
+staleness): the server searches when K updates have arrived since the last search, exactly when FedBuff
+would step, and c′ is FedBuff's step over those K anchors. With ``server-epochs = 0`` Feddle is FedBuff.
 """
 
 from __future__ import annotations
@@ -29,10 +33,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from common.config import COUNT, POSITIVE, Range, option
+from common.config import COUNT, POSITIVE, ConfigError, Range, option
 from common.training import run_epochs, server_seed
 from strategies.base import Strategy, Update
-from strategies.fedbuff import SERVER_LR
+from strategies.fedbuff import BUFFER_SIZE, SERVER_LR, STALENESS_EXPONENT, STALENESS_WEIGHT, WEIGHTING, buffer_weights
 
 
 @dataclass(frozen=True)
@@ -52,10 +56,21 @@ class FeddleConfig:
     search_diagnostics: bool = option(True, None, "log the server-data loss before and after each "
                                       "search (`loss-before`/`loss-after`; two extra forward passes per step, "
                                       "off on a slow CPU server)")
+    # The fallback: FedBuff's step, with FedBuff's keys.
+    buffer_size: int = BUFFER_SIZE.field()
     server_lr: float = SERVER_LR.field()
+    staleness_weight: str = STALENESS_WEIGHT.field()
+    staleness_exponent: float = STALENESS_EXPONENT.field()
+    weighting: str = WEIGHTING.field()
     head_epochs: int = option(5, Range(0), "out of domain: epochs of the head θ's fit before each search "
                               "(warm-started)")
     head_lr: float = option(1e-2, POSITIVE, "out of domain: Adam learning rate of the head θ's fit")
+
+    def __post_init__(self) -> None:
+        # The fallback's K updates must all be anchors when it fires.
+        if self.buffer_size > self.atlas_size:
+            raise ConfigError("buffer-size", self.buffer_size, f"at most atlas-size ({self.atlas_size}): Feddle's "
+                              "fallback is FedBuff's step over its last buffer-size updates, all of them anchors")
 
 
 def median_normalize(anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,8 +81,7 @@ def median_normalize(anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 class Feddle(Strategy):
     """Coefficient search over a model atlas of client updates, guided by the server's data (in or out of
-    domain). Options: FeddleConfig; the fallback c′ is FedBuff's step η_g/B over the B anchors that
-    arrived since the last search (docs/methods.md)."""
+    domain), every time FedBuff would step. Options: FeddleConfig."""
 
     name = "feddle"
     Config = FeddleConfig
@@ -78,38 +92,42 @@ class Feddle(Strategy):
         super().__init__(config, **kwargs)
         self.anchors: list[torch.Tensor] = []  # raw a_m; normalised on the fly at each search
         self.scores: list[float] = []  # s_m = |ĉ_m| of the last search; +inf until an anchor is searched
-        self.fresh: list[bool] = []  # arrived since the last search (the FedBuff buffer of the fallback)
+        # (examples, staleness on arrival) of the anchors in the fallback's FedBuff buffer, None for the others
+        self.fresh: list[tuple[int, int] | None] = []
         self.order: list[int] = []  # arrival order, for FIFO eviction
         self.arrivals = 0
-        self.closed = False
         self.theta: nn.Linear | None = None  # the OOD head, kept across searches
 
     # -- atlas ------------------------------------------------------------------------------
     def receive(self, update: Update) -> None:
         """Every update becomes an anchor; a full atlas replaces its least important one (Alg. 1, l. 14–19)."""
         self.arrivals += 1
+        buffered = (update.num_examples, update.staleness(self.version))
         if len(self.anchors) < self.config.atlas_size:
             self.anchors.append(update.delta)
             self.scores.append(float("inf"))
-            self.fresh.append(True)
+            self.fresh.append(buffered)
             self.order.append(self.arrivals)
             return
+        # Buffered anchors score +inf and are never evicted: the search runs once K <= M of them are in.
         key = self.scores if self.config.importance_score else self.order
         m = min(range(len(self.anchors)), key=lambda i: (key[i], self.order[i]))
-        self.anchors[m], self.scores[m], self.fresh[m], self.order[m] = update.delta, float("inf"), True, self.arrivals
-
-    def close_round(self) -> None:
-        self.closed = any(self.fresh)
+        self.anchors[m], self.scores[m], self.fresh[m], self.order[m] = (update.delta, float("inf"), buffered,
+                                                                         self.arrivals)
 
     def ready(self) -> bool:
-        return self.closed
+        """When FedBuff would step: K updates since the last search."""
+        return sum(f is not None for f in self.fresh) >= self.config.buffer_size
 
     # -- search -----------------------------------------------------------------------------
     def fallback(self, norms: torch.Tensor) -> torch.Tensor:
-        """c′: FedBuff's step ω + η_g/B Σ_{fresh} a_m written on the (normalised) atlas."""
-        fresh = torch.tensor(self.fresh)
-        scale = norms / norms.median() if self.config.anchor_normalization else torch.ones_like(norms)
-        return torch.where(fresh, self.config.server_lr / int(fresh.sum()) * scale, torch.zeros_like(norms))
+        """c′: FedBuff's step ω + η_g Σ_{buffer} b_m s(τ_m) a_m written on the (normalised) atlas,
+        a_m = (‖a_m‖ / median) ā_m; 0 for the anchors outside the buffer."""
+        buffer = [m for m, f in enumerate(self.fresh) if f is not None]
+        weights = buffer_weights(self.config, *zip(*(self.fresh[m] for m in buffer)))
+        c_prime = torch.zeros_like(norms)
+        c_prime[buffer] = self.config.server_lr * torch.tensor(weights, dtype=norms.dtype)
+        return c_prime * (norms / norms.median()) if self.config.anchor_normalization else c_prime
 
     def step(self, server: Any = None) -> dict[str, float]:
         started = time.perf_counter()
@@ -127,8 +145,7 @@ class Feddle(Strategy):
             c, stats = self.search(bar, c, c_prime, server)
         self.params = self.params + c @ bar  # Eq. 7
         self.scores = c.abs().tolist()
-        self.fresh = [False] * len(self.anchors)
-        self.closed = False
+        self.fresh = [None] * len(self.anchors)
         self.version += 1
         return {"c-min": float(c.min()), "c-mean": float(c.mean()), "c-max": float(c.max()),
                 "c-negative": float((c < 0).float().mean()), "anchors": len(self.anchors),

@@ -73,6 +73,38 @@ def test_fashion_mnist_parses_idx_files_gzipped_or_not(tmp_path):
         D.fashion_mnist(tmp_path)
 
 
+def test_fashion_mnist_falls_back_to_the_system_datasets_folder(tmp_path, monkeypatch):
+    """The data root wins; without the files there, the Debian package's folder is read."""
+    system, root = tmp_path / "usr-share-datasets", tmp_path / "data"
+    for base, label in ((system, 4), (root, 8)):
+        (base / "fashion-mnist").mkdir(parents=True)
+        for split in ("train", "t10k"):
+            _idx(base / "fashion-mnist" / f"{split}-images-idx3-ubyte.gz", _bytes_image(1, 1, 28, label)[:, 0], 2051,
+                 gz=True)
+            _idx(base / "fashion-mnist" / f"{split}-labels-idx1-ubyte.gz", np.array([label]), 2049, gz=True)
+    monkeypatch.setattr(D, "SYSTEM_ROOTS", (system,))
+    assert D.fashion_mnist(root).y.tolist() == [8, 8]
+    (root / "fashion-mnist" / "t10k-labels-idx1-ubyte.gz").unlink()  # an incomplete data root is passed over
+    assert D.fashion_mnist(root).y.tolist() == [4, 4]
+    (system / "fashion-mnist" / "train-images-idx3-ubyte.gz").unlink()
+    with pytest.raises(D.DatasetNotFound) as e:
+        D.fashion_mnist(root)
+    assert str(root / "fashion-mnist") in str(e.value) and str(system / "fashion-mnist") in str(e.value)
+
+
+REAL_FASHION = D.SYSTEM_ROOTS[0] / "fashion-mnist"
+
+
+@pytest.mark.skipif(not (REAL_FASHION / "train-images-idx3-ubyte.gz").is_file(),
+                    reason=f"no Fashion-MNIST in {REAL_FASHION} (make data: apt-get install dataset-fashion-mnist)")
+def test_the_real_fashion_mnist_files():
+    d = D.fashion_mnist(Path("/nonexistent-data-root"))
+    assert d.x.shape == (70000, 1, 28, 28) and d.x.dtype == np.float32
+    assert np.bincount(d.y).tolist() == [7000] * 10  # 6000 train + 1000 test per class
+    assert d.y[:5].tolist() == [9, 0, 0, 3, 0]  # the first training labels (ankle boot, T-shirt, ...)
+    assert 0.0 == d.x.min() and d.x.max() == 1.0 and abs(float(d.x.mean()) - 0.286) < 0.001
+
+
 # ---------------------------------------------------------------------------------------------------- CIFAR
 def _pickle(path: Path, **entries) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -270,7 +302,8 @@ def test_image_folder_classes_are_the_sorted_sub_folders(tmp_path):
 # ---------------------------------------------------------------------------------------------- not found
 @pytest.mark.parametrize("loader, must_say", [
     (D.fashion_mnist, ["Fashion-MNIST", "fashion-mnist/train-images-idx3-ubyte[.gz]", "t10k-labels-idx1-ubyte",
-                       "idx", "zalandoresearch", "MIT"]),
+                       "idx", "zalandoresearch", "MIT", "make data", "apt-get install dataset-fashion-mnist",
+                       "system/fashion-mnist/train-images"]),
     (D.cifar10, ["CIFAR-10", "cifar-10-batches-py/data_batch_1", "test_batch",
                  "https://www.cs.toronto.edu/~kriz/cifar.html", "Licence"]),
     (D.cifar100, ["CIFAR-100", "cifar-100-python/train", "cifar.html", "Licence"]),
@@ -281,7 +314,8 @@ def test_image_folder_classes_are_the_sorted_sub_folders(tmp_path):
     (D.isic2019, ["ISIC 2019", "isic2019/ISIC_2019_Training_GroundTruth.csv", "isic-archive", "CC BY-NC"]),
     (D.imagefolder("imagenet-subset"), ["imagenet-subset/<class>/<image>", ".jpg"]),
 ])
-def test_missing_files_raise_one_clear_error(tmp_path, loader, must_say):
+def test_missing_files_raise_one_clear_error(tmp_path, loader, must_say, monkeypatch):
+    monkeypatch.setattr(D, "SYSTEM_ROOTS", (tmp_path / "system",))
     with pytest.raises(D.DatasetNotFound) as e:
         loader(tmp_path)
     assert isinstance(e.value, FileNotFoundError)

@@ -9,6 +9,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn import functional as F
 
+from common.config import ConfigError
 from common.data import ArrayDataset
 from common.models import build_model
 from common.params import ParamSpec
@@ -34,11 +35,11 @@ def cnn_setup(n_anchors: int = 3, seed: int = 0):
 
 
 def feddle_with(model, spec, anchors, cls=Feddle, **kw) -> Feddle:
-    s = cls(**kw)
+    """Feddle after the given anchors arrived, its FedBuff buffer just full (buffer-size = their number)."""
+    s = cls(**{"buffer_size": len(anchors), **kw})
     s.initialize(spec.flatten(model), spec, model)
     for i, a in enumerate(anchors):
         s.receive(Update(i, 0, a, 10))
-    s.close_round()
     return s
 
 
@@ -88,17 +89,36 @@ def test_search_reaches_the_closed_form_best_combination_including_a_negative_co
     assert s.scores == pytest.approx(c_star.abs().tolist(), abs=2e-3)
 
 
-def test_zero_search_steps_with_fallback_init_is_fedbuffs_step():
-    model, spec, anchors, x, y = cnn_setup()
-    feddle = feddle_with(model, spec, anchors, server_epochs=0, server_lr=0.5)
-    fedbuff = FedBuff(buffer_size=3, server_lr=0.5)
+@pytest.mark.parametrize("fedbuff_keys", [
+    {"buffer_size": 3, "server_lr": 0.5},
+    {"buffer_size": 4, "server_lr": 0.8, "weighting": "examples", "staleness_weight": "polynomial",
+     "staleness_exponent": 0.5},
+])
+def test_without_search_feddle_is_its_fallback_fedbuff_step_for_step(fedbuff_keys):
+    """The fallback is FedBuff with the same keys: same steps at the same arrivals, same models, while the
+    atlas (6 anchors) holds older updates outside FedBuff's buffer and evicts some."""
+    model, spec, _, _, _ = cnn_setup()
+    feddle, fedbuff = Feddle(server_epochs=0, atlas_size=6, **fedbuff_keys), FedBuff(**fedbuff_keys)
+    feddle.initialize(spec.flatten(model), spec, model)
     fedbuff.initialize(spec.flatten(model), spec)
-    for i, a in enumerate(anchors):
-        fedbuff.receive(Update(i, 0, a, 10))
-    assert feddle.ready() and fedbuff.ready()
-    feddle.step(None)  # no search: no server data needed
-    fedbuff.step()
-    torch.testing.assert_close(feddle.params, fedbuff.params, rtol=0, atol=1e-7)
+    g = torch.Generator().manual_seed(3)
+    for n in range(23):
+        base = max(0, fedbuff.version - int(torch.randint(0, 3, (1,), generator=g)))  # stale by 0-2 versions
+        update = Update(n, base, 0.01 * torch.randn(spec.numel, generator=g), int(torch.randint(5, 50, (1,),
+                                                                                                generator=g)))
+        feddle.receive(update)
+        fedbuff.receive(update)
+        assert feddle.ready() == fedbuff.ready()
+        if fedbuff.ready():
+            feddle.step(None)  # no search: no server data needed
+            fedbuff.step()
+            torch.testing.assert_close(feddle.params, fedbuff.params, rtol=1e-5, atol=1e-7)
+    assert feddle.version == fedbuff.version == 23 // fedbuff_keys["buffer_size"] and len(feddle.anchors) == 6
+
+
+def test_feddle_refuses_a_fallback_buffer_larger_than_its_atlas():
+    with pytest.raises(ConfigError, match="'buffer-size' = 21 .*at most atlas-size \\(20\\)"):
+        Feddle(buffer_size=21, atlas_size=20)
 
 
 @pytest.mark.parametrize("in_domain", [True, False])
@@ -171,7 +191,8 @@ def test_feddle_run_in_process_logs_and_plots_its_searches(small_run):
     import json
 
     out, summary = small_run("feddle", strategy="feddle", **{"central-size": 40, "server-epochs": 2,
-                                                              "search-lr": 0.01, "num-rounds": 3})
+                                                              "search-lr": 0.01, "num-rounds": 3,
+                                                              "buffer-size": 2})
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
     assert all({"c-min", "c-mean", "c-max", "c-negative", "loss-before", "loss-after", "search-seconds"} <= set(r)
                for r in rows)
