@@ -97,7 +97,7 @@ FAMILIES: dict[str, dict[str, list[dict[str, Any]]]] = {
     },
     "feddle-fmnist": {
         # stage 1: the clients' Adam lr and local epochs, with FedAvg (App. D)
-        "fedavg": [{"lr": lr, "local-epochs": e} for lr in (3e-4, 1e-3, 3e-3) for e in (1, 2, 5)],
+        "fedavg": [{"lr": lr, "local-epochs": e} for e in (2, 1, 5) for lr in (1e-3, 3e-3, 3e-4)],
         # stage 2: each method's grid, on the tuned clients
         "fedbuff": [{"server-lr": g, "buffer-size": b} for g in (0.1, 1.0) for b in (10, 20)],
         "ca2fl": [{"server-lr": g, "buffer-size": b} for g in (0.1, 1.0) for b in (10, 20)],
@@ -133,12 +133,31 @@ def run_key(family: str, method: str, setting: tuple[float, int], seed: int, ext
     return f"{preset(family, method, setting)}/s{seed}" + (f"/{tail}" if tail else "")
 
 
+def _digest(config: dict[str, Any]) -> str:
+    kept = {k: v for k, v in config.items() if k not in ("output-dir", "run-name", "resume")}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def config_digest(overrides: dict[str, Any]) -> str:
     """A digest of the run's resolved configuration (presets applied), output folder aside."""
     from server_app.config import load_config
 
-    resolved = {k: v for k, v in load_config(overrides).to_dict().items() if k not in ("output-dir", "run-name")}
-    return hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return _digest(load_config(overrides).to_dict())
+
+
+def _interrupted(overrides: dict[str, Any]) -> Path | None:
+    """The run folder of an earlier, interrupted run of this very configuration (a later session picks it up
+    at its last checkpoint), else None."""
+    from server_app.checkpoint import CHECKPOINT, read_config
+
+    folder = Path(overrides["output-dir"]) / overrides["run-name"]
+    if not (folder / CHECKPOINT).is_file() or (folder / "summary.json").is_file():
+        return None
+    try:
+        same = _digest(read_config(folder)) == config_digest(overrides)
+    except Exception:  # an unreadable checkpoint: start afresh
+        return None
+    return folder if same else None
 
 
 def _one(key: str, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -151,7 +170,8 @@ def _one(key: str, overrides: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)
-    out = run_inprocess(overrides)
+    folder = _interrupted(overrides)
+    out = run_inprocess({"resume": str(folder)} if folder else overrides)
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"key": key, "config": config_digest(overrides), "test": summary["max-last-5-evals"],
