@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import reproduce_feddle as R
 from server_app.config import load_config
@@ -31,7 +32,15 @@ def test_the_fashion_mnist_family_is_the_papers_protocol():
     assert load_config({"preset": "feddle-fmnist/feddle-ood-dir0.1-n20"}).server_dataset == "animal-mnist"
 
 
-def test_an_interrupted_run_is_resumed_from_its_checkpoint_unless_its_configuration_changed(tmp_path):
+@pytest.fixture
+def torch_threads():
+    """`_one` sets one torch thread for its worker process; keep this process's count for later tests."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_an_interrupted_run_is_resumed_from_its_checkpoint_unless_its_configuration_changed(tmp_path, torch_threads):
     overrides = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 2, "num-rounds": 4,
                  "local-epochs": 1, "batch-size": 16, "strategy": "fedbuff", "buffer-size": 2, "delay-sigma": 1.0,
                  "validation-size": 20, "checkpoint-every": 2, "output-dir": str(tmp_path), "run-name": "r"}
