@@ -148,6 +148,7 @@ def config_digest(overrides: dict[str, Any]) -> str:
 def _interrupted(overrides: dict[str, Any]) -> Path | None:
     """The run folder of an earlier, interrupted run of this very configuration (a later session picks it up
     at its last checkpoint), else None."""
+    from common.config import ConfigError
     from server_app.checkpoint import CHECKPOINT, read_config
 
     folder = Path(overrides["output-dir"]) / overrides["run-name"]
@@ -155,7 +156,7 @@ def _interrupted(overrides: dict[str, Any]) -> Path | None:
         return None
     try:
         same = _digest(read_config(folder)) == config_digest(overrides)
-    except Exception:  # an unreadable checkpoint: start afresh
+    except ConfigError:  # an unusable checkpoint: start afresh
         return None
     return folder if same else None
 
@@ -187,15 +188,26 @@ def load_results(path: Path) -> dict[str, dict[str, Any]]:
     return {r["key"]: r for r in map(json.loads, path.read_text().splitlines())}
 
 
+def pending(jobs: Iterable[tuple[str, dict[str, Any]]],
+            done: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """The jobs without a result, or whose result was made with another resolved configuration (a record
+    made before digests were kept, without "config", is taken as it is)."""
+    todo, stale = [], []
+    for key, overrides in jobs:
+        if key not in done:
+            todo.append((key, overrides))
+        elif done[key].get("config", "") not in ("", config_digest(overrides)):
+            todo.append((key, overrides))
+            stale.append(key)
+    if stale:
+        print(f"{len(stale)} runs again: their presets changed since they ran ({', '.join(stale)})", flush=True)
+    return todo
+
+
 def run_all(jobs: Iterable[tuple[str, dict[str, Any]]], path: Path, workers: int) -> dict[str, dict[str, Any]]:
     """Run the jobs not yet in `path` (in parallel), appending each result as it finishes."""
     done = load_results(path)
-    jobs = list(jobs)
-    # A record made before digests were kept (no "config") is taken as it is.
-    stale = [k for k, o in jobs if k in done and done[k].get("config", config_digest(o)) != config_digest(o)]
-    if stale:
-        print(f"{len(stale)} runs again: their presets changed since they ran ({', '.join(stale)})", flush=True)
-    todo = [(k, o) for k, o in jobs if k not in done or k in stale]
+    todo = pending(jobs, done)
     path.parent.mkdir(parents=True, exist_ok=True)
     print(f"{len(todo)} runs to do ({len(done)} already in {path})", flush=True)
     with ProcessPoolExecutor(max_workers=workers) as pool:
@@ -238,7 +250,7 @@ def mean_std(values: Sequence[float]) -> str:
 
 
 def cell(results: dict[str, dict[str, Any]], family: str, method: str, setting: tuple[float, int],
-         rounds: int | None, field: str = "test") -> list[float]:
+         rounds: int | None, field: str = "test") -> list[Any]:
     """`field` of the reported runs (seeds, no extra overrides) of one method × setting."""
     setting = MAIN if method in SETTING_FREE else setting
     prefix = preset(family, method, setting) + "/s"
@@ -277,15 +289,15 @@ def plot(results: dict[str, dict[str, Any]], family: str, path: Path, rounds: in
     import matplotlib.pyplot as plt
     import numpy as np
 
+    from server_app.config import load_config
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    ood = "Animal-MNIST" if family == "feddle-fmnist" else "digits"
+    ood = load_config({"preset": preset(family, "feddle-ood", MAIN)}).server_dataset
     for ax, group in zip(axes, (True, False)):
         for method, label, in_domain in METHODS:
             if in_domain != group and method not in ("fedavg",):
                 continue
-            prefix = preset(family, method, MAIN) + "/s"
-            curves = [r["curve"] for k, r in results.items() if k.startswith(prefix)
-                      and k[len(prefix):].partition("/")[2] == ("" if not rounds else f"num-rounds={rounds}")]
+            curves = cell(results, family, method, MAIN, rounds, "curve")
             if not curves:
                 continue
             steps = [s for s, _ in curves[0]]

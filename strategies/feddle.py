@@ -36,11 +36,13 @@ from torch.nn import functional as F
 from common.config import COUNT, POSITIVE, ConfigError, Range, option
 from common.training import run_epochs, server_seed
 from strategies.base import Strategy, Update
-from strategies.fedbuff import BUFFER_SIZE, SERVER_LR, STALENESS_EXPONENT, STALENESS_WEIGHT, WEIGHTING, buffer_weights
+from strategies.fedbuff import FedBuffConfig, buffer_weights
 
 
 @dataclass(frozen=True)
-class FeddleConfig:
+class FeddleConfig(FedBuffConfig):
+    """Feddle's options, after its fallback's: FedBuff's own keys (buffer-size, server-lr, ...)."""
+
     atlas_size: int = option(20, COUNT, "M, anchors in the model atlas (papers: 2 × clients per step)")
     search_lr: float = option(1e-3, POSITIVE, "Adam learning rate on the coefficients "
                               "(grid 1e-5, 1e-4, 1e-3)")
@@ -56,12 +58,6 @@ class FeddleConfig:
     search_diagnostics: bool = option(True, None, "log the server-data loss before and after each "
                                       "search (`loss-before`/`loss-after`; two extra forward passes per step, "
                                       "off on a slow CPU server)")
-    # The fallback: FedBuff's step, with FedBuff's keys.
-    buffer_size: int = BUFFER_SIZE.field()
-    server_lr: float = SERVER_LR.field()
-    staleness_weight: str = STALENESS_WEIGHT.field()
-    staleness_exponent: float = STALENESS_EXPONENT.field()
-    weighting: str = WEIGHTING.field()
     head_epochs: int = option(5, Range(0), "out of domain: epochs of the head θ's fit before each search "
                               "(warm-started)")
     head_lr: float = option(1e-2, POSITIVE, "out of domain: Adam learning rate of the head θ's fit")

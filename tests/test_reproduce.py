@@ -53,3 +53,14 @@ def test_an_interrupted_run_is_resumed_from_its_checkpoint_unless_its_configurat
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["resumed-after-step"] == 4
     same = lambda r: {k: v for k, v in r.items() if k != "seconds"}  # noqa: E731
     assert same(resumed) == same(whole) and resumed["config"] == R.config_digest(overrides)
+
+
+def test_a_result_is_run_again_only_when_its_resolved_configuration_changed():
+    key, overrides = R.job("feddle-fmnist", "fedbuff", R.MAIN, 0)
+    digest = R.config_digest(overrides)
+    assert R.config_digest({**overrides, "server-lr": 0.5}) != digest
+    jobs = [(key, overrides)]
+    assert R.pending(jobs, {}) == jobs
+    assert R.pending(jobs, {key: {"config": digest}}) == []
+    assert R.pending(jobs, {key: {}}) == []  # recorded before digests were kept
+    assert R.pending(jobs, {key: {"config": "0" * 16}}) == jobs  # the preset changed since
