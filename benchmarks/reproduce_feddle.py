@@ -37,6 +37,7 @@ over seeds, Dir(0.1)/σ=20).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import statistics
@@ -104,7 +105,6 @@ FAMILIES: dict[str, dict[str, list[dict[str, Any]]]] = {
         "fedasync": [{"mixing-alpha": a, "staleness-exponent": e} for a in (0.4, 0.8) for e in (0.1, 0.5)],
         "center": [{"server-train-lr": lr, "server-train-epochs": e} for lr in (1e-4, 1e-3) for e in (1, 2)],
         "fedft": [{"server-train-lr": lr, "server-train-epochs": e} for lr in (1e-5, 1e-4, 1e-3) for e in (1, 2)],
-        "hfcl": [{"server-train-lr": lr} for lr in (3e-4, 1e-3)],
         "feddf-id": [{"server-train-lr": lr} for lr in (1e-5, 1e-4, 1e-3)],
         "feddf-ood": [{"server-train-lr": lr} for lr in (1e-5, 1e-4, 1e-3)],
         "feddle-id": [{"search-lr": lr, "server-epochs": e} for lr in (1e-4, 1e-3, 1e-2) for e in (1, 10)],
@@ -120,6 +120,23 @@ ABLATION: list[tuple[str, dict[str, Any]]] = [
     ("+ fallback initialisation", {"fallback-init": True}),
     ("+ fallback regularisation (λ = 0.01)", {"fallback-lambda": 0.01}),
 ]
+# --analysis (issue 11): why Feddle-ID trails Fed+FT. Feddle with more search epochs or a larger atlas (the
+# papers' Fig. 13: a larger atlas helps in domain), and Fed+FT taken apart into its server training (Center
+# on Fed+FT's server schedule) and its federated part (FedAvg). A row whose overrides equal its preset is the
+# table's own run. "fedft-schedule" stands for Fed+FT's server-train-lr and -epochs.
+ANALYSIS: list[tuple[str, str, dict[str, Any] | str]] = [
+    ("Feddle-ID", "feddle-id", {}),
+    ("Feddle-ID, server-epochs 10", "feddle-id", {"server-epochs": 10}),
+    ("Feddle-ID, server-epochs 20", "feddle-id", {"server-epochs": 20}),
+    ("Feddle-ID, atlas-size 40", "feddle-id", {"atlas-size": 40}),
+    ("Feddle-ID, atlas-size 100", "feddle-id", {"atlas-size": 100}),
+    ("FedBuff (Feddle's fallback)", "fedbuff", {}),
+    ("Fed+FT", "fedft", {}),
+    ("Center", "center", {}),
+    ("Center on Fed+FT's server schedule", "center", "fedft-schedule"),
+    ("FedAvg (Fed+FT without its server training)", "fedavg", {}),
+]
+CHECKPOINTS = (10, 20, 50, 100, 150, 200)  # steps at which --analysis tabulates the accuracy curves
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -161,8 +178,33 @@ def _interrupted(overrides: dict[str, Any]) -> Path | None:
     return folder if same else None
 
 
+# Per-step metrics kept in a result's "series" (mean over the steps between two evaluations): what the
+# --analysis compares (the search's server-data loss and its coefficients, Fed+FT's server training)
+SERIES_KEYS = ("loss-before", "loss-after", "c-negative", "c-mean", "server-train-loss", "accepted",
+               "staleness-mean")
+
+
+def series(rows: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
+    """One entry per evaluation: its step, the splits' metrics, and the mean of each of SERIES_KEYS over the
+    steps since the previous evaluation (those the run logged)."""
+    out, window = [], []
+    for row in rows:
+        window.append(row)
+        if "test-accuracy" not in row:
+            continue
+        entry = {k: row[k] for k in ("round", "test-accuracy", "test-loss", "val-accuracy", "val-loss") if k in row}
+        for k in SERIES_KEYS:
+            values = [r[k] for r in window if k in r]
+            if values:
+                entry[k] = statistics.fmean(values)
+        out.append(entry)
+        window = []
+    return out
+
+
 def _one(key: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """One run in this worker process (one torch thread); its summary numbers and test-accuracy curve."""
+    """One run in this worker process (one torch thread); its summary numbers, test-accuracy curve and
+    per-evaluation :func:`series`."""
     import logging
 
     import torch
@@ -179,7 +221,8 @@ def _one(key: str, overrides: dict[str, Any]) -> dict[str, Any]:
             "val": summary["val-max-last-5-evals"], "seconds": summary["wall-seconds"],
             "accepted": summary["total-accepted"],
             "curve": [[r["round"], r["test-accuracy"]] for r in rows if "test-accuracy" in r],
-            "val-curve": [[r["round"], r["val-accuracy"]] for r in rows if "val-accuracy" in r]}
+            "val-curve": [[r["round"], r["val-accuracy"]] for r in rows if "val-accuracy" in r],
+            "series": series(rows)}
 
 
 def load_results(path: Path) -> dict[str, dict[str, Any]]:
@@ -204,10 +247,19 @@ def pending(jobs: Iterable[tuple[str, dict[str, Any]]],
     return todo
 
 
+def append(path: Path, result: dict[str, Any]) -> None:
+    """One result line, appended under an exclusive lock: several invocations may share a results file."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(json.dumps(result) + "\n")
+        f.flush()
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def run_all(jobs: Iterable[tuple[str, dict[str, Any]]], path: Path, workers: int) -> dict[str, dict[str, Any]]:
     """Run the jobs not yet in `path` (in parallel), appending each result as it finishes."""
     done = load_results(path)
-    todo = pending(jobs, done)
+    todo = pending(list(dict(jobs).items()), done)  # a job listed twice runs once
     path.parent.mkdir(parents=True, exist_ok=True)
     print(f"{len(todo)} runs to do ({len(done)} already in {path})", flush=True)
     with ProcessPoolExecutor(max_workers=workers) as pool:
@@ -215,8 +267,7 @@ def run_all(jobs: Iterable[tuple[str, dict[str, Any]]], path: Path, workers: int
         for n, fut in enumerate(as_completed(futures), 1):
             result = fut.result()
             done[result["key"]] = result
-            with open(path, "a") as f:
-                f.write(json.dumps(result) + "\n")
+            append(path, result)
             print(f"[{n}/{len(todo)}] {result['key']}: test {result['test']:.4f} val {result['val']:.4f} "
                   f"({result['seconds']:.0f} s)", flush=True)
     return done
@@ -282,45 +333,77 @@ def table(results: dict[str, dict[str, Any]], family: str, settings: Sequence[tu
     return "\n".join(lines)
 
 
-def plot(results: dict[str, dict[str, Any]], family: str, path: Path, rounds: int | None) -> None:
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def draw_curves(ax: Any, curves: dict[str, list[list[list[float]]]], title: str, bold: str = "Feddle") -> None:
+    """Test accuracy per step on `ax`, the mean over a label's runs (seeds); labels starting with `bold` thick."""
     import numpy as np
 
+    for label, runs in curves.items():
+        steps = [s for s, _ in runs[0]]
+        acc = np.mean([[a for _, a in c] for c in runs], axis=0)
+        ax.plot(steps, 100 * acc, marker="o", ms=3, label=label, lw=2.5 if label.startswith(bold) else 1.2)
+    ax.set(title=title, xlabel="server step", ylabel="test accuracy (%)")
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend(fontsize=7)
+
+
+def plot(results: dict[str, dict[str, Any]], family: str, path: Path, rounds: int | None) -> None:
     from server_app.config import load_config
 
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     ood = load_config({"preset": preset(family, "feddle-ood", MAIN)}).server_dataset
     for ax, group in zip(axes, (True, False)):
-        for method, label, in_domain in METHODS:
-            if in_domain != group and method not in ("fedavg",):
-                continue
-            curves = cell(results, family, method, MAIN, rounds, "curve")
-            if not curves:
-                continue
-            steps = [s for s, _ in curves[0]]
-            acc = np.mean([[a for _, a in c] for c in curves], axis=0)
-            ax.plot(steps, 100 * acc, marker="o", ms=3, label=label, lw=2.5 if method.startswith("feddle") else 1.2)
-        ax.set(title=("with ID server data" if group else f"without ID data (OOD: {ood})") + ", Dir(0.1), N(20)",
-               xlabel="server step", ylabel="test accuracy (%)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        curves = {label: cell(results, family, method, MAIN, rounds, "curve") for method, label, in_domain in METHODS
+                  if in_domain == group or method == "fedavg"}
+        draw_curves(ax, {k: v for k, v in curves.items() if v},
+                    ("with ID server data" if group else f"without ID data (OOD: {ood})") + ", Dir(0.1), N(20)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
-def tune(workers: int, family: str, methods: Sequence[str], rounds: int | None, results_dir: Path) -> None:
+def tune(workers: int, family: str, methods: Sequence[str], rounds: int | None, results_dir: Path) -> str:
+    """Run the grids of `methods` (those without a current result) and rank every grid of the family on the
+    validation split; the ranking is written to ``tuning.md`` and returned."""
     grids = FAMILIES[family]
     path = results_dir / "tuning.jsonl"
     jobs = [job(family, m, MAIN, TUNE_SEED, extra, rounds) for m in methods if m in grids for extra in grids[m]]
     results = run_all(jobs, path, workers)
-    for method in methods:
-        rows = [(r["val"], r["test"], k) for k, r in results.items()
-                if k.startswith(preset(family, method, MAIN) + "/")]
-        for rank, (val, _, key) in enumerate(sorted(rows, reverse=True)):
-            print(f"{method:11s} {'*' if rank == 0 else ' '} val {val:.4f}  {key.split('/', 3)[-1]}")
+    text = tuning_table(results, family, rounds)
+    (results_dir / "tuning.md").write_text(text + "\n")
+    return text
+
+
+def tuning_table(results: dict[str, dict[str, Any]], family: str, rounds: int | None) -> str:
+    """Each method's candidates, best validation score first (* = chosen); candidates whose result was made
+    with another resolved configuration (the protocol changed since) count as not run."""
+    lines = ["| method | candidate | val % | test % |", "|---|---|---:|---:|"]
+    for method, grid in FAMILIES[family].items():
+        rows, missing = [], []
+        for extra in grid:
+            key, overrides = job(family, method, MAIN, TUNE_SEED, extra, rounds)
+            label = ", ".join(f"{k} {v}" for k, v in extra.items())
+            r = results.get(key)
+            if r is None or r.get("config", "") not in ("", config_digest(overrides)):
+                missing.append(label)
+            else:
+                rows.append((r["val"], r["test"], label))
+        for rank, (val, test, label) in enumerate(sorted(rows, reverse=True)):
+            lines.append(f"| {method if rank == 0 else ''} | {label}{' *' if rank == 0 else ''} | {100 * val:.1f} | "
+                         f"{100 * test:.1f} |")
+        if missing:
+            lines.append(f"| {'' if rows else method} | not run: {'; '.join(missing)} | | |")
+    return "\n".join(lines)
 
 
 def ablation_jobs(family: str, seeds: Sequence[int],
@@ -352,6 +435,64 @@ def ablation(workers: int, family: str, seeds: Sequence[int], rounds: int | None
     return text
 
 
+def analysis_jobs(family: str, seeds: Sequence[int],
+                  rounds: int | None = None) -> list[tuple[str, int, tuple[str, dict[str, Any]]]]:
+    """(row label, seed, job) for the rows of :data:`ANALYSIS`; overrides equal to the preset's are dropped,
+    so such a row is the table's own run."""
+    from server_app.config import load_config
+
+    fedft = load_config({"preset": preset(family, "fedft", MAIN)}).to_dict()
+    out = []
+    for label, method, change in ANALYSIS:
+        if change == "fedft-schedule":
+            change = {k: fedft[k] for k in ("server-train-lr", "server-train-epochs")}
+        base = load_config({"preset": preset(family, method, MAIN)}).to_dict()
+        extra = {k: v for k, v in change.items() if base[k] != v}
+        out += [(label, seed, job(family, method, MAIN, seed, extra, rounds)) for seed in seeds]
+    return out
+
+
+def _at(curve: Sequence[Sequence[float]], step: int) -> float | None:
+    return next((a for s, a in curve if s == step), None)
+
+
+def analysis(workers: int, family: str, seeds: Sequence[int], rounds: int | None, results_dir: Path,
+             run: bool = True) -> str:
+    """Run (unless `run` is false) and tabulate :data:`ANALYSIS`: each row's papers' metric, its accuracy at
+    :data:`CHECKPOINTS`, and its loss on the server's data beside the validation loss (the search's and the
+    fine-tuning's fit to the 1000 samples against what generalises); ``analysis.md`` and ``analysis.png``."""
+    rows = analysis_jobs(family, seeds, rounds)
+    results = run_all([j for *_, j in rows] if run else [], results_dir / "runs.jsonl", workers)
+    steps = [s for s in CHECKPOINTS if not rounds or s <= rounds]
+    lines = ["| Configuration | test % | val % | " + " | ".join(f"step {s}" for s in steps)
+             + " | server-data loss | val loss |", "|---|---|---|" + "---|" * len(steps) + "---|---|"]
+    curves: dict[str, list[list[list[float]]]] = {}
+    for label, _, _ in ANALYSIS:
+        got = [results[key] for lbl, _, (key, _) in rows if lbl == label and key in results]
+        if not got:
+            lines.append(f"| {label} | not run | | " + "| " * len(steps) + "| |")
+            continue
+        curves[label] = [r["curve"] for r in got]
+        at = [[_at(r["curve"], s) for r in got] for s in steps]
+        last = [e for r in got for e in r.get("series", [])[-5:]]
+        server_loss = [e.get("loss-after", e.get("server-train-loss")) for e in last]
+        server_loss = [v for v in server_loss if v is not None]
+        val_loss = [e["val-loss"] for e in last if "val-loss" in e]
+        fmt = lambda v: f"{statistics.fmean(v):.3f}" if v else "—"  # noqa: E731
+        lines.append(f"| {label} | {mean_std([r['test'] for r in got])} | {mean_std([r['val'] for r in got])} | "
+                     + " | ".join(f"{100 * statistics.fmean(v):.1f}" if None not in v else "—" for v in at)
+                     + f" | {fmt(server_loss)} | {fmt(val_loss)} |")
+    text = "\n".join(lines)
+    (results_dir / "analysis.md").write_text(text + "\n")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    draw_curves(ax, curves, "Feddle-ID and Fed+FT taken apart, Dir(0.1), N(20)")
+    fig.tight_layout()
+    fig.savefig(results_dir / "analysis.png", dpi=120)
+    plt.close(fig)
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--family", default="feddle-animal", choices=sorted(FAMILIES), help="preset family")
@@ -363,6 +504,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=None, help="override the presets' num-rounds (quick looks)")
     ap.add_argument("--tune", action="store_true", help="run the tuning grids instead (validation split)")
     ap.add_argument("--ablation", action="store_true", help="run the component ablation (Dir(0.1)/N(20), --seeds)")
+    ap.add_argument("--analysis", action="store_true",
+                    help="Feddle-ID vs Fed+FT taken apart (Dir(0.1)/N(20), --seeds; with --report: tabulate only)")
     ap.add_argument("--report", action="store_true", help="run nothing: tabulate and plot the results so far")
     ap.add_argument("--results", type=Path, default=None, help=f"results folder (default: {RESULTS}/<family>)")
     args = ap.parse_args(argv)
@@ -373,7 +516,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     results_dir = args.results or RESULTS / args.family
     results_dir.mkdir(parents=True, exist_ok=True)
     if args.tune:
-        tune(args.jobs, args.family, methods, args.rounds, results_dir)
+        print(tune(args.jobs, args.family, methods, args.rounds, results_dir))
+        return
+    if args.analysis:
+        print(analysis(args.jobs, args.family, [int(x) for x in args.seeds.split(",")], args.rounds, results_dir,
+                       run=not args.report))
         return
     if args.ablation:
         print(ablation(args.jobs, args.family, [int(s) for s in args.seeds.split(",")], args.rounds, results_dir))

@@ -25,6 +25,19 @@ def test_every_method_and_setting_of_a_family_is_a_preset_of_its_protocol(family
             load_config({"preset": R.preset(family, "fedavg", R.MAIN), **extra})
 
 
+@pytest.mark.parametrize("family", sorted(R.FAMILIES))
+def test_every_tuning_candidate_sets_keys_its_method_uses(family):
+    """A grid over a key the method ignores (HFCL has no server lr) would spend runs on identical results."""
+    from common.config import RunConfig, specs_of
+    from strategies import STRATEGIES
+
+    for method, grid in R.FAMILIES[family].items():
+        cfg = load_config({"preset": R.preset(family, method, R.MAIN)})
+        used = set(specs_of(STRATEGIES[cfg.strategy].Config)) | set(RunConfig.specs())
+        for extra in grid:
+            assert set(extra) <= used, (method, sorted(set(extra) - used))
+
+
 def test_the_fashion_mnist_family_is_the_papers_protocol():
     cfg = load_config({"preset": "feddle-fmnist/feddle-id-dir0.1-n20"})
     assert (cfg.dataset, cfg.num_clients, cfg.clients_per_round, cfg.num_rounds) == ("fashion-mnist", 500, 10, 200)
@@ -64,3 +77,28 @@ def test_a_result_is_run_again_only_when_its_resolved_configuration_changed():
     assert R.pending(jobs, {key: {"config": digest}}) == []
     assert R.pending(jobs, {key: {}}) == []  # recorded before digests were kept
     assert R.pending(jobs, {key: {"config": "0" * 16}}) == jobs  # the preset changed since
+
+
+def test_series_keeps_every_evaluation_with_the_means_of_the_steps_since_the_last():
+    rows = [{"round": 0, "test-accuracy": 0.1, "val-loss": 2.3},
+            {"round": 1, "loss-after": 1.0, "accepted": 4}, {"round": 2, "loss-after": 3.0, "accepted": 6,
+                                                             "test-accuracy": 0.5, "val-loss": 1.5},
+            {"round": 3, "server-train-loss": 0.7, "test-accuracy": 0.6}]
+    got = R.series(rows)
+    assert [e["round"] for e in got] == [0, 2, 3]
+    assert got[1] == {"round": 2, "test-accuracy": 0.5, "val-loss": 1.5, "loss-after": 2.0, "accepted": 5.0}
+    assert got[2] == {"round": 3, "test-accuracy": 0.6, "server-train-loss": 0.7}
+
+
+def test_analysis_rows_reuse_the_tables_runs_and_take_fedft_s_schedule_for_center():
+    rows = R.analysis_jobs("feddle-fmnist", [0, 1])
+    by_label = {}
+    for label, seed, (key, overrides) in rows:
+        by_label.setdefault(label, []).append((seed, key, overrides))
+    assert [k for _, k, _ in by_label["Feddle-ID"]] == [R.job("feddle-fmnist", "feddle-id", R.MAIN, s)[0] for s in (0, 1)]
+    assert by_label["Feddle-ID, atlas-size 40"][0][2]["atlas-size"] == 40
+    fedft = load_config({"preset": R.preset("feddle-fmnist", "fedft", R.MAIN)})
+    center = load_config({"preset": R.preset("feddle-fmnist", "center", R.MAIN),
+                          **by_label["Center on Fed+FT's server schedule"][0][2]})
+    assert (center.strategy, center.options["server-train-lr"], center.options["server-train-epochs"]) == (
+        "center", fedft.options["server-train-lr"], fedft.options["server-train-epochs"])
