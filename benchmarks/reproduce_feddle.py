@@ -120,8 +120,9 @@ ABLATION: list[tuple[str, dict[str, Any]]] = [
     ("+ fallback initialisation", {"fallback-init": True}),
     ("+ fallback regularisation (λ = 0.01)", {"fallback-lambda": 0.01}),
 ]
-# --analysis (issue 11): why Feddle-ID trails Fed+FT. Feddle with more search epochs or a larger atlas (the
-# papers' Fig. 13: a larger atlas helps in domain), and Fed+FT taken apart into its server training (Center
+# --analysis (issue 11): why Feddle-ID trails Fed+FT. Feddle with more search epochs, a larger atlas (the
+# papers' Fig. 13: a larger atlas helps in domain) or a search every step (as often as Fed+FT fine-tunes), and
+# Fed+FT taken apart into its server training (Center
 # on Fed+FT's server schedule) and its federated part (FedAvg). A row whose overrides equal its preset is the
 # table's own run. "fedft-schedule" stands for Fed+FT's server-train-lr and -epochs.
 ANALYSIS: list[tuple[str, str, dict[str, Any] | str]] = [
@@ -130,6 +131,7 @@ ANALYSIS: list[tuple[str, str, dict[str, Any] | str]] = [
     ("Feddle-ID, server-epochs 20", "feddle-id", {"server-epochs": 20}),
     ("Feddle-ID, atlas-size 40", "feddle-id", {"atlas-size": 40}),
     ("Feddle-ID, atlas-size 100", "feddle-id", {"atlas-size": 100}),
+    ("Feddle-ID, a search every step", "feddle-id", {"search-every": "step"}),
     ("FedBuff (Feddle's fallback)", "fedbuff", {}),
     ("Fed+FT", "fedft", {}),
     ("Center", "center", {}),

@@ -21,6 +21,8 @@ a new update replaces the anchor with the lowest score once the atlas is full.
 The fallback is FedBuff with the run's own FedBuff keys (buffer-size K, server-lr η_g, weighting,
 staleness): the server searches when K updates have arrived since the last search, exactly when FedBuff
 would step, and c′ is FedBuff's step over those K anchors. With ``server-epochs = 0`` Feddle is FedBuff.
+``search-every = step`` searches instead at the end of every server step that brought an update (Alg. 1's
+"round k"; spec §1.5 choice A), from FedBuff's step over that step's B arrivals (weights b_m = 1/B, uniform).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from common.config import COUNT, POSITIVE, ConfigError, Range, option
+from common.config import COUNT, POSITIVE, ConfigError, OneOf, Range, option
 from common.training import run_epochs, server_seed
 from strategies.base import Strategy, Update
 from strategies.fedbuff import FedBuffConfig, buffer_weights
@@ -61,6 +63,9 @@ class FeddleConfig(FedBuffConfig):
     head_epochs: int = option(5, Range(0), "out of domain: epochs of the head θ's fit before each search "
                               "(warm-started)")
     head_lr: float = option(1e-2, POSITIVE, "out of domain: Adam learning rate of the head θ's fit")
+    search_every: str = option("buffer", OneOf(("buffer", "step")), "when to search: `buffer` = when FedBuff "
+                               "would step (buffer-size arrivals; c′ = its step), `step` = at the end of every "
+                               "server step with a new update (c′ = FedBuff's weights over that step's arrivals)")
 
     def __post_init__(self) -> None:
         # The fallback's K updates must all be anchors when it fires.
@@ -92,6 +97,7 @@ class Feddle(Strategy):
         self.fresh: list[tuple[int, int] | None] = []
         self.order: list[int] = []  # arrival order, for FIFO eviction
         self.arrivals = 0
+        self.closed = False  # the runner closed a step that brought updates (search-every = step)
         self.theta: nn.Linear | None = None  # the OOD head, kept across searches
 
     # -- atlas ------------------------------------------------------------------------------
@@ -111,8 +117,14 @@ class Feddle(Strategy):
         self.anchors[m], self.scores[m], self.fresh[m], self.order[m] = (update.delta, float("inf"), buffered,
                                                                          self.arrivals)
 
+    def close_round(self) -> None:
+        self.closed = any(f is not None for f in self.fresh)
+
     def ready(self) -> bool:
-        """When FedBuff would step: K updates since the last search."""
+        """When FedBuff would step (K updates since the last search), or at the end of a step that brought
+        an update (``search-every = step``)."""
+        if self.config.search_every == "step":
+            return self.closed
         return sum(f is not None for f in self.fresh) >= self.config.buffer_size
 
     # -- search -----------------------------------------------------------------------------
@@ -142,6 +154,7 @@ class Feddle(Strategy):
         self.params = self.params + c @ bar  # Eq. 7
         self.scores = c.abs().tolist()
         self.fresh = [None] * len(self.anchors)
+        self.closed = False
         self.version += 1
         return {"c-min": float(c.min()), "c-mean": float(c.mean()), "c-max": float(c.max()),
                 "c-negative": float((c < 0).float().mean()), "anchors": len(self.anchors),

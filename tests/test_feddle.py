@@ -116,6 +116,28 @@ def test_without_search_feddle_is_its_fallback_fedbuff_step_for_step(fedbuff_key
     assert feddle.version == fedbuff.version == 23 // fedbuff_keys["buffer_size"] and len(feddle.anchors) == 6
 
 
+def test_searching_every_step_starts_from_the_mean_of_the_steps_arrivals():
+    """search-every = step: one search per step that brought updates, never mid-step, from η_g × the mean of
+    that step's updates (older anchors at 0), with more arrivals than buffer-size or fewer."""
+    model, spec, _, _, _ = cnn_setup()
+    feddle = Feddle(server_epochs=0, atlas_size=8, buffer_size=3, server_lr=0.7, search_every="step")
+    feddle.initialize(spec.flatten(model), spec, model)
+    g = torch.Generator().manual_seed(5)
+    for step, arrivals in enumerate([2, 0, 5, 1, 4]):
+        before = feddle.params.clone()
+        deltas = [0.01 * torch.randn(spec.numel, generator=g) for _ in range(arrivals)]
+        for n, delta in enumerate(deltas):
+            feddle.receive(Update(n, feddle.version, delta, 10 + n))
+            assert not feddle.ready()
+        feddle.close_round()
+        assert feddle.ready() == bool(arrivals)
+        if arrivals:
+            feddle.step(None)
+            torch.testing.assert_close(feddle.params, before + 0.7 * torch.stack(deltas).mean(0), rtol=1e-5,
+                                       atol=1e-7)
+    assert feddle.version == 4 and len(feddle.anchors) == 8
+
+
 def test_feddle_refuses_a_fallback_buffer_larger_than_its_atlas():
     with pytest.raises(ConfigError, match="'buffer-size' = 21 .*at most atlas-size \\(20\\)"):
         Feddle(buffer_size=21, atlas_size=20)
