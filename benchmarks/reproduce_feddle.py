@@ -26,9 +26,15 @@ again; one whose preset changed since is run again. Outputs: ``runs.jsonl``, ``t
 the papers' Fashion-MNIST and CIFAR-10 CNN numbers) and ``accuracy.png`` (test accuracy per step, mean
 over seeds, Dir(0.1)/σ=20).
 
+``--analysis`` takes Feddle-ID's gap to Fed+FT apart (:data:`ANALYSIS`): Feddle with more search epochs, a
+larger atlas or a search every step; Fed+FT as its server training alone and its federated part alone;
+accuracy at several steps and the server-data loss beside the validation loss (``analysis.md``,
+``analysis.png``). Its rows equal to a preset are the table's own runs.
+
     python -m benchmarks.reproduce_feddle --family feddle-fmnist --tune --methods fedavg --jobs 2
     python -m benchmarks.reproduce_feddle --family feddle-fmnist --tune --jobs 2
     python -m benchmarks.reproduce_feddle --family feddle-fmnist --jobs 2     # the table
+    python -m benchmarks.reproduce_feddle --family feddle-fmnist --analysis --seeds 0   # Feddle-ID vs Fed+FT
     python -m benchmarks.reproduce_feddle --jobs 2                 # the Animal-MNIST table (63 runs)
     python -m benchmarks.reproduce_feddle --ablation --seeds 0,1,2 --rounds 50   # Feddle's component ablation
     python -m benchmarks.reproduce_feddle --methods feddle-id,fedbuff --settings 0.1/20 --seeds 0
