@@ -159,7 +159,15 @@ def run_key(family: str, method: str, setting: tuple[float, int], seed: int, ext
 
 
 def _digest(config: dict[str, Any]) -> str:
-    kept = {k: v for k, v in config.items() if k not in ("output-dir", "run-name", "resume")}
+    """A digest of the keys that differ from their defaults (output folder aside): an option added later, at
+    a default that reproduces the old behaviour, leaves the digests of finished runs as they were."""
+    from server_app.config import option_specs
+
+    from common.config import RunConfig
+
+    defaults = {k: spec.default for k, spec in {**RunConfig.specs(), **option_specs()}.items()}
+    kept = {k: v for k, v in config.items()
+            if k not in ("output-dir", "run-name", "resume") and (k not in defaults or v != defaults[k])}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -393,7 +401,7 @@ def tune(workers: int, family: str, methods: Sequence[str], rounds: int | None, 
 
 
 def tuning_table(results: dict[str, dict[str, Any]], family: str, rounds: int | None) -> str:
-    """Each method's candidates, best validation score first (* = chosen); candidates whose result was made
+    """Each method's candidates, best validation score first (* = that best); candidates whose result was made
     with another resolved configuration (the protocol changed since) count as not run."""
     lines = ["| method | candidate | val % | test % |", "|---|---|---:|---:|"]
     for method, grid in FAMILIES[family].items():

@@ -79,6 +79,14 @@ def test_a_result_is_run_again_only_when_its_resolved_configuration_changed():
     assert R.pending(jobs, {key: {"config": "0" * 16}}) == jobs  # the preset changed since
 
 
+def test_an_option_added_at_its_default_keeps_the_digests_of_finished_runs():
+    config = load_config(R.job("feddle-fmnist", "feddle-id", R.MAIN, 0)[1]).to_dict()
+    before = {k: v for k, v in config.items() if k != "search-every"}  # as resolved before that option existed
+    assert R._digest(before) == R._digest(config)
+    assert R._digest({**config, "search-every": "step"}) != R._digest(config)
+    assert R._digest({**config, "run-name": "elsewhere", "output-dir": "/tmp"}) == R._digest(config)
+
+
 def test_series_keeps_every_evaluation_with_the_means_of_the_steps_since_the_last():
     rows = [{"round": 0, "test-accuracy": 0.1, "val-loss": 2.3},
             {"round": 1, "loss-after": 1.0, "accepted": 4}, {"round": 2, "loss-after": 3.0, "accepted": 6,
