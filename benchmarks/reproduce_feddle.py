@@ -113,7 +113,9 @@ FAMILIES: dict[str, dict[str, list[dict[str, Any]]]] = {
         "fedft": [{"server-train-lr": lr, "server-train-epochs": e} for lr in (1e-5, 1e-4, 1e-3) for e in (1, 2)],
         "feddf-id": [{"server-train-lr": lr} for lr in (1e-5, 1e-4, 1e-3)],
         "feddf-ood": [{"server-train-lr": lr} for lr in (1e-5, 1e-4, 1e-3)],
-        "feddle-id": [{"search-lr": lr, "server-epochs": e} for lr in (1e-4, 1e-3, 1e-2) for e in (1, 10)],
+        # the best of the first 6 (1e-2 x 10) sat at the grid's corner: the grid goes on past it
+        "feddle-id": [{"search-lr": lr, "server-epochs": e} for lr in (1e-4, 1e-3, 1e-2) for e in (1, 10)]
+        + [{"search-lr": 3e-2, "server-epochs": 10}, {"search-lr": 1e-2, "server-epochs": 20}],
         "feddle-ood": [{"search-lr": lr, "server-epochs": e} for lr in (1e-4, 1e-3, 1e-2) for e in (1, 10)],
     },
 }
