@@ -417,7 +417,7 @@ def tuning_table(results: dict[str, dict[str, Any]], family: str, rounds: int | 
                 missing.append(label)
             else:
                 rows.append((r["val"], r["test"], label))
-        for rank, (val, test, label) in enumerate(sorted(rows, reverse=True)):
+        for rank, (val, test, label) in enumerate(sorted(rows, key=lambda r: r[0], reverse=True)):  # ties: grid order
             lines.append(f"| {method if rank == 0 else ''} | {label}{' *' if rank == 0 else ''} | {100 * val:.1f} | "
                          f"{100 * test:.1f} |")
         if missing:

@@ -87,6 +87,20 @@ def test_an_option_added_at_its_default_keeps_the_digests_of_finished_runs():
     assert R._digest({**config, "run-name": "elsewhere", "output-dir": "/tmp"}) == R._digest(config)
 
 
+def test_the_tuning_ranking_reads_the_validation_split_only():
+    grid = R.FAMILIES["feddle-fmnist"]["center"]
+    results = {}
+    for extra, val, test in zip(grid, (0.80, 0.80, 0.70, 0.60), (0.50, 0.90, 0.95, 0.99)):
+        key, overrides = R.job("feddle-fmnist", "center", R.MAIN, R.TUNE_SEED, extra)
+        results[key] = {"config": R.config_digest(overrides), "val": val, "test": test}
+    rows = [line for line in R.tuning_table(results, "feddle-fmnist", None).splitlines()
+            if "server-train-lr" in line and "not run" not in line]
+    first = ", ".join(f"{k} {v}" for k, v in grid[0].items())
+    # a tie on validation keeps the grid's order, whatever the test split says
+    assert rows[0].split(" | ")[1] == first + " *"
+    assert [float(line.split(" | ")[2]) for line in rows] == [80.0, 80.0, 70.0, 60.0]
+
+
 def test_series_keeps_every_evaluation_with_the_means_of_the_steps_since_the_last():
     rows = [{"round": 0, "test-accuracy": 0.1, "val-loss": 2.3},
             {"round": 1, "loss-after": 1.0, "accepted": 4}, {"round": 2, "loss-after": 3.0, "accepted": 6,
