@@ -124,3 +124,13 @@ def test_analysis_rows_reuse_the_tables_runs_and_take_fedft_s_schedule_for_cente
                           **by_label["Center on Fed+FT's server schedule"][0][2]})
     assert (center.strategy, center.options["server-train-lr"], center.options["server-train-epochs"]) == (
         "center", fedft.options["server-train-lr"], fedft.options["server-train-epochs"])
+
+
+def test_the_delivered_updates_row_counts_every_run_with_clients_and_not_center():
+    """The clients' schedule is the setting's and seed's, so FedAvg alone fills the row; Center (no clients) never."""
+    fam, n5 = "feddle-fmnist", (0.1, 5)
+    results = {R.run_key(fam, "fedavg", n5, 0, {}): {"test": 0.7, "accepted": 1800},
+               R.run_key(fam, "fedbuff", n5, 0, {}): {"test": 0.7, "accepted": 1900},
+               R.run_key(fam, "center", R.MAIN, 0, {}): {"test": 0.8, "accepted": 100}}
+    row = R.table(results, fam, [R.MAIN, n5], None).splitlines()[-1]
+    assert row.split("|")[3:5] == [" — ", " 9.25 "]  # (1800 + 1900) / 2 / 200 steps; Center left out
