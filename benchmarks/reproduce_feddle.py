@@ -61,7 +61,7 @@ METHODS: list[tuple[str, str, bool]] = [
     ("feddle-id", "Feddle-ID", True), ("fedavg", "FedAvg", False), ("fedasync", "FedAsync", False),
     ("fedbuff", "FedBuff", False), ("ca2fl", "CA2FL", False), ("feddf-ood", "FedDF-OOD", False),
     ("feddle-ood", "Feddle-OOD", False)]
-SETTING_FREE = {"center"}  # the same number in every column
+SETTING_FREE = {"center"}  # no clients: the same number in every column, and no client updates
 # The papers' CNN numbers (spec feddle.md §5.5), columns in SETTINGS order, "mean ± std"
 PAPER = {
     "Fashion-MNIST": {
@@ -343,13 +343,13 @@ def table(results: dict[str, dict[str, Any]], family: str, settings: Sequence[tu
         lines.append(f"| {label} | {'✓' if in_domain else '✗'} | "
                      + " | ".join(mean_std(v) if v else "—" for v in ours) + f" | {'; '.join(paper)} |")
     # How many client updates the protocol delivered: accepted updates per server step, over every run with
-    # clients (Center has none); the clients' schedule depends on the setting and seed, not on the method.
+    # clients; the clients' schedule depends on the setting and seed, not on the method.
     from server_app.config import load_config
 
     delivered = []
     for st in settings:
         steps = rounds or load_config({"preset": preset(family, "fedbuff", st)}).num_rounds
-        per_step = [a / steps for method, _, _ in METHODS if method != "center"
+        per_step = [a / steps for method, _, _ in METHODS if method not in SETTING_FREE
                     for a in cell(results, family, method, st, rounds, "accepted")]
         delivered.append(f"{statistics.mean(per_step):.2f}" if per_step else "—")
     lines.append(f"| accepted updates per step (runs with clients) | | {' | '.join(delivered)} | papers: ~10 |")

@@ -127,7 +127,7 @@ def test_analysis_rows_reuse_the_tables_runs_and_take_fedft_s_schedule_for_cente
 
 
 def test_the_delivered_updates_row_counts_every_run_with_clients_and_not_center():
-    """The clients' schedule is the setting's and seed's, so FedAvg alone fills the row; Center (no clients) never."""
+    """The clients' schedule is the setting's and seed's, so every method with clients fills the row; Center never."""
     fam, n5 = "feddle-fmnist", (0.1, 5)
     results = {R.run_key(fam, "fedavg", n5, 0, {}): {"test": 0.7, "accepted": 1800},
                R.run_key(fam, "fedbuff", n5, 0, {}): {"test": 0.7, "accepted": 1900},
