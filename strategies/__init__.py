@@ -14,6 +14,7 @@ from strategies.fedavg import FedAvg
 from strategies.fedbuff import FedBuff
 from strategies.feddf import FedDF
 from strategies.feddle import Feddle
+from strategies.fedmerge import FedMerge
 from strategies.hybrid_baselines import HFCL, Center, FedFT
 from strategies.scaffold import Scaffold
 
@@ -25,5 +26,5 @@ def build_strategy(name: str, options: dict[str, Any], *, seed: int = 0, num_cli
     return cls(make_options(cls.Config, options), seed=seed, num_clients=num_clients, recipe=recipe)
 
 
-__all__ = ["CA2FL", "HFCL", "STRATEGIES", "Center", "FedAsync", "FedAvg", "FedBuff", "FedDF", "FedFT", "Feddle",
+__all__ = ["CA2FL", "HFCL", "STRATEGIES", "Center", "FedAsync", "FedAvg", "FedBuff", "FedDF", "FedFT", "FedMerge", "Feddle",
            "Payload", "Scaffold", "Strategy", "Update", "build_strategy"]

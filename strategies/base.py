@@ -42,6 +42,7 @@ class Payload:
     params: torch.Tensor  # the model the client starts from (flat trainable parameters)
     arrays: dict[str, torch.Tensor] = field(default_factory=dict)  # extra tensors (a server gradient, examples)
     config: dict[str, Any] = field(default_factory=dict)  # method settings for the client's local work
+    memo: dict[str, torch.Tensor] = field(default_factory=dict)  # kept with the flight on the server, never sent
 
 
 @dataclass
