@@ -11,7 +11,8 @@ Replies: ``train`` runs the local recipe with the client objective the message n
 (``local-objective``: cross-entropy, FedProx's proximal term, ...; common/objectives.py) from the
 received model and extra arrays, and returns the *delta* of the trainable parameters plus
 ``num-examples``, ``partition-id``, ``base-version`` and training metrics; ``evaluate`` returns the
-received model's loss and accuracy on the partition; ``query`` returns the node's partition id.
+received model's loss and accuracy on the node's own held-out splits (personalised evaluation) or, when
+the run holds none out, on its partition; ``query`` returns the node's partition id.
 An exception inside a handler becomes an error reply (``CLIENT_APP_RAISED_EXCEPTION``).
 """
 
@@ -31,7 +32,7 @@ from flwr.common.constant import ErrorCode
 import torch
 from torch import nn
 
-from common.data import ArrayDataset, DataSpec, client_partition, load_dataset
+from common.data import DataSpec, client_partition, load_dataset
 from common.models import build_from_config, model_config
 from common.objectives import Received, build_loss
 from common.params import ParamSpec, extras_from_record, extras_to_record
@@ -68,8 +69,8 @@ def node_partition(context: Context) -> tuple[int, int]:
     return int(cfg["partition-id"]), int(cfg["num-partitions"])
 
 
-def _load(msg: Message, context: Context) -> tuple[int, ArrayDataset, nn.Module, ParamSpec]:
-    """This node's partition and the model, with the message's parameters loaded into it."""
+def _load(msg: Message, context: Context) -> tuple[int, DataSpec, nn.Module, ParamSpec]:
+    """This node's partition id, the run's data spec, and the model with the message's parameters loaded."""
     config = msg.content[CONFIG]
     spec = DataSpec.from_config(config)
     if "data-root" in context.node_config:  # the node keeps its data where its operator put it
@@ -78,7 +79,6 @@ def _load(msg: Message, context: Context) -> tuple[int, ArrayDataset, nn.Module,
     if num_partitions != spec.num_partitions:
         raise ValueError(f"node has num-partitions={num_partitions} but the run splits the data into "
                          f"{spec.num_partitions} partitions (num-clients)")
-    data = client_partition(spec, pid)
     full = load_dataset(spec.dataset, spec.data_root)
     model, initial, pspec = _model(tuple(sorted(model_config(config).items())), full.x.shape[1:], full.num_classes)
     with torch.no_grad():  # nothing from an earlier message carries over: buffers and frozen weights reset
@@ -86,7 +86,7 @@ def _load(msg: Message, context: Context) -> tuple[int, ArrayDataset, nn.Module,
         for name, value in initial.items():
             tensors[name].copy_(value)
     pspec.load_into(model, pspec.from_record(msg.content[ARRAYS]))
-    return pid, data, model, pspec
+    return pid, spec, model, pspec
 
 
 @functools.lru_cache(maxsize=2)
@@ -105,7 +105,8 @@ def _model(options: tuple, shape: tuple[int, ...], num_classes: int) -> tuple[nn
 def train_handler(msg: Message, context: Context) -> Message:
     """Local training from the received global model; replies with the parameter delta."""
     config = msg.content[CONFIG]
-    pid, data, model, pspec = _load(msg, context)
+    pid, spec, model, pspec = _load(msg, context)
+    data = client_partition(spec, pid)
     time.sleep(float(context.node_config.get("latency-s", 0.0)))  # a slow device, for demos and tests
     start = pspec.flatten(model)
     recipe = LocalRecipe.from_config(config)
@@ -124,11 +125,17 @@ def train_handler(msg: Message, context: Context) -> Message:
 @app.evaluate()
 @error_replies
 def evaluate_handler(msg: Message, context: Context) -> Message:
-    """Loss and accuracy of the received model on this node's partition."""
-    pid, data, model, _ = _load(msg, context)
-    result = evaluate(model, data, seed=DataSpec.from_config(msg.content[CONFIG]).seed)
+    """Loss and accuracy of the received model on this node's own test split (``eval-*``) and validation split
+    (``val-*``) when the run holds them out (``client-test-fraction``), else on its whole partition."""
+    pid, spec, model, _ = _load(msg, context)
+    held_out = spec.client_test_fraction > 0
+    data = client_partition(spec, pid, "test" if held_out else "train")
+    result = evaluate(model, data, seed=spec.seed)
     metrics = MetricRecord({NUM_EXAMPLES: len(data), PARTITION_ID: pid,
                             "eval-loss": result["loss"], "eval-accuracy": result["accuracy"]})
+    if held_out and spec.client_validation_fraction > 0:
+        val = evaluate(model, client_partition(spec, pid, "validation"), seed=spec.seed)
+        metrics["val-loss"], metrics["val-accuracy"] = val["loss"], val["accuracy"]
     return Message(RecordDict({METRICS: metrics}), reply_to=msg)
 
 

@@ -243,6 +243,10 @@ class RunConfig:
                                "samples)")
     validation_size: int = option(0, Range(0), "samples moved from the test split to a validation split, evaluated "
                                   "beside it (`val-accuracy`); tune on it, never on the test split")
+    client_test_fraction: float = option(0.0, Range(0, 0.9), "share of each client's partition held out as its own "
+                                         "test split, for personalised evaluation (FedMerge's code: 1/6); 0 = none")
+    client_validation_fraction: float = option(0.0, Range(0, 0.9), "share of each client's partition held out as its "
+                                               "own validation split (FedMerge's code: 1/12, a tenth of the rest)")
     server_dataset: str = option("", DatasetName(lambda: ("", *_datasets())),
                                  "empty: the server holds the in-domain central split; a dataset name: "
                                  "out-of-domain server data with its own labels", '`""` or a dataset')

@@ -81,12 +81,13 @@ class StepLog:
     train: dict[str, float] = field(default_factory=dict)
     test: dict[str, float] = field(default_factory=dict)
     validation: dict[str, float] = field(default_factory=dict)  # with validation-size, for tuning
+    personal: dict[str, float] = field(default_factory=dict)  # every client's model on its own held-out split
     strategy: dict[str, float] = field(default_factory=dict)  # what the step's last strategy step measured
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items()
-               if k not in ("train", "test", "validation", "staleness", "strategy")}
+               if k not in ("train", "test", "validation", "personal", "staleness", "strategy")}
         out.update(self.strategy)
         if self.staleness:
             out["staleness-mean"] = float(np.mean(self.staleness))
@@ -94,6 +95,7 @@ class StepLog:
         out.update({f"train-{k.removeprefix('train-')}": v for k, v in self.train.items()})
         out.update({f"test-{k}": v for k, v in self.test.items()})
         out.update({f"val-{k}": v for k, v in self.validation.items()})
+        out.update({f"personal-{k}": v for k, v in self.personal.items()})
         return out
 
 

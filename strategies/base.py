@@ -10,6 +10,7 @@ A strategy owns the method's models and math. It never touches the network or th
     step(server) -> metrics          the server's step: may change several models; `server` is the
                                      server's own data (``common.server_data.ServerData``) or None
     central_models() -> {name: ω}    the model(s) the server evaluates on its test split and saves
+    client_report() -> {name: list}  per-client state recorded beside the personalised evaluation (optional)
     state_dict() / load_state_dict() everything a resumed run needs
 
 One global model ω is the default case: ``model_for`` sends it to everybody and ``central_models``
@@ -138,6 +139,11 @@ class Strategy(ABC):
     def central_models(self) -> dict[str, torch.Tensor]:
         """The model(s) the server evaluates on its test split and saves; the first is the headline."""
         return {"global": self.params}
+
+    def client_report(self) -> dict[str, list]:
+        """Per-client state recorded with every personalised evaluation (``clients.jsonl``), one entry per
+        client id (FedMerge: each client's merging weights); default none."""
+        return {}
 
     def describe(self) -> dict[str, Any]:
         """The strategy's hyperparameters by key, for logs and summary.json."""

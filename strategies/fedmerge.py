@@ -127,6 +127,10 @@ class FedMerge(FedAvg):
         """The uniform merge: what a client that never trained gets."""
         return {"global": self.params}
 
+    def client_report(self) -> dict[str, list]:
+        """softmax(A): row i is client i's merging weights (the paper's Fig. 4 heatmaps)."""
+        return {"merge-weights": torch.softmax(self.logits, 1).tolist()}
+
     # -- the server's step ---------------------------------------------------------------------
     def step(self, server: Any = None) -> dict[str, float]:
         updates = sorted(self.updates, key=lambda u: u.client)  # order-free float sums

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from helpers import digest
 from torch import nn
 
 from common.config import ConfigError
+from common.data import client_partition, data_spec
+from common.models import build_from_config
 from common.params import ParamSpec
+from common.training import evaluate
+from server_app.checkpoint import read_checkpoint
+from server_app.config import load_config
 from server_app.inprocess import run_inprocess
 from strategies import FedMerge
 from strategies.base import Update
@@ -168,3 +175,34 @@ def test_bad_options_name_the_key():
         FedMerge(merge_order="sideways", num_clients=3)
     with pytest.raises(ValueError, match="num_clients"):
         FedMerge(global_models=2)
+
+
+def test_every_client_is_evaluated_on_its_own_split_with_its_own_merged_model(tmp_path):
+    """Personalised evaluation end to end (in-process): the accuracy and loss each client reported at the last
+    step are those of softmax(A_i) · Θ — the strategy's state at that step — on that client's own test split."""
+    job = {"dataset": "synthetic", "num-clients": 6, "clients-per-round": 4, "num-rounds": 4, "local-epochs": 1,
+           "batch-size": 16, "strategy": "fedmerge", "global-models": 3, "partitioner": "clusters",
+           "num-clusters": 2, "client-test-fraction": 0.25, "client-validation-fraction": 0.1, "eval-every": 2,
+           "checkpoint-every": 4, "output-dir": str(tmp_path), "run-name": "fm"}
+    out = run_inprocess(job)
+    cfg = load_config(job)
+    state = read_checkpoint(out)["strategy"]
+    last = json.loads((out / "clients.jsonl").read_text().splitlines()[-1])
+    assert last["round"] == 4 and last["clients"] == list(range(6))
+    model = build_from_config(cfg.to_dict(), 1, 8, 4, seed=0)
+    spec = ParamSpec.of(model)
+    for c in range(6):
+        spec.load_into(model, torch.softmax(state["logits"][c], 0) @ state["theta"])
+        result = evaluate(model, client_partition(data_spec(cfg), c, "test"), seed=cfg.seed)
+        assert result["accuracy"] == last["eval-accuracy"][c]
+        assert result["loss"] == pytest.approx(last["eval-loss"][c], rel=1e-5)
+    torch.testing.assert_close(torch.tensor(last["merge-weights"]), torch.softmax(state["logits"], 1))
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["personal-accuracy"] == pytest.approx(sum(last["eval-accuracy"]) / 6)
+    assert row["personal-accuracy-min"] == min(last["eval-accuracy"]) and row["personal-clients"] == 6
+    summary = json.loads((out / "summary.json").read_text())
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    best = min((r for r in evals if "personal-val-loss" in r), key=lambda r: r["personal-val-loss"])
+    assert summary["personal-selected-round"] == best["round"]
+    assert summary["personal-selected-accuracy"] == best["personal-accuracy"]
+    assert (out / "merge-weights.png").exists() and (out / "personal.png").exists()
