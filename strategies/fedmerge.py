@@ -17,6 +17,9 @@ a ← a − merge-lr · ∂L/∂a. ``model-step = "plain"`` is Eq. 8 as printed 
 ``merge-order = "logits-first"`` is the code's order (A from the old Θ, then Θ with the new weights);
 ``"models-first"`` is Algorithm 1's (Θ with the weights sent, then A from the new Θ).
 
+``fixed-models = k`` is the paper's Table 2 ablation "Fixed (k/d)": each client merges k global models
+drawn at random (seeded) with equal, frozen weights; only the Θ step runs.
+
 Partial participation and asynchrony (the paper's code runs every client every round): p_i are the
 example shares among the step's updates; only their rows of A move; a stale update's logit gradient
 is taken at its dispatch — the weights and the heads of Θ it was merged from, which its payload keeps
@@ -34,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.config import COUNT, POSITIVE, OneOf, Range, option
+from common.config import COUNT, POSITIVE, ConfigError, OneOf, Range, option
 from common.params import ParamSpec
 from common.training import derive_seed
 from strategies.aggregation import weighted_sum
@@ -58,6 +61,8 @@ class FedMergeConfig:
                               "logits then models (code) or models then logits (Algorithm 1)")
     head_arrays: int = option(2, Range(0), "the last parameter arrays the logit gradient's inner product spans "
                                            "(2: the classifier's weight and bias; 0: all)")
+    fixed_models: int = option(0, Range(0), "0: learned merges; k: each client merges k random global models "
+                                            "with equal weights, frozen (the paper's Table 2 ablation Fixed (k/d))")
 
 
 def independent_inits(model: nn.Module, spec: ParamSpec, first: torch.Tensor, d: int, seed: int) -> torch.Tensor:
@@ -100,8 +105,16 @@ class FedMerge(FedAvg):
         super().__init__(config, **kwargs)
         if self.num_clients < 1:
             raise ValueError("FedMerge keeps one row of merging logits per client: give num_clients >= 1")
+        d, k = self.config.global_models, self.config.fixed_models
+        if k > d:
+            raise ConfigError("fixed-models", k, f"at most global-models = {d}")
         self.theta: torch.Tensor | None = None  # Θ, d × P
-        self.logits = torch.zeros(self.num_clients, self.config.global_models)  # A, zeros → uniform w
+        self.logits = torch.zeros(self.num_clients, d)  # A, zeros → uniform w
+        if k:  # Fixed (k/d): −inf outside k random models per client, so w_i = 1/k on them, 0 elsewhere
+            for i in range(self.num_clients):
+                chosen = torch.randperm(d, generator=torch.Generator().manual_seed(derive_seed(self.seed, 1, i)))[:k]
+                self.logits[i] = float("-inf")
+                self.logits[i, chosen] = 0.0
 
     def initialize(self, params: torch.Tensor, spec: ParamSpec, model: nn.Module | None = None) -> None:
         super().initialize(params, spec, model)
@@ -147,11 +160,14 @@ class FedMerge(FedAvg):
         self.updates, self.closed = [], False
         w = torch.softmax(self.logits, 1)
         entropy = -(w * w.clamp_min(1e-30).log()).sum(1)
-        return {"logit-change-max": float((self.logits - before).abs().max()), "weight-max": float(w.max()),
+        moved = (self.logits - before).nan_to_num(0.0)  # −inf − −inf under Fixed (k/d)
+        return {"logit-change-max": float(moved.abs().max()), "weight-max": float(w.max()),
                 "weight-entropy-mean": float(entropy.mean()), **stats}
 
     def logit_step(self, updates: list[Update], heads: list[torch.Tensor]) -> dict[str, float]:
         """A ← A − step(P), P_ij = p_i ∂ℓ_i/∂a_ij, for the rows of this step's clients."""
+        if self.config.fixed_models:
+            return {}
         h = self.head
         n = torch.tensor([float(u.num_examples) for u in updates], dtype=torch.float64)
         p = (n / n.sum()).float()
@@ -172,7 +188,8 @@ class FedMerge(FedAvg):
         """Θ_j ← Θ_j + Σ_i C_ij Δθ_i, weights in float64 (with d = 1 and columns normalised: FedAvg's bytes)."""
         n = torch.tensor([float(u.num_examples) for u in updates], dtype=torch.float64)
         nw = n[:, None] * torch.stack(weights).double()  # n_i w_ij ∝ p_i w_ij
-        C = nw / nw.sum(0) if self.config.model_step == "column" else nw / n.sum()
+        # a model no client of the step merges (Fixed (k/d)) gets no update
+        C = nw / nw.sum(0).clamp_min(1e-300) if self.config.model_step == "column" else nw / n.sum()
         C = C.float()
         self.theta = torch.stack([theta_j + weighted_sum((u.delta for u in updates), C[:, j].tolist(), theta_j)
                                   for j, theta_j in enumerate(self.theta)])

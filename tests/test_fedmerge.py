@@ -206,3 +206,18 @@ def test_every_client_is_evaluated_on_its_own_split_with_its_own_merged_model(tm
     assert summary["personal-selected-round"] == best["round"]
     assert summary["personal-selected-accuracy"] == best["personal-accuracy"]
     assert (out / "merge-weights.png").exists() and (out / "personal.png").exists()
+
+
+def test_fixed_merges_use_k_random_models_with_equal_frozen_weights():
+    s = built(d=5, m=4, fixed_models=2)
+    w = torch.softmax(s.logits, 1)
+    assert ((w > 0).sum(1) == 2).all() and torch.equal(w[w > 0], torch.full((8,), 0.5))
+    assert len({tuple(row.tolist()) for row in (w > 0)}) > 1  # clients draw different models
+    theta0 = s.theta.clone()
+    one_step(s, {0: 10})  # only client 0 trains: the models it does not merge stay as they were
+    assert torch.equal(torch.softmax(s.logits, 1), w)
+    untouched = w[0] == 0
+    assert torch.equal(s.theta[untouched], theta0[untouched]) and not torch.equal(s.theta[~untouched],
+                                                                                 theta0[~untouched])
+    with pytest.raises(ConfigError, match="fixed-models"):
+        FedMerge(global_models=3, fixed_models=4, num_clients=2)
