@@ -36,9 +36,9 @@ from common.data import DataSpec, client_partition, load_dataset
 from common.models import build_from_config, model_config
 from common.objectives import Received, build_loss
 from common.params import ParamSpec, extras_from_record, extras_to_record
-from common.protocol import (ARRAYS, BASE_VERSION, CONFIG, EXTRAS, METRICS, NUM_EXAMPLES, PARTITION_ID, TRAIN_SEED,
-                             VERSION)
-from common.training import LocalRecipe, evaluate, train
+from common.protocol import (ARRAYS, BASE_VERSION, CONFIG, EXTRAS, FINETUNE_EPOCHS, METRICS, NUM_EXAMPLES,
+                             PARTITION_ID, TRAIN_SEED, VERSION)
+from common.training import EVAL_STREAM, LocalRecipe, derive_seed, evaluate, train
 
 app = ClientApp()
 
@@ -125,9 +125,15 @@ def train_handler(msg: Message, context: Context) -> Message:
 @app.evaluate()
 @error_replies
 def evaluate_handler(msg: Message, context: Context) -> Message:
-    """Loss and accuracy of the received model on this node's own test split (``eval-*``) and validation split
-    (``val-*``) when the run holds them out (``client-test-fraction``), else on its whole partition."""
+    """Loss and accuracy of the received model — fine-tuned first on the node's training data when the message
+    asks (``finetune-epochs``) — on this node's own test split (``eval-*``) and validation split (``val-*``) when
+    the run holds them out (``client-test-fraction``), else on its whole partition."""
+    config = msg.content[CONFIG]
     pid, spec, model, _ = _load(msg, context)
+    if epochs := int(config.get(FINETUNE_EPOCHS, 0)):  # FedAvg+: fine-tune on the own training data first
+        recipe = dataclasses.replace(LocalRecipe.from_config(config), epochs=epochs, objective="cross-entropy",
+                                     objective_options=())
+        train(model, client_partition(spec, pid), recipe, seed=derive_seed(spec.seed, EVAL_STREAM, pid, int(config[VERSION])))
     held_out = spec.client_test_fraction > 0
     data = client_partition(spec, pid, "test" if held_out else "train")
     result = evaluate(model, data, seed=spec.seed)

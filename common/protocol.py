@@ -10,3 +10,7 @@ REPLY_KEYS = (NUM_EXAMPLES, PARTITION_ID, BASE_VERSION)
 
 # Keys of a train message's config (besides the local recipe and the data spec).
 VERSION, TRAIN_SEED, MODEL = "version", "train-seed", "model"
+
+# Key of an evaluate message's config: epochs the client fine-tunes the received model on its own training
+# data before it evaluates (FedAvg+); absent or 0: evaluate the model as received.
+FINETUNE_EPOCHS = "finetune-epochs"
