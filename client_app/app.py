@@ -32,12 +32,12 @@ from flwr.common.constant import ErrorCode
 import torch
 from torch import nn
 
-from common.data import DataSpec, client_partition, load_dataset
+from common.data import ArrayDataset, DataSpec, client_partition, load_dataset
 from common.models import build_from_config, model_config
 from common.objectives import Received, build_loss
 from common.params import ParamSpec, extras_from_record, extras_to_record
-from common.protocol import (ARRAYS, BASE_VERSION, CONFIG, EXTRAS, FINETUNE_EPOCHS, METRICS, NUM_EXAMPLES,
-                             PARTITION_ID, TRAIN_SEED, VERSION)
+from common.protocol import (ARRAYS, BASE_VERSION, CANDIDATE, CANDIDATES, CONFIG, EXTRAS, FINETUNE_EPOCHS, METRICS,
+                             NUM_EXAMPLES, PARTITION_ID, TRAIN_SEED, VERSION)
 from common.training import EVAL_STREAM, LocalRecipe, derive_seed, evaluate, train
 
 app = ClientApp()
@@ -100,6 +100,22 @@ def _model(options: tuple, shape: tuple[int, ...], num_classes: int) -> tuple[nn
     return model, initial, ParamSpec.of(model)
 
 
+def choose_candidate(model: nn.Module, pspec: ParamSpec, extras: dict[str, torch.Tensor], data: ArrayDataset,
+                     seed: int) -> int:
+    """With ``candidates`` in the payload (IFCA), load the model of lowest loss on `data` — the message's own
+    (index 0) or one of the candidates (1, 2, …) — and return its index; without, keep the model (0)."""
+    if CANDIDATES not in extras:
+        return 0
+    models = [pspec.flatten(model), *extras[CANDIDATES].reshape(-1, pspec.numel)]
+    losses = []
+    for params in models:
+        pspec.load_into(model, params)
+        losses.append(evaluate(model, data, seed=seed)["loss"])
+    best = min(range(len(models)), key=losses.__getitem__)  # ties: the lowest index
+    pspec.load_into(model, models[best])
+    return best
+
+
 @app.train()
 @error_replies
 def train_handler(msg: Message, context: Context) -> Message:
@@ -108,14 +124,17 @@ def train_handler(msg: Message, context: Context) -> Message:
     pid, spec, model, pspec = _load(msg, context)
     data = client_partition(spec, pid)
     time.sleep(float(context.node_config.get("latency-s", 0.0)))  # a slow device, for demos and tests
-    start = pspec.flatten(model)
     recipe = LocalRecipe.from_config(config)
     extras = extras_from_record(msg.content[EXTRAS]) if EXTRAS in msg.content.array_records else {}
+    chosen = choose_candidate(model, pspec, extras, data, spec.seed)
+    start = pspec.flatten(model)
     received = Received(model, [p.detach().clone() for p in model.parameters() if p.requires_grad], extras)
     loss = build_loss(recipe.objective, dict(config), received)
     metrics = train(model, data, recipe, seed=int(config[TRAIN_SEED]), loss=loss)
     delta = pspec.flatten(model) - start
     reply = MetricRecord({NUM_EXAMPLES: len(data), PARTITION_ID: pid, BASE_VERSION: int(config[VERSION]), **metrics})
+    if CANDIDATES in extras:
+        reply[CANDIDATE] = chosen
     content = RecordDict({ARRAYS: pspec.to_record(delta), METRICS: reply})
     if received.reply:
         content[EXTRAS] = extras_to_record(received.reply)
@@ -129,7 +148,9 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     asks (``finetune-epochs``) — on this node's own test split (``eval-*``) and validation split (``val-*``) when
     the run holds them out (``client-test-fraction``), else on its whole partition."""
     config = msg.content[CONFIG]
-    pid, spec, model, _ = _load(msg, context)
+    pid, spec, model, pspec = _load(msg, context)
+    if EXTRAS in msg.content.array_records:  # IFCA: evaluate the model the client would train
+        choose_candidate(model, pspec, extras_from_record(msg.content[EXTRAS]), client_partition(spec, pid), spec.seed)
     if epochs := int(config.get(FINETUNE_EPOCHS, 0)):  # FedAvg+: fine-tune on the own training data first
         recipe = dataclasses.replace(LocalRecipe.from_config(config), epochs=epochs, objective="cross-entropy",
                                      objective_options=())

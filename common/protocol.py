@@ -14,3 +14,8 @@ VERSION, TRAIN_SEED, MODEL = "version", "train-seed", "model"
 # Key of an evaluate message's config: epochs the client fine-tunes the received model on its own training
 # data before it evaluates (FedAvg+); absent or 0: evaluate the model as received.
 FINETUNE_EPOCHS = "finetune-epochs"
+
+# Key of a payload's extra array: more models the client may start from (IFCA's cluster models after the
+# message's own). The client loads the one with the lowest loss on its training data, trains or
+# evaluates it, and names it in its reply's metrics (0 = the message's model).
+CANDIDATES, CANDIDATE = "candidates", "candidate"

@@ -40,7 +40,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from server_app.messaging import Dispatcher, NodeDirectory, RejectedReply, parse_reply, weighted_mean
-from strategies.base import Payload, Strategy, Update
+from strategies.base import Payload, Strategy, Unusable, Update
 
 CLOCKS = ("virtual", "wall")
 
@@ -250,7 +250,9 @@ class Runner:
                 if (update.client, update.base_version) != (flight.client, flight.version):
                     raise RejectedReply(f"reply is for client {update.client} at version {update.base_version}, "
                                         f"but client {flight.client} was sent version {flight.version}")
-            except RejectedReply as err:
+                update.sent = flight.payload
+                self.strategy.check(update)
+            except (RejectedReply, Unusable) as err:
                 outcome, reason = ("failure" if reply.has_error() else "rejected"), str(err)
                 if reply.has_error():
                     entry.failures += 1
@@ -260,7 +262,6 @@ class Runner:
             log(WARNING, "step %d: update of client %d (node %d) lost: %s", step, flight.client, flight.node, reason)
             self.on_event({**event, "outcome": outcome, "reason": reason})
             return False
-        update.sent = flight.payload
         staleness = update.staleness(self.strategy.version)
         self.strategy.receive(update)
         accepted.append(update)

@@ -17,6 +17,7 @@ from strategies.feddf import FedDF
 from strategies.feddle import Feddle
 from strategies.fedmerge import FedMerge
 from strategies.hybrid_baselines import HFCL, Center, FedFT
+from strategies.ifca import IFCA
 from strategies.local import Local
 from strategies.scaffold import Scaffold
 
@@ -28,5 +29,5 @@ def build_strategy(name: str, options: dict[str, Any], *, seed: int = 0, num_cli
     return cls(make_options(cls.Config, options), seed=seed, num_clients=num_clients, recipe=recipe)
 
 
-__all__ = ["CA2FL", "HFCL", "STRATEGIES", "Center", "FedAsync", "FedAvg", "FedAvgPlus", "FedBuff", "FedDF", "FedFT",
+__all__ = ["CA2FL", "HFCL", "IFCA", "STRATEGIES", "Center", "FedAsync", "FedAvg", "FedAvgPlus", "FedBuff", "FedDF", "FedFT",
            "FedMerge", "Feddle", "Local", "Payload", "Scaffold", "Strategy", "Update", "build_strategy"]

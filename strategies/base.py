@@ -4,6 +4,7 @@ A strategy owns the method's models and math. It never touches the network or th
 (``server_app/``) decides when to dispatch and collects replies, then calls
 
     model_for(client) -> Payload     what `client` gets for a train or an evaluation dispatch
+    check(update)                    raise Unusable if a parsed update cannot be used (optional)
     receive(update)                  one client's update (it carries the Payload it answers: ``sent``)
     close_round()                    no more updates come for this round (or step)
     ready() -> bool                  enough has arrived for a step
@@ -69,6 +70,11 @@ class Update:
         return self.sent.params
 
 
+class Unusable(ValueError):
+    """An update that parsed but that this strategy cannot use (:meth:`Strategy.check`): the runner rejects,
+    counts and logs it, and the run goes on."""
+
+
 STRATEGIES: dict[str, type[Strategy]] = {}
 
 
@@ -119,6 +125,10 @@ class Strategy(ABC):
     def model_for(self, client: int) -> Payload:
         """What `client` gets now, for a train or an evaluation dispatch (default: ω to everybody)."""
         return Payload(self.params)
+
+    def check(self, update: Update) -> None:
+        """Raise :class:`Unusable`, saying why, if `update` (with ``sent`` set) cannot enter :meth:`receive`
+        (IFCA: a model index out of range). Default: every well-formed update can."""
 
     @abstractmethod
     def receive(self, update: Update) -> None:

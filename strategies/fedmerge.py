@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.config import COUNT, POSITIVE, ConfigError, OneOf, Range, option
+from common.config import COUNT, POSITIVE, ConfigError, OneOf, Option, Range, option
 from common.params import ParamSpec
 from common.training import derive_seed
 from strategies.aggregation import weighted_sum
@@ -48,9 +48,14 @@ QUANTUM = 0.01  # the reference code's line-search step on A
 MAX_QUANTA = 10001  # ... and its iteration cap
 
 
+# d: the models a multi-model method keeps (FedMerge's global models, IFCA's clusters, FedEM's components)
+GLOBAL_MODELS = Option(5, COUNT, "d, the global models (FedMerge: merged per client, paper 5-30, code 5; IFCA: "
+                                 "clusters; FedEM: components)")
+
+
 @dataclass(frozen=True)
 class FedMergeConfig:
-    global_models: int = option(5, COUNT, "d, the global models merged per client (paper 5-30; code 5)")
+    global_models: int = GLOBAL_MODELS.field()
     merge_lr: float = option(0.01, POSITIVE, "the logits' learning rate (line search: the largest logit change "
                                              "per step; paper and code 0.01)")
     logit_step: str = option("line-search", OneOf(("line-search", "gradient")),
