@@ -36,9 +36,10 @@ from common.data import ArrayDataset, DataSpec, client_partition, load_dataset
 from common.models import build_from_config, model_config
 from common.objectives import Received, build_loss
 from common.params import ParamSpec, extras_from_record, extras_to_record
-from common.protocol import (ARRAYS, BASE_VERSION, CANDIDATE, CANDIDATES, CONFIG, EXTRAS, FINETUNE_EPOCHS, METRICS,
-                             NUM_EXAMPLES, PARTITION_ID, TRAIN_SEED, VERSION)
-from common.training import EVAL_STREAM, LocalRecipe, derive_seed, evaluate, train
+from common.protocol import (ARRAYS, BASE_VERSION, CANDIDATE, CANDIDATES, COMPONENT_DELTAS, COMPONENTS, CONFIG, EXTRAS,
+                             FINETUNE_EPOCHS, METRICS, MIXTURE, NUM_EXAMPLES, PARTITION_ID, TRAIN_SEED, VERSION)
+from common.training import (EVAL_STREAM, LocalRecipe, derive_seed, evaluate, evaluate_mixture, train,
+                             train_mixture)
 
 app = ClientApp()
 
@@ -116,6 +117,11 @@ def choose_candidate(model: nn.Module, pspec: ParamSpec, extras: dict[str, torch
     return best
 
 
+def components_of(pspec: ParamSpec, start: torch.Tensor, extras: dict[str, torch.Tensor]) -> torch.Tensor:
+    """FedEM's M components (M × P): the message's model, then the payload's ``components``."""
+    return torch.cat([start[None], extras[COMPONENTS].reshape(-1, pspec.numel)])
+
+
 @app.train()
 @error_replies
 def train_handler(msg: Message, context: Context) -> Message:
@@ -129,9 +135,16 @@ def train_handler(msg: Message, context: Context) -> Message:
     chosen = choose_candidate(model, pspec, extras, data, spec.seed)
     start = pspec.flatten(model)
     received = Received(model, [p.detach().clone() for p in model.parameters() if p.requires_grad], extras)
-    loss = build_loss(recipe.objective, dict(config), received)
-    metrics = train(model, data, recipe, seed=int(config[TRAIN_SEED]), loss=loss)
-    delta = pspec.flatten(model) - start
+    if MIXTURE in extras:  # FedEM: every component, weighted by the E-step's responsibilities
+        components = components_of(pspec, start, extras)
+        trained, pi, metrics = train_mixture(model, pspec, components, extras[MIXTURE], data, recipe,
+                                             int(config[TRAIN_SEED]))
+        delta = trained[0] - start
+        received.reply.update({COMPONENT_DELTAS: (trained[1:] - components[1:]).reshape(-1), MIXTURE: pi})
+    else:
+        loss = build_loss(recipe.objective, dict(config), received)
+        metrics = train(model, data, recipe, seed=int(config[TRAIN_SEED]), loss=loss)
+        delta = pspec.flatten(model) - start
     reply = MetricRecord({NUM_EXAMPLES: len(data), PARTITION_ID: pid, BASE_VERSION: int(config[VERSION]), **metrics})
     if CANDIDATES in extras:
         reply[CANDIDATE] = chosen
@@ -144,24 +157,31 @@ def train_handler(msg: Message, context: Context) -> Message:
 @app.evaluate()
 @error_replies
 def evaluate_handler(msg: Message, context: Context) -> Message:
-    """Loss and accuracy of the received model — fine-tuned first on the node's training data when the message
-    asks (``finetune-epochs``) — on this node's own test split (``eval-*``) and validation split (``val-*``) when
-    the run holds them out (``client-test-fraction``), else on its whole partition."""
+    """Loss and accuracy of the received model on this node's own test split (``eval-*``) and validation split
+    (``val-*``) when the run holds them out (``client-test-fraction``), else on its whole partition. The model
+    is what the client would train: IFCA's best candidate, FedAvg+'s fine-tuned model (``finetune-epochs``),
+    FedEM's mixture."""
     config = msg.content[CONFIG]
     pid, spec, model, pspec = _load(msg, context)
-    if EXTRAS in msg.content.array_records:  # IFCA: evaluate the model the client would train
-        choose_candidate(model, pspec, extras_from_record(msg.content[EXTRAS]), client_partition(spec, pid), spec.seed)
-    if epochs := int(config.get(FINETUNE_EPOCHS, 0)):  # FedAvg+: fine-tune on the own training data first
+    extras = extras_from_record(msg.content[EXTRAS]) if EXTRAS in msg.content.array_records else {}
+    choose_candidate(model, pspec, extras, client_partition(spec, pid), spec.seed)
+    if epochs := int(config.get(FINETUNE_EPOCHS, 0)):
         recipe = dataclasses.replace(LocalRecipe.from_config(config), epochs=epochs, objective="cross-entropy",
                                      objective_options=())
-        train(model, client_partition(spec, pid), recipe, seed=derive_seed(spec.seed, EVAL_STREAM, pid, int(config[VERSION])))
+        train(model, client_partition(spec, pid), recipe,
+              seed=derive_seed(spec.seed, EVAL_STREAM, pid, int(config[VERSION])))
+    if MIXTURE in extras:
+        components = components_of(pspec, pspec.flatten(model), extras)
+        assess = lambda d: evaluate_mixture(model, pspec, components, extras[MIXTURE], d, spec.seed)  # noqa: E731
+    else:
+        assess = lambda d: evaluate(model, d, seed=spec.seed)  # noqa: E731
     held_out = spec.client_test_fraction > 0
     data = client_partition(spec, pid, "test" if held_out else "train")
-    result = evaluate(model, data, seed=spec.seed)
+    result = assess(data)
     metrics = MetricRecord({NUM_EXAMPLES: len(data), PARTITION_ID: pid,
                             "eval-loss": result["loss"], "eval-accuracy": result["accuracy"]})
     if held_out and spec.client_validation_fraction > 0:
-        val = evaluate(model, client_partition(spec, pid, "validation"), seed=spec.seed)
+        val = assess(client_partition(spec, pid, "validation"))
         metrics["val-loss"], metrics["val-accuracy"] = val["loss"], val["accuracy"]
     return Message(RecordDict({METRICS: metrics}), reply_to=msg)
 

@@ -19,3 +19,7 @@ FINETUNE_EPOCHS = "finetune-epochs"
 # message's own). The client loads the one with the lowest loss on its training data, trains or
 # evaluates it, and names it in its reply's metrics (0 = the message's model).
 CANDIDATES, CANDIDATE = "candidates", "candidate"
+
+# Keys of FedEM's extra arrays: the payload's other components and the client's mixture weights π (the
+# message's model is component 1); the reply's deltas of the other components and the new π.
+COMPONENTS, MIXTURE, COMPONENT_DELTAS = "components", "mixture", "component-deltas"
