@@ -52,6 +52,12 @@ def _kept_lines(path: Path, count: int) -> list[str]:
     return lines
 
 
+def _ratio(rows: list[dict[str, Any]], num: str, den: str) -> float | None:
+    """Σ num / Σ den over the rows (payload bytes per dispatch or per update), None when Σ den = 0."""
+    total = sum(r.get(den, 0) for r in rows)
+    return sum(r.get(num, 0) for r in rows) / total if total else None
+
+
 def personal_selection(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The personalised headline: the final mean accuracy over clients, and the one at the evaluation with the
     lowest mean validation loss over clients (the FedMerge paper's model selection), when there are any."""
@@ -138,6 +144,8 @@ class Recorder:
             "val-max-last-5-evals": papers_metric([r["val-accuracy"] for r in evals if "val-accuracy" in r]),
             **{f"total-{k}": v for k, v in totals.items()},
             "updates-per-s": self._rate(),
+            "bytes-down-per-dispatch": _ratio(self.rows, "bytes-down", "sampled"),
+            "bytes-up-per-update": _ratio(self.rows, "bytes-up", "accepted"),
             "staleness-mean": float(np.mean(self.staleness)) if self.staleness else None,
             "staleness-max": int(max(self.staleness)) if self.staleness else None,
             **personal_selection(self.rows),

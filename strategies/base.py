@@ -46,6 +46,11 @@ class Payload:
     config: dict[str, Any] = field(default_factory=dict)  # method settings for the client's local work
     memo: dict[str, torch.Tensor] = field(default_factory=dict)  # kept with the flight on the server, never sent
 
+    @property
+    def nbytes(self) -> int:
+        """What travels to the client: the model and the extra arrays, as float32 (the config aside)."""
+        return 4 * (self.params.numel() + sum(a.numel() for a in self.arrays.values()))
+
 
 @dataclass
 class Update:
@@ -58,6 +63,11 @@ class Update:
     arrays: dict[str, torch.Tensor] = field(default_factory=dict)  # extra tensors the client sent back
     metrics: dict[str, float] = field(default_factory=dict)
     sent: Payload | None = None  # the payload this update answers (its model: ω^τ, for stale updates too)
+
+    @property
+    def nbytes(self) -> int:
+        """What the client sent: the delta and the extra arrays, as float32 (the metrics aside)."""
+        return 4 * (self.delta.numel() + sum(a.numel() for a in self.arrays.values()))
 
     def staleness(self, version: int) -> int:
         return version - self.base_version
