@@ -234,6 +234,8 @@ class RunConfig:
     cluster_alpha: float = option(0.0, Range(0), "clusters: Dirichlet α within a group (FedMerge code: 10); 0 = IID")
     cluster_sizes: str = option("equal", OneOf(("equal", "fedmerge")),
                                 "clusters: clients per group, equal or FedMerge's random uneven sizes")
+    cluster_classes: int = option(0, Range(0), "clusters: classes per group drawn as FedMerge's code does, later "
+                                  "groups reusing classes (code: 30 of CIFAR-100's 100); 0 = disjoint equal groups")
     label_noise: float = option(0.0, Range(0, 1), "fraction of client training labels set to a random other class "
                                 "(Feddle 000 Table 4)")
     test_fraction: float = option(0.2, Range(0, 0.9, low_open=True),

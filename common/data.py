@@ -93,6 +93,7 @@ class DataSpec:
     num_clusters: int = 5
     cluster_alpha: float = 0.0
     cluster_sizes: str = "equal"
+    cluster_classes: int = 0
     label_noise: float = 0.0
     client_test_fraction: float = 0.0
     client_validation_fraction: float = 0.0
@@ -150,7 +151,7 @@ def partition_indices(spec: DataSpec) -> tuple[np.ndarray, ...]:
     return partitions.partition(
         spec.partitioner, train.partition_labels, spec.num_partitions, spec.seed, groups=train.groups,
         alpha=spec.dirichlet_alpha, classes_per_client=spec.classes_per_client, num_clusters=spec.num_clusters,
-        cluster_alpha=spec.cluster_alpha, cluster_sizes=spec.cluster_sizes)
+        cluster_alpha=spec.cluster_alpha, cluster_sizes=spec.cluster_sizes, cluster_classes=spec.cluster_classes)
 
 
 @lru_cache(maxsize=8)
@@ -202,6 +203,7 @@ def data_spec(cfg) -> DataSpec:
     return DataSpec(cfg.dataset, cfg.seed, cfg.partitioner, cfg.dirichlet_alpha, cfg.num_clients,
                     cfg.test_fraction, cfg.central_size, cfg.data_root, validation_size=cfg.validation_size,
                     classes_per_client=cfg.classes_per_client, num_clusters=cfg.num_clusters,
-                    cluster_alpha=cfg.cluster_alpha, cluster_sizes=cfg.cluster_sizes, label_noise=cfg.label_noise,
+                    cluster_alpha=cfg.cluster_alpha, cluster_sizes=cfg.cluster_sizes,
+                    cluster_classes=cfg.cluster_classes, label_noise=cfg.label_noise,
                     client_test_fraction=cfg.client_test_fraction,
                     client_validation_fraction=cfg.client_validation_fraction)
