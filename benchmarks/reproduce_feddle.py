@@ -49,7 +49,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.runs import config_digest, interrupted, run_all
+from benchmarks.runs import config_digest, interrupted, mean_std, pyplot, run_all
 
 SETTINGS: list[tuple[float, int]] = [(0.1, 20), (0.1, 5), (0.3, 20), (0.3, 5)]
 MAIN = (0.1, 20)
@@ -228,13 +228,6 @@ def grid_jobs(family: str, methods: Sequence[str], settings: Sequence[tuple[floa
     return out
 
 
-def mean_std(values: Sequence[float]) -> str:
-    pct = [100 * v for v in values]
-    if len(pct) == 1:
-        return f"{pct[0]:.1f} (1 seed)"
-    return f"{statistics.mean(pct):.1f} ± {statistics.stdev(pct):.1f}"
-
-
 def cell(results: dict[str, dict[str, Any]], family: str, method: str, setting: tuple[float, int],
          rounds: int | None, field: str = "test") -> list[Any]:
     """`field` of the reported runs (seeds, no extra overrides) of one method × setting."""
@@ -270,15 +263,6 @@ def table(results: dict[str, dict[str, Any]], family: str, settings: Sequence[tu
     return "\n".join(lines)
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def draw_curves(ax: Any, curves: dict[str, list[list[list[float]]]], title: str, bold: str = "Feddle") -> None:
     """Test accuracy per step on `ax`, the mean over a label's runs (seeds); labels starting with `bold` thick."""
     import numpy as np
@@ -296,7 +280,7 @@ def draw_curves(ax: Any, curves: dict[str, list[list[list[float]]]], title: str,
 def plot(results: dict[str, dict[str, Any]], family: str, path: Path, rounds: int | None) -> None:
     from server_app.config import load_config
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     ood = load_config({"preset": preset(family, "feddle-ood", MAIN)}).server_dataset
     for ax, group in zip(axes, (True, False)):
@@ -421,7 +405,7 @@ def analysis(workers: int, family: str, seeds: Sequence[int], rounds: int | None
                      + f" | {fmt(server_loss)} | {fmt(val_loss)} |")
     text = "\n".join(lines)
     (results_dir / "analysis.md").write_text(text + "\n")
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     draw_curves(ax, curves, "Feddle-ID and Fed+FT taken apart, Dir(0.1), N(20)")
     fig.tight_layout()

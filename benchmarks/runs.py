@@ -11,7 +11,8 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
-from collections.abc import Callable, Iterable
+import statistics
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -104,3 +105,21 @@ def run_all(jobs: Iterable[tuple[str, dict[str, Any]]], path: Path, workers: int
             print(f"[{n}/{len(todo)}] {result['key']}: test {result['test']:.4f} val {result['val']:.4f} "
                   f"({result['seconds']:.0f} s)", flush=True)
     return done
+
+
+def mean_std(values: Sequence[float]) -> str:
+    """Percent, mean ± sample std over seeds (one seed says so)."""
+    pct = [100 * v for v in values]
+    if len(pct) == 1:
+        return f"{pct[0]:.1f} (1 seed)"
+    return f"{statistics.mean(pct):.1f} ± {statistics.stdev(pct):.1f}"
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
