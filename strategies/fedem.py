@@ -50,10 +50,7 @@ class FedEM(FedAvg):
 
     def initialize(self, params: torch.Tensor, spec: ParamSpec, model: nn.Module | None = None) -> None:
         super().initialize(params, spec, model)
-        M = self.config.global_models
-        if model is None and M > 1:
-            raise ValueError("FedEM draws its M components from the architecture: initialize(..., model)")
-        self.theta = independent_inits(model, spec, params, M, self.seed) if M > 1 else params[None].clone()
+        self.theta = independent_inits(model, spec, params, self.config.global_models, self.seed, "FedEM")
 
     def model_for(self, client: int) -> Payload:
         return Payload(self.theta[0], {COMPONENTS: self.theta[1:].reshape(-1), MIXTURE: self.pi[client]})

@@ -70,10 +70,14 @@ class FedMergeConfig:
                                             "with equal weights, frozen (the paper's Table 2 ablation Fixed (k/d))")
 
 
-def independent_inits(model: nn.Module, spec: ParamSpec, first: torch.Tensor, d: int, seed: int) -> torch.Tensor:
+def independent_inits(model: nn.Module | None, spec: ParamSpec, first: torch.Tensor, d: int, seed: int,
+                      who: str) -> torch.Tensor:
     """Θ (d × P): `first`, then d − 1 fresh initialisations of `model`'s architecture (every module's own
-    ``reset_parameters``, seeded). Identical inits would leave A's gradient at zero forever (spec §1.2)."""
-    rows = [first]
+    ``reset_parameters``, seeded). Identical inits would leave A's gradient at zero forever (spec §1.2).
+    `who` (the method) is named when the model is missing."""
+    if d > 1 and model is None:
+        raise ValueError(f"{who} draws its {d} models from the architecture: initialize(..., model)")
+    rows = [first.clone()]
     for j in range(1, d):
         fresh = copy.deepcopy(model).cpu()
         with torch.random.fork_rng(devices=[]):
@@ -123,10 +127,7 @@ class FedMerge(FedAvg):
 
     def initialize(self, params: torch.Tensor, spec: ParamSpec, model: nn.Module | None = None) -> None:
         super().initialize(params, spec, model)
-        if model is None and self.config.global_models > 1:
-            raise ValueError("FedMerge draws its d global models from the architecture: initialize(..., model)")
-        self.theta = (independent_inits(model, spec, params, self.config.global_models, self.seed)
-                      if self.config.global_models > 1 else params[None].clone())
+        self.theta = independent_inits(model, spec, params, self.config.global_models, self.seed, "FedMerge")
         self.params = self.theta.mean(0)
 
     @property

@@ -47,10 +47,7 @@ class IFCA(FedAvg):
 
     def initialize(self, params: torch.Tensor, spec: ParamSpec, model: nn.Module | None = None) -> None:
         super().initialize(params, spec, model)
-        k = self.config.global_models
-        if model is None and k > 1:
-            raise ValueError("IFCA draws its k cluster models from the architecture: initialize(..., model)")
-        self.theta = independent_inits(model, spec, params, k, self.seed) if k > 1 else params[None].clone()
+        self.theta = independent_inits(model, spec, params, self.config.global_models, self.seed, "IFCA")
 
     def model_for(self, client: int) -> Payload:
         return Payload(self.theta[0], {CANDIDATES: self.theta[1:]} if len(self.theta) > 1 else {})
