@@ -150,6 +150,10 @@ class Run:
             "wall-seconds": time.perf_counter() - t_start, "train-seconds": train_seconds}, models)
         log(INFO, "run %s finished: final test accuracy %.4f (max of last 5 evals %.4f); outputs in %s", self.out.name,
             summary["final-test-accuracy"], summary["max-last-5-evals"], self.out)
+        if "personal-selected-accuracy" in summary:
+            log(INFO, "personalised accuracy (mean over clients): final %.4f, at the lowest validation loss (round %d) "
+                "%.4f", summary["personal-final-accuracy"], summary["personal-selected-round"],
+                summary["personal-selected-accuracy"])
         return self.out
 
 
