@@ -43,14 +43,13 @@ accuracy at several steps and the server-data loss beside the validation loss (`
 from __future__ import annotations
 
 import argparse
-import fcntl
-import hashlib
 import json
 import statistics
-from collections.abc import Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from benchmarks.runs import config_digest, interrupted, mean_std, pyplot, run_all
 
 SETTINGS: list[tuple[float, int]] = [(0.1, 20), (0.1, 5), (0.3, 20), (0.3, 5)]
 MAIN = (0.1, 20)
@@ -163,42 +162,6 @@ def run_key(family: str, method: str, setting: tuple[float, int], seed: int, ext
     return f"{preset(family, method, setting)}/s{seed}" + (f"/{tail}" if tail else "")
 
 
-def _digest(config: dict[str, Any]) -> str:
-    """A digest of the keys that differ from their defaults (output folder aside): an option added later, at
-    a default that reproduces the old behaviour, leaves the digests of finished runs as they were."""
-    from server_app.config import option_specs
-
-    from common.config import RunConfig
-
-    defaults = {k: spec.default for k, spec in {**RunConfig.specs(), **option_specs()}.items()}
-    kept = {k: v for k, v in config.items()
-            if k not in ("output-dir", "run-name", "resume") and (k not in defaults or v != defaults[k])}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def config_digest(overrides: dict[str, Any]) -> str:
-    """A digest of the run's resolved configuration (presets applied), output folder aside."""
-    from server_app.config import load_config
-
-    return _digest(load_config(overrides).to_dict())
-
-
-def _interrupted(overrides: dict[str, Any]) -> Path | None:
-    """The run folder of an earlier, interrupted run of this very configuration (a later session picks it up
-    at its last checkpoint), else None."""
-    from common.config import ConfigError
-    from server_app.checkpoint import CHECKPOINT, read_config
-
-    folder = Path(overrides["output-dir"]) / overrides["run-name"]
-    if not (folder / CHECKPOINT).is_file() or (folder / "summary.json").is_file():
-        return None
-    try:
-        same = _digest(read_config(folder)) == config_digest(overrides)
-    except ConfigError:  # an unusable checkpoint: start afresh
-        return None
-    return folder if same else None
-
-
 # Per-step metrics kept in a result's "series" (mean over the steps between two evaluations): what the
 # --analysis compares (the search's server-data loss and its coefficients, Fed+FT's server training)
 SERIES_KEYS = ("loss-before", "loss-after", "c-negative", "c-mean", "server-train-loss", "accepted",
@@ -234,8 +197,7 @@ def _one(key: str, overrides: dict[str, Any]) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)
-    folder = _interrupted(overrides)
-    out = run_inprocess({"resume": str(folder)} if folder else overrides)
+    out = run_inprocess({"resume": str(folder)} if (folder := interrupted(overrides)) else overrides)
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"key": key, "config": config_digest(overrides), "test": summary["max-last-5-evals"],
@@ -244,54 +206,6 @@ def _one(key: str, overrides: dict[str, Any]) -> dict[str, Any]:
             "curve": [[r["round"], r["test-accuracy"]] for r in rows if "test-accuracy" in r],
             "val-curve": [[r["round"], r["val-accuracy"]] for r in rows if "val-accuracy" in r],
             "series": series(rows)}
-
-
-def load_results(path: Path) -> dict[str, dict[str, Any]]:
-    if not path.is_file():
-        return {}
-    return {r["key"]: r for r in map(json.loads, path.read_text().splitlines())}
-
-
-def pending(jobs: Iterable[tuple[str, dict[str, Any]]],
-            done: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
-    """The jobs without a result, or whose result was made with another resolved configuration (a record
-    made before digests were kept, without "config", is taken as it is)."""
-    todo, stale = [], []
-    for key, overrides in jobs:
-        if key not in done:
-            todo.append((key, overrides))
-        elif done[key].get("config", "") not in ("", config_digest(overrides)):
-            todo.append((key, overrides))
-            stale.append(key)
-    if stale:
-        print(f"{len(stale)} runs again: their presets changed since they ran ({', '.join(stale)})", flush=True)
-    return todo
-
-
-def append(path: Path, result: dict[str, Any]) -> None:
-    """One result line, appended under an exclusive lock: several invocations may share a results file."""
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        f.write(json.dumps(result) + "\n")
-        f.flush()
-        fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def run_all(jobs: Iterable[tuple[str, dict[str, Any]]], path: Path, workers: int) -> dict[str, dict[str, Any]]:
-    """Run the jobs not yet in `path` (in parallel), appending each result as it finishes."""
-    done = load_results(path)
-    todo = pending(list(dict(jobs).items()), done)  # a job listed twice runs once
-    path.parent.mkdir(parents=True, exist_ok=True)
-    print(f"{len(todo)} runs to do ({len(done)} already in {path})", flush=True)
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        futures = {pool.submit(_one, k, o): k for k, o in todo}
-        for n, fut in enumerate(as_completed(futures), 1):
-            result = fut.result()
-            done[result["key"]] = result
-            append(path, result)
-            print(f"[{n}/{len(todo)}] {result['key']}: test {result['test']:.4f} val {result['val']:.4f} "
-                  f"({result['seconds']:.0f} s)", flush=True)
-    return done
 
 
 def job(family: str, method: str, setting: tuple[float, int], seed: int, extra: dict[str, Any] | None = None,
@@ -312,13 +226,6 @@ def grid_jobs(family: str, methods: Sequence[str], settings: Sequence[tuple[floa
             for seed in (seeds if setting == MAIN or method in SETTING_FREE else other_seeds):
                 out.append(job(family, method, setting, seed, rounds=rounds))
     return out
-
-
-def mean_std(values: Sequence[float]) -> str:
-    pct = [100 * v for v in values]
-    if len(pct) == 1:
-        return f"{pct[0]:.1f} (1 seed)"
-    return f"{statistics.mean(pct):.1f} ± {statistics.stdev(pct):.1f}"
 
 
 def cell(results: dict[str, dict[str, Any]], family: str, method: str, setting: tuple[float, int],
@@ -356,15 +263,6 @@ def table(results: dict[str, dict[str, Any]], family: str, settings: Sequence[tu
     return "\n".join(lines)
 
 
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def draw_curves(ax: Any, curves: dict[str, list[list[list[float]]]], title: str, bold: str = "Feddle") -> None:
     """Test accuracy per step on `ax`, the mean over a label's runs (seeds); labels starting with `bold` thick."""
     import numpy as np
@@ -382,7 +280,7 @@ def draw_curves(ax: Any, curves: dict[str, list[list[list[float]]]], title: str,
 def plot(results: dict[str, dict[str, Any]], family: str, path: Path, rounds: int | None) -> None:
     from server_app.config import load_config
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     ood = load_config({"preset": preset(family, "feddle-ood", MAIN)}).server_dataset
     for ax, group in zip(axes, (True, False)):
@@ -401,7 +299,7 @@ def tune(workers: int, family: str, methods: Sequence[str], rounds: int | None, 
     grids = FAMILIES[family]
     path = results_dir / "tuning.jsonl"
     jobs = [job(family, m, MAIN, TUNE_SEED, extra, rounds) for m in methods if m in grids for extra in grids[m]]
-    results = run_all(jobs, path, workers)
+    results = run_all(jobs, path, workers, _one)
     text = tuning_table(results, family, rounds)
     (results_dir / "tuning.md").write_text(text + "\n")
     return text
@@ -447,7 +345,7 @@ def ablation_jobs(family: str, seeds: Sequence[int],
 
 def ablation(workers: int, family: str, seeds: Sequence[int], rounds: int | None, results_dir: Path) -> str:
     rows = ablation_jobs(family, seeds, rounds)
-    results = run_all([j for *_, j in rows], results_dir / "runs.jsonl", workers)
+    results = run_all([j for *_, j in rows], results_dir / "runs.jsonl", workers, _one)
     lines = ["| Configuration | In-domain (Feddle-ID) | Out-of-domain (Feddle-OOD) |", "|---|---|---|"]
     for label, _ in ABLATION:
         cells = [mean_std([results[key]["test"] for lbl, m, _, (key, _) in rows if lbl == label and m == method])
@@ -485,7 +383,7 @@ def analysis(workers: int, family: str, seeds: Sequence[int], rounds: int | None
     :data:`CHECKPOINTS`, and its loss on the server's data beside the validation loss (the search's and the
     fine-tuning's fit to the 1000 samples against what generalises); ``analysis.md`` and ``analysis.png``."""
     rows = analysis_jobs(family, seeds, rounds)
-    results = run_all([j for *_, j in rows] if run else [], results_dir / "runs.jsonl", workers)
+    results = run_all([j for *_, j in rows] if run else [], results_dir / "runs.jsonl", workers, _one)
     steps = [s for s in CHECKPOINTS if not rounds or s <= rounds]
     lines = ["| Configuration | test % | val % | " + " | ".join(f"step {s}" for s in steps)
              + " | server-data loss | val loss |", "|---|---|---|" + "---|" * len(steps) + "---|---|"]
@@ -507,7 +405,7 @@ def analysis(workers: int, family: str, seeds: Sequence[int], rounds: int | None
                      + f" | {fmt(server_loss)} | {fmt(val_loss)} |")
     text = "\n".join(lines)
     (results_dir / "analysis.md").write_text(text + "\n")
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     draw_curves(ax, curves, "Feddle-ID and Fed+FT taken apart, Dir(0.1), N(20)")
     fig.tight_layout()
@@ -551,7 +449,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = [(float(a), int(s)) for a, s in (x.split("/") for x in args.settings.split(","))]
     seeds, other = [int(s) for s in args.seeds.split(",")], [int(s) for s in args.other_seeds.split(",")]
     jobs = [] if args.report else grid_jobs(args.family, methods, settings, seeds, other, args.rounds)
-    results = run_all(jobs, results_dir / "runs.jsonl", args.jobs)
+    results = run_all(jobs, results_dir / "runs.jsonl", args.jobs, _one)
     text = table(results, args.family, settings, args.rounds)
     (results_dir / "table.md").write_text(text + "\n")
     plot(results, args.family, results_dir / "accuracy.png", args.rounds)

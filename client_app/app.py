@@ -11,7 +11,8 @@ Replies: ``train`` runs the local recipe with the client objective the message n
 (``local-objective``: cross-entropy, FedProx's proximal term, ...; common/objectives.py) from the
 received model and extra arrays, and returns the *delta* of the trainable parameters plus
 ``num-examples``, ``partition-id``, ``base-version`` and training metrics; ``evaluate`` returns the
-received model's loss and accuracy on the partition; ``query`` returns the node's partition id.
+received model's loss and accuracy on the node's own held-out splits (personalised evaluation) or, when
+the run holds none out, on its partition; ``query`` returns the node's partition id.
 An exception inside a handler becomes an error reply (``CLIENT_APP_RAISED_EXCEPTION``).
 """
 
@@ -35,9 +36,10 @@ from common.data import ArrayDataset, DataSpec, client_partition, load_dataset
 from common.models import build_from_config, model_config
 from common.objectives import Received, build_loss
 from common.params import ParamSpec, extras_from_record, extras_to_record
-from common.protocol import (ARRAYS, BASE_VERSION, CONFIG, EXTRAS, METRICS, NUM_EXAMPLES, PARTITION_ID, TRAIN_SEED,
-                             VERSION)
-from common.training import LocalRecipe, evaluate, train
+from common.protocol import (ARRAYS, BASE_VERSION, CANDIDATE, CANDIDATES, COMPONENT_DELTAS, COMPONENTS, CONFIG, EXTRAS,
+                             FINETUNE_EPOCHS, METRICS, MIXTURE, NUM_EXAMPLES, PARTITION_ID, TRAIN_SEED, VERSION)
+from common.training import (EVAL_STREAM, LocalRecipe, derive_seed, evaluate, evaluate_mixture, train,
+                             train_mixture)
 
 app = ClientApp()
 
@@ -68,8 +70,8 @@ def node_partition(context: Context) -> tuple[int, int]:
     return int(cfg["partition-id"]), int(cfg["num-partitions"])
 
 
-def _load(msg: Message, context: Context) -> tuple[int, ArrayDataset, nn.Module, ParamSpec]:
-    """This node's partition and the model, with the message's parameters loaded into it."""
+def _load(msg: Message, context: Context) -> tuple[int, DataSpec, nn.Module, ParamSpec]:
+    """This node's partition id, the run's data spec, and the model with the message's parameters loaded."""
     config = msg.content[CONFIG]
     spec = DataSpec.from_config(config)
     if "data-root" in context.node_config:  # the node keeps its data where its operator put it
@@ -78,7 +80,6 @@ def _load(msg: Message, context: Context) -> tuple[int, ArrayDataset, nn.Module,
     if num_partitions != spec.num_partitions:
         raise ValueError(f"node has num-partitions={num_partitions} but the run splits the data into "
                          f"{spec.num_partitions} partitions (num-clients)")
-    data = client_partition(spec, pid)
     full = load_dataset(spec.dataset, spec.data_root)
     model, initial, pspec = _model(tuple(sorted(model_config(config).items())), full.x.shape[1:], full.num_classes)
     with torch.no_grad():  # nothing from an earlier message carries over: buffers and frozen weights reset
@@ -86,7 +87,7 @@ def _load(msg: Message, context: Context) -> tuple[int, ArrayDataset, nn.Module,
         for name, value in initial.items():
             tensors[name].copy_(value)
     pspec.load_into(model, pspec.from_record(msg.content[ARRAYS]))
-    return pid, data, model, pspec
+    return pid, spec, model, pspec
 
 
 @functools.lru_cache(maxsize=2)
@@ -100,21 +101,53 @@ def _model(options: tuple, shape: tuple[int, ...], num_classes: int) -> tuple[nn
     return model, initial, ParamSpec.of(model)
 
 
+def choose_candidate(model: nn.Module, pspec: ParamSpec, extras: dict[str, torch.Tensor], data: ArrayDataset,
+                     seed: int) -> int:
+    """With ``candidates`` in the payload (IFCA), load the model of lowest loss on `data` — the message's own
+    (index 0) or one of the candidates (1, 2, …) — and return its index; without, keep the model (0)."""
+    if CANDIDATES not in extras:
+        return 0
+    models = [pspec.flatten(model), *extras[CANDIDATES].reshape(-1, pspec.numel)]
+    losses = []
+    for params in models:
+        pspec.load_into(model, params)
+        losses.append(evaluate(model, data, seed=seed)["loss"])
+    best = min(range(len(models)), key=losses.__getitem__)  # ties: the lowest index
+    pspec.load_into(model, models[best])
+    return best
+
+
+def components_of(pspec: ParamSpec, start: torch.Tensor, extras: dict[str, torch.Tensor]) -> torch.Tensor:
+    """FedEM's M components (M × P): the message's model, then the payload's ``components``."""
+    return torch.cat([start[None], extras[COMPONENTS].reshape(-1, pspec.numel)])
+
+
 @app.train()
 @error_replies
 def train_handler(msg: Message, context: Context) -> Message:
     """Local training from the received global model; replies with the parameter delta."""
     config = msg.content[CONFIG]
-    pid, data, model, pspec = _load(msg, context)
+    pid, spec, model, pspec = _load(msg, context)
+    data = client_partition(spec, pid)
     time.sleep(float(context.node_config.get("latency-s", 0.0)))  # a slow device, for demos and tests
-    start = pspec.flatten(model)
     recipe = LocalRecipe.from_config(config)
     extras = extras_from_record(msg.content[EXTRAS]) if EXTRAS in msg.content.array_records else {}
+    chosen = choose_candidate(model, pspec, extras, data, spec.seed)
+    start = pspec.flatten(model)
     received = Received(model, [p.detach().clone() for p in model.parameters() if p.requires_grad], extras)
-    loss = build_loss(recipe.objective, dict(config), received)
-    metrics = train(model, data, recipe, seed=int(config[TRAIN_SEED]), loss=loss)
-    delta = pspec.flatten(model) - start
+    if MIXTURE in extras:  # FedEM: every component, weighted by the E-step's responsibilities
+        components = components_of(pspec, start, extras)
+        trained, pi, metrics = train_mixture(model, pspec, components, extras[MIXTURE], data, recipe,
+                                             int(config[TRAIN_SEED]))
+        delta = trained[0] - start
+        received.reply.update({COMPONENT_DELTAS: (trained[1:] - components[1:]).reshape(-1), MIXTURE: pi})
+    else:
+        loss = build_loss(recipe.objective, dict(config), received)
+        metrics = train(model, data, recipe, seed=int(config[TRAIN_SEED]), loss=loss)
+        delta = pspec.flatten(model) - start
     reply = MetricRecord({NUM_EXAMPLES: len(data), PARTITION_ID: pid, BASE_VERSION: int(config[VERSION]), **metrics})
+    if CANDIDATES in extras:
+        reply[CANDIDATE] = chosen
     content = RecordDict({ARRAYS: pspec.to_record(delta), METRICS: reply})
     if received.reply:
         content[EXTRAS] = extras_to_record(received.reply)
@@ -124,11 +157,32 @@ def train_handler(msg: Message, context: Context) -> Message:
 @app.evaluate()
 @error_replies
 def evaluate_handler(msg: Message, context: Context) -> Message:
-    """Loss and accuracy of the received model on this node's partition."""
-    pid, data, model, _ = _load(msg, context)
-    result = evaluate(model, data, seed=DataSpec.from_config(msg.content[CONFIG]).seed)
+    """Loss and accuracy of the received model on this node's own test split (``eval-*``) and validation split
+    (``val-*``) when the run holds them out (``client-test-fraction``), else on its whole partition. The model
+    is what the client would train: IFCA's best candidate, FedAvg+'s fine-tuned model (``finetune-epochs``),
+    FedEM's mixture."""
+    config = msg.content[CONFIG]
+    pid, spec, model, pspec = _load(msg, context)
+    extras = extras_from_record(msg.content[EXTRAS]) if EXTRAS in msg.content.array_records else {}
+    choose_candidate(model, pspec, extras, client_partition(spec, pid), spec.seed)
+    if epochs := int(config.get(FINETUNE_EPOCHS, 0)):
+        recipe = dataclasses.replace(LocalRecipe.from_config(config), epochs=epochs, objective="cross-entropy",
+                                     objective_options=())
+        train(model, client_partition(spec, pid), recipe,
+              seed=derive_seed(spec.seed, EVAL_STREAM, pid, int(config[VERSION])))
+    if MIXTURE in extras:
+        components = components_of(pspec, pspec.flatten(model), extras)
+        assess = lambda d: evaluate_mixture(model, pspec, components, extras[MIXTURE], d, spec.seed)  # noqa: E731
+    else:
+        assess = lambda d: evaluate(model, d, seed=spec.seed)  # noqa: E731
+    held_out = spec.client_test_fraction > 0
+    data = client_partition(spec, pid, "test" if held_out else "train")
+    result = assess(data)
     metrics = MetricRecord({NUM_EXAMPLES: len(data), PARTITION_ID: pid,
                             "eval-loss": result["loss"], "eval-accuracy": result["accuracy"]})
+    if held_out and spec.client_validation_fraction > 0:
+        val = assess(client_partition(spec, pid, "validation"))
+        metrics["val-loss"], metrics["val-accuracy"] = val["loss"], val["accuracy"]
     return Message(RecordDict({METRICS: metrics}), reply_to=msg)
 
 

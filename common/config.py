@@ -234,6 +234,8 @@ class RunConfig:
     cluster_alpha: float = option(0.0, Range(0), "clusters: Dirichlet α within a group (FedMerge code: 10); 0 = IID")
     cluster_sizes: str = option("equal", OneOf(("equal", "fedmerge")),
                                 "clusters: clients per group, equal or FedMerge's random uneven sizes")
+    cluster_classes: int = option(0, Range(0), "clusters: classes per group drawn as FedMerge's code does, later "
+                                  "groups reusing classes (code: 30 of CIFAR-100's 100); 0 = disjoint equal groups")
     label_noise: float = option(0.0, Range(0, 1), "fraction of client training labels set to a random other class "
                                 "(Feddle 000 Table 4)")
     test_fraction: float = option(0.2, Range(0, 0.9, low_open=True),
@@ -243,6 +245,10 @@ class RunConfig:
                                "samples)")
     validation_size: int = option(0, Range(0), "samples moved from the test split to a validation split, evaluated "
                                   "beside it (`val-accuracy`); tune on it, never on the test split")
+    client_test_fraction: float = option(0.0, Range(0, 0.9), "share of each client's partition held out as its own "
+                                         "test split, for personalised evaluation (FedMerge's code: 1/6); 0 = none")
+    client_validation_fraction: float = option(0.0, Range(0, 0.9), "share of each client's partition held out as its "
+                                               "own validation split (FedMerge's code: 1/12, a tenth of the rest)")
     server_dataset: str = option("", DatasetName(lambda: ("", *_datasets())),
                                  "empty: the server holds the in-domain central split; a dataset name: "
                                  "out-of-domain server data with its own labels", '`""` or a dataset')

@@ -5,7 +5,9 @@ The data is then split, deterministically from the run's seed, into
 
 * ``test``    — the server's test split (the evaluation set of the global model),
 * ``central`` — the server's held-out central split (taken from the test split, as the papers do),
-* ``train``   — the decentralised data, partitioned over the clients.
+* ``train``   — the decentralised data, partitioned over the clients; with ``client-test-fraction`` (and
+  ``client-validation-fraction``) each client's partition is split again into its own train, validation
+  and test parts, for personalised evaluation.
 
 Client partitions come from flwr-datasets partitioners run on an in-memory ``datasets.Dataset``,
 so a node computes its own partition from the same spec and its ``partition-id``.
@@ -91,7 +93,10 @@ class DataSpec:
     num_clusters: int = 5
     cluster_alpha: float = 0.0
     cluster_sizes: str = "equal"
+    cluster_classes: int = 0
     label_noise: float = 0.0
+    client_test_fraction: float = 0.0
+    client_validation_fraction: float = 0.0
 
     def to_config(self) -> dict[str, int | float | str]:
         return {f"data-{k.replace('_', '-')}": v for k, v in self.__dict__.items()}
@@ -146,7 +151,7 @@ def partition_indices(spec: DataSpec) -> tuple[np.ndarray, ...]:
     return partitions.partition(
         spec.partitioner, train.partition_labels, spec.num_partitions, spec.seed, groups=train.groups,
         alpha=spec.dirichlet_alpha, classes_per_client=spec.classes_per_client, num_clusters=spec.num_clusters,
-        cluster_alpha=spec.cluster_alpha, cluster_sizes=spec.cluster_sizes)
+        cluster_alpha=spec.cluster_alpha, cluster_sizes=spec.cluster_sizes, cluster_classes=spec.cluster_classes)
 
 
 @lru_cache(maxsize=8)
@@ -162,13 +167,35 @@ def client_labels(spec: DataSpec) -> np.ndarray:
     return y
 
 
-def client_partition(spec: DataSpec, partition_id: int) -> ArrayDataset:
-    """The training data of client `partition_id`."""
+CLIENT_PARTS = ("train", "validation", "test")
+
+
+def client_holdout(spec: DataSpec, partition_id: int) -> dict[str, np.ndarray]:
+    """Indices into the train split of client `partition_id`'s own train / validation / test parts: a seeded
+    random split of its partition (stream ``[seed, 5, id]``; not stratified, as FedMerge's code), the held-out
+    parts rounded to whole samples; with no holdout every sample is in ``train``."""
     if not 0 <= partition_id < spec.num_partitions:
         raise ValueError(f"partition-id {partition_id} outside [0, {spec.num_partitions})")
     idx = partition_indices(spec)[partition_id]
-    part = make_splits(spec).train.subset(idx)
-    return part if spec.label_noise == 0 else replace(part, y=client_labels(spec)[idx])
+    n = len(idx)
+    n_test, n_val = round(spec.client_test_fraction * n), round(spec.client_validation_fraction * n)
+    if (spec.client_test_fraction or spec.client_validation_fraction) and n_test + n_val >= n:
+        raise ValueError(f"client-test-fraction {spec.client_test_fraction} + client-validation-fraction "
+                         f"{spec.client_validation_fraction} leave client {partition_id} ({n} samples) nothing to "
+                         "train on")
+    order = np.random.default_rng([spec.seed, 5, partition_id]).permutation(idx) if n_test + n_val else idx
+    test, val, train = np.split(order, [n_test, n_test + n_val])
+    return {"train": np.sort(train), "validation": np.sort(val), "test": np.sort(test)}
+
+
+def client_partition(spec: DataSpec, partition_id: int, part: str = "train") -> ArrayDataset:
+    """The data of client `partition_id`: its training data, or its own held-out ``validation`` / ``test``
+    part (true labels: label noise is on training labels only)."""
+    if part not in CLIENT_PARTS:
+        raise ValueError(f"client part {part!r}: expected one of {CLIENT_PARTS}")
+    idx = client_holdout(spec, partition_id)[part]
+    data = make_splits(spec).train.subset(idx)
+    return data if spec.label_noise == 0 or part != "train" else replace(data, y=client_labels(spec)[idx])
 
 
 def data_spec(cfg) -> DataSpec:
@@ -176,4 +203,7 @@ def data_spec(cfg) -> DataSpec:
     return DataSpec(cfg.dataset, cfg.seed, cfg.partitioner, cfg.dirichlet_alpha, cfg.num_clients,
                     cfg.test_fraction, cfg.central_size, cfg.data_root, validation_size=cfg.validation_size,
                     classes_per_client=cfg.classes_per_client, num_clusters=cfg.num_clusters,
-                    cluster_alpha=cfg.cluster_alpha, cluster_sizes=cfg.cluster_sizes, label_noise=cfg.label_noise)
+                    cluster_alpha=cfg.cluster_alpha, cluster_sizes=cfg.cluster_sizes,
+                    cluster_classes=cfg.cluster_classes, label_noise=cfg.label_noise,
+                    client_test_fraction=cfg.client_test_fraction,
+                    client_validation_fraction=cfg.client_validation_fraction)

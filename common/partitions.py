@@ -10,7 +10,8 @@ Names for the ``partitioner`` config key (see :data:`PARTITIONERS` and :func:`pa
 
 Random streams: the partitioners draw from ``default_rng([seed, 1])`` (the stream the IID shuffle has
 always used), :func:`label_noise` from ``default_rng([seed, 4])``; ``[seed, 0]`` (splits),
-``[seed, 2]`` (delays) and ``[seed, 3]`` (server data) belong to other modules.
+``[seed, 2]`` (delays), ``[seed, 3]`` (server data) and ``[seed, 5, id]`` (a client's held-out parts)
+belong to other modules.
 """
 
 from __future__ import annotations
@@ -138,14 +139,34 @@ def _fedmerge_cluster_sizes(k: int, m: int, rng: np.random.Generator) -> np.ndar
     return s
 
 
+def _picked_groups(classes: np.ndarray, num_clusters: int, per_cluster: int,
+                   rng: np.random.Generator) -> list[np.ndarray]:
+    """FedMerge code's class picker: each cluster takes `per_cluster` classes off a shuffled pool, refilled
+    with every class when it runs out, so early clusters are disjoint and later ones reuse classes (CIFAR-100,
+    5 × 30: clusters 1–3 disjoint). A class already in the cluster is left in the pool for the next one."""
+    pool: list[int] = []
+    groups = []
+    for _ in range(num_clusters):
+        group: list[int] = []
+        while len(group) < per_cluster:
+            if not pool or all(c in group for c in pool):
+                pool.extend(int(c) for c in rng.permutation(classes))
+            pick = next(i for i, c in enumerate(pool) if c not in group)
+            group.append(pool.pop(pick))
+        groups.append(np.array(sorted(group)))
+    return groups
+
+
 def clusters(labels: np.ndarray, k: int, num_clusters: int, seed: int, alpha: float | None = None, *,
-             sizes: str = "equal") -> Parts:
+             sizes: str = "equal", classes_per_cluster: int = 0) -> Parts:
     """FedMerge's "Cluster Non-IID" (spec fedmerge.md §3.2): classes form `num_clusters` groups, each
     group is owned by a block of clients, and a client only gets samples of its group's classes.
 
-    * Class groups: a seeded permutation of the classes cut into `num_clusters` disjoint groups of
-      equal size (±1). [inferred: the paper says "labels grouped into 5 clusters"; the code's 5 × 30
-      classes of CIFAR-100 overlap (clusters 4–5 reuse classes); we keep groups disjoint.]
+    * Class groups: ``classes_per_cluster = 0``: a seeded permutation of the classes cut into
+      `num_clusters` disjoint groups of equal size (±1) [inferred: the paper says "labels grouped into 5
+      clusters"]; ``classes_per_cluster = c``: the code's picker (:func:`_picked_groups`), c classes per
+      cluster, later clusters reusing classes (the code's 5 × 30 of CIFAR-100; 5 × 3 keeps that 30 %
+      share on a 10-class dataset). A class several clusters hold is split among all their clients.
     * Clients: contiguous blocks of partition ids, cluster 0 first, as in the paper's ground truth
       {1–6}, {7–11}, … and the code. ``sizes="equal"``: block sizes differ by at most 1 [inferred];
       ``sizes="fedmerge"``: random uneven sizes drawn as the code does (paper: 6/5/8/13/18 of 50).
@@ -155,14 +176,18 @@ def clusters(labels: np.ndarray, k: int, num_clusters: int, seed: int, alpha: fl
       largest to the smallest share until every client has >= 1 sample of the class where the class
       has enough (the code: Dirichlet(10), the same fix-up).
 
-    Coverage: every sample lies in exactly one partition.
+    Coverage: every sample lies in exactly one partition, except, with `classes_per_cluster`, the samples of
+    classes no cluster picked (in no partition).
     """
     classes = np.unique(labels)
     if not 1 <= num_clusters <= min(len(classes), k):
         raise ValueError(f"num-clusters {num_clusters} outside [1, min(classes={len(classes)}, clients={k})]")
     _check_k(len(labels), k)
     rng = _rng(seed)
-    groups = np.array_split(rng.permutation(classes), num_clusters)
+    if not 0 <= classes_per_cluster <= len(classes):
+        raise ValueError(f"cluster-classes {classes_per_cluster} outside [0, classes={len(classes)}]")
+    groups = (_picked_groups(classes, num_clusters, classes_per_cluster, rng) if classes_per_cluster
+              else np.array_split(rng.permutation(classes), num_clusters))
     if sizes == "equal":
         block = np.array([len(b) for b in np.array_split(np.arange(k), num_clusters)])
     elif sizes == "fedmerge":
@@ -170,6 +195,22 @@ def clusters(labels: np.ndarray, k: int, num_clusters: int, seed: int, alpha: fl
     else:
         raise ValueError(f"cluster sizes {sizes!r}: expected 'equal' or 'fedmerge'")
     parts: list[list[np.ndarray]] = [[] for _ in range(k)]
+    if classes_per_cluster:  # overlapping groups: each class over the clients of every cluster that holds it
+        owners = {int(c): np.concatenate([np.arange(first, first + m) for group, first, m in
+                                          zip(groups, np.cumsum(block) - block, block) if c in group])
+                  for c in classes if any(c in g for g in groups)}
+        for cls, members in owners.items():
+            idx = rng.permutation(np.flatnonzero(labels == cls))
+            if alpha is None or alpha <= 0:
+                share = _counts(len(idx), np.ones(len(members)))
+            else:
+                share = _counts(len(idx), rng.dirichlet(np.full(len(members), alpha)))
+                while len(idx) >= len(members) and share.min() < 1:
+                    share[np.argmax(share)] -= 1
+                    share[np.argmin(share)] += 1
+            for client, chunk in zip(members, np.split(idx, np.cumsum(share)[:-1])):
+                parts[client].append(chunk)
+        return _finish(map(np.concatenate, parts), "clusters")
     for group, first, m in zip(groups, np.cumsum(block) - block, block):
         members = range(first, first + m)
         if alpha is None or alpha <= 0:
@@ -255,14 +296,16 @@ def label_noise(labels: np.ndarray, fraction: float, num_classes: int, seed: int
 
 
 # name -> adapter(labels, k, seed, **params): each adapter takes the parameters it needs by keyword
-# (alpha, classes_per_client, num_clusters, cluster_alpha, cluster_sizes, groups) and ignores the rest.
+# (alpha, classes_per_client, num_clusters, cluster_alpha, cluster_sizes, cluster_classes, groups) and ignores
+# the rest.
 PARTITIONERS: dict[str, Callable[..., Parts]] = {
     "iid": lambda labels, k, seed, **_: iid(labels, k, seed),
     "dirichlet": lambda labels, k, seed, *, alpha, **_: dirichlet(labels, k, alpha, seed),
     "pathological": lambda labels, k, seed, *, classes_per_client, **_:
         pathological(labels, k, classes_per_client, seed),
-    "clusters": lambda labels, k, seed, *, num_clusters, cluster_alpha=0.0, cluster_sizes="equal", **_:
-        clusters(labels, k, num_clusters, seed, cluster_alpha or None, sizes=cluster_sizes),
+    "clusters": lambda labels, k, seed, *, num_clusters, cluster_alpha=0.0, cluster_sizes="equal",
+    cluster_classes=0, **_: clusters(labels, k, num_clusters, seed, cluster_alpha or None, sizes=cluster_sizes,
+                                     classes_per_cluster=cluster_classes),
     "natural": lambda labels, k, seed, *, groups=None, **_: natural(groups, k, seed),
     "feddual": lambda labels, k, seed, *, alpha, **_: feddual_reference(labels, k, alpha, seed),
 }

@@ -10,3 +10,16 @@ REPLY_KEYS = (NUM_EXAMPLES, PARTITION_ID, BASE_VERSION)
 
 # Keys of a train message's config (besides the local recipe and the data spec).
 VERSION, TRAIN_SEED, MODEL = "version", "train-seed", "model"
+
+# Key of an evaluate message's config: epochs the client fine-tunes the received model on its own training
+# data before it evaluates (FedAvg+); absent or 0: evaluate the model as received.
+FINETUNE_EPOCHS = "finetune-epochs"
+
+# Key of a payload's extra array: more models the client may start from (IFCA's cluster models after the
+# message's own). The client loads the one with the lowest loss on its training data, trains or
+# evaluates it, and names it in its reply's metrics (0 = the message's model).
+CANDIDATES, CANDIDATE = "candidates", "candidate"
+
+# Keys of FedEM's extra arrays: the payload's other components and the client's mixture weights π (the
+# message's model is component 1); the reply's deltas of the other components and the new π.
+COMPONENTS, MIXTURE, COMPONENT_DELTAS = "components", "mixture", "component-deltas"

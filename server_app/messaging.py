@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any
 
+import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
@@ -163,15 +164,39 @@ class Dispatcher:
         return Message(content, dst_node_id=node, message_type=message_type, group_id=str(version))
 
 
-def federated_evaluate(grid: Grid, directory: NodeDirectory, dispatcher: Dispatcher, strategy: Strategy,
-                       timeout: float) -> dict[str, float]:
-    """Evaluate on every connected client's partition the model the strategy has for that client
-    (``model_for``); example-weighted means, plus how many replied."""
+def client_evaluate(grid: Grid, directory: NodeDirectory, dispatcher: Dispatcher, strategy: Strategy,
+                    timeout: float) -> tuple[dict[int, dict[str, float]], int]:
+    """Every connected client evaluates the model the strategy has for it (``model_for``): its metrics
+    (``num-examples``, ``eval-*``, with held-out splits ``val-*``) by client, and how many were asked. Error
+    replies and clients that do not answer within `timeout` are left out."""
     connected = directory.poll()
     msgs = [dispatcher.message(node, strategy.model_for(client), strategy.version, MessageType.EVALUATE)
             for client, node in sorted(directory.node_of.items()) if node in connected]
     replies = [m for m in collect(grid, grid.push_messages(msgs), timeout) if not m.has_error()]
-    result = weighted_mean((float(m.content[METRICS][NUM_EXAMPLES]),
-                            {k: float(m.content[METRICS][k]) for k in ("eval-loss", "eval-accuracy")})
-                           for m in replies)
-    return {**result, "replies": len(replies), "sampled": len(msgs)}
+    return {int(m.content[METRICS][PARTITION_ID]): {k: float(v) for k, v in m.content[METRICS].items()
+                                                   if k != PARTITION_ID} for m in replies}, len(msgs)
+
+
+def federated_evaluate(grid: Grid, directory: NodeDirectory, dispatcher: Dispatcher, strategy: Strategy,
+                       timeout: float) -> dict[str, float]:
+    """:func:`client_evaluate`, as example-weighted means, plus how many replied."""
+    per_client, asked = client_evaluate(grid, directory, dispatcher, strategy, timeout)
+    result = weighted_mean((m[NUM_EXAMPLES], {k: v for k, v in m.items() if k != NUM_EXAMPLES})
+                           for _, m in sorted(per_client.items()))
+    return {**result, "replies": len(per_client), "sampled": asked}
+
+
+def personal_summary(per_client: dict[int, dict[str, float]]) -> dict[str, float]:
+    """Personalised evaluation as the FedMerge paper reports it: the unweighted mean over clients of each
+    client's accuracy on its own test split, with the distribution (min, quartiles) and the mean losses."""
+    acc = np.array([m["eval-accuracy"] for _, m in sorted(per_client.items())])
+    if not len(acc):
+        return {"clients": 0}
+    out = {"accuracy": float(acc.mean()), "accuracy-min": float(acc.min()),
+           **{f"accuracy-{name}": float(np.quantile(acc, q)) for name, q in (("q25", 0.25), ("median", 0.5),
+                                                                           ("q75", 0.75))},
+           "loss": float(np.mean([m["eval-loss"] for m in per_client.values()])), "clients": len(acc)}
+    if all("val-loss" in m for m in per_client.values()):
+        out["val-loss"] = float(np.mean([m["val-loss"] for m in per_client.values()]))
+        out["val-accuracy"] = float(np.mean([m["val-accuracy"] for m in per_client.values()]))
+    return out

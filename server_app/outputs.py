@@ -1,4 +1,4 @@
-"""The run's outputs: ``outputs/<run>/{metrics.jsonl, events.jsonl, summary.json, model.pt, *.png}``."""
+"""The run's outputs: ``outputs/<run>/{metrics.jsonl, events.jsonl, clients.jsonl, summary.json, model.pt, *.png}``."""
 
 from __future__ import annotations
 
@@ -52,6 +52,26 @@ def _kept_lines(path: Path, count: int) -> list[str]:
     return lines
 
 
+def _ratio(rows: list[dict[str, Any]], num: str, den: str) -> float | None:
+    """Σ num / Σ den over the rows (payload bytes per dispatch or per update), None when Σ den = 0."""
+    total = sum(r.get(den, 0) for r in rows)
+    return sum(r.get(num, 0) for r in rows) / total if total else None
+
+
+def personal_selection(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The personalised headline: the final mean accuracy over clients, and the one at the evaluation with the
+    lowest mean validation loss over clients (the FedMerge paper's model selection), when there are any."""
+    evals = [r for r in rows if r.get("personal-clients")]
+    if not evals:
+        return {}
+    out = {"personal-final-accuracy": evals[-1]["personal-accuracy"]}
+    selectable = [r for r in evals if "personal-val-loss" in r]
+    if selectable:
+        best = min(selectable, key=lambda r: r["personal-val-loss"])  # ties: the earliest
+        out.update({"personal-selected-accuracy": best["personal-accuracy"], "personal-selected-round": best["round"]})
+    return out
+
+
 class Recorder:
     """Appends one JSON line per round and per event, and writes the summary, the model and the plots at the end.
 
@@ -67,21 +87,32 @@ class Recorder:
         self.events = 0
         self.first_event_t: float | None = None
         self.last_event_t = 0.0
+        self.client_rows: list[dict[str, Any]] = []
         if position is None:
-            for name in ("metrics.jsonl", "events.jsonl"):
+            for name in ("metrics.jsonl", "events.jsonl", "clients.jsonl"):
                 (path / name).write_text("")
             return
         self.rows = [json.loads(line) for line in _kept_lines(path / "metrics.jsonl", position["rows"])]
         for line in _kept_lines(path / "events.jsonl", position["events"]):
             self._count(json.loads(line))
+        if not (path / "clients.jsonl").exists():  # a checkpoint from before personalised evaluation
+            (path / "clients.jsonl").write_text("")
+        self.client_rows = [json.loads(line)
+                            for line in _kept_lines(path / "clients.jsonl", position.get("clients", 0))]
 
     def state_dict(self) -> dict[str, int]:
-        """The recorder's position: rows and events written so far."""
-        return {"rows": len(self.rows), "events": self.events}
+        """The recorder's position: rows, events and per-client rows written so far."""
+        return {"rows": len(self.rows), "events": self.events, "clients": len(self.client_rows)}
 
     def round(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
         with open(self.path / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def clients(self, row: dict[str, Any]) -> None:
+        """One personalised evaluation: each client's metrics (and the strategy's per-client report)."""
+        self.client_rows.append(row)
+        with open(self.path / "clients.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
 
     def _count(self, event: dict[str, Any]) -> None:
@@ -113,8 +144,11 @@ class Recorder:
             "val-max-last-5-evals": papers_metric([r["val-accuracy"] for r in evals if "val-accuracy" in r]),
             **{f"total-{k}": v for k, v in totals.items()},
             "updates-per-s": self._rate(),
+            "bytes-down-per-dispatch": _ratio(self.rows, "bytes-down", "sampled"),
+            "bytes-up-per-update": _ratio(self.rows, "bytes-up", "accepted"),
             "staleness-mean": float(np.mean(self.staleness)) if self.staleness else None,
             "staleness-max": int(max(self.staleness)) if self.staleness else None,
+            **personal_selection(self.rows),
         }
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         torch.save(next(iter(models.values())), self.path / "model.pt")
@@ -151,6 +185,36 @@ class Recorder:
         fig.tight_layout()
         fig.savefig(self.path / "staleness.png", dpi=100)
         plt.close(fig)
+
+        personal = [r for r in self.rows if r.get("personal-clients")]
+        if personal:  # personalised evaluation: each client's model on its own test split
+            steps = [r["round"] for r in personal]
+            fig, ax = plt.subplots(figsize=(6, 4))
+            ax.fill_between(steps, [r["personal-accuracy-q25"] for r in personal],
+                            [r["personal-accuracy-q75"] for r in personal], alpha=0.25, label="quartiles")
+            ax.plot(steps, [r["personal-accuracy"] for r in personal], marker="o", ms=3, label="mean over clients")
+            ax.plot(steps, [r["personal-accuracy-min"] for r in personal], ls=":", label="worst client")
+            ax.set(xlabel="round", ylabel="personalised test accuracy")
+            ax.legend(fontsize=8)
+            ax.set_title(self.path.name, fontsize=9)
+            ax.grid(alpha=0.3)
+            fig.tight_layout()
+            fig.savefig(self.path / "personal.png", dpi=100)
+            plt.close(fig)
+
+        weights = [r for r in self.client_rows if "merge-weights" in r]
+        if weights:  # FedMerge: softmax(A) at four evaluations (partition ids in order: clusters are id blocks)
+            picks = sorted({0, len(weights) // 3, 2 * len(weights) // 3, len(weights) - 1})
+            fig, axes = plt.subplots(1, len(picks), figsize=(3.2 * len(picks) + 1, 4), squeeze=False)
+            for ax, i in zip(axes[0], picks):
+                image = ax.imshow(np.array(weights[i]["merge-weights"]), aspect="auto", cmap="viridis", vmin=0,
+                                  interpolation="nearest")
+                ax.set(title=f"step {weights[i]['round']}", xlabel="global model j", ylabel="client i")
+                fig.colorbar(image, ax=ax, fraction=0.08)
+            fig.suptitle(f"{self.path.name}: merging weights softmax(A)", fontsize=9)
+            fig.tight_layout()
+            fig.savefig(self.path / "merge-weights.png", dpi=100)
+            plt.close(fig)
 
         searches = [r for r in self.rows if "c-mean" in r]
         if searches:  # Feddle: the coefficient search of every step

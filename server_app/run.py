@@ -26,7 +26,7 @@ from common.server_data import ServerData, build_server_data
 from common.training import LocalRecipe, evaluate
 from server_app.checkpoint import CHECKPOINT, check_layout, read_checkpoint, write_checkpoint
 from server_app.flower import FlowerStrategy
-from server_app.messaging import federated_evaluate
+from server_app.messaging import client_evaluate, federated_evaluate, personal_summary
 from server_app.outputs import Recorder, run_dir
 from server_app.runtime import Runner, StepLog
 from strategies import Strategy, build_strategy
@@ -72,13 +72,23 @@ class Run:
     # -- every step, under either loop --------------------------------------------------------
     def evaluate(self, entry: StepLog) -> StepLog:
         """The central model(s) on the test split (and the validation split, when there is one); the first
-        model's metrics are unprefixed, the others' carry the model's name."""
+        model's metrics are unprefixed, the others' carry the model's name. With ``client-test-fraction``
+        also every client's own model on its own held-out splits (``personal-*``; ``clients.jsonl``)."""
         for i, (name, params) in enumerate(self.strategy.central_models().items()):
             self.pspec.load_into(self.model, params)
             prefix = f"{name}-" if i else ""
             for split, into in ((self.splits.test, entry.test), (self.splits.validation, entry.validation)):
                 if len(split):
                     into.update({prefix + k: v for k, v in evaluate(self.model, split, seed=self.cfg.seed).items()})
+        if self.cfg.client_test_fraction > 0:  # personalised: each client's model on its own held-out split
+            per_client, _ = client_evaluate(self.grid, self.runner.directory, self.runner.dispatcher, self.strategy,
+                                            self.cfg.reply_timeout_s)
+            entry.personal = personal_summary(per_client)
+            clients = sorted(per_client)
+            self.recorder.clients({"round": entry.round, "clients": clients,
+                                   **{k: [per_client[c].get(k) for c in clients]
+                                      for k in ("eval-accuracy", "eval-loss", "val-loss")},
+                                   **self.strategy.client_report()})
         return entry
 
     def on_step(self, entry: StepLog) -> None:
@@ -88,6 +98,8 @@ class Run:
             self.evaluate(entry)
         self.recorder.round(entry.to_dict())
         acc = f"test-accuracy {entry.test['accuracy']:.4f}" if entry.test else ""
+        if entry.personal.get("clients"):
+            acc += f" personal-accuracy {entry.personal['accuracy']:.4f}"
         log(INFO, "round %d/%d v%d: %d/%d updates, %d failed, %d rejected, %d timed out, %.2fs %s", entry.round,
             cfg.num_rounds, entry.version, entry.accepted, entry.sampled, entry.failures, entry.rejected,
             entry.timeouts, entry.seconds, acc)
@@ -138,6 +150,10 @@ class Run:
             "wall-seconds": time.perf_counter() - t_start, "train-seconds": train_seconds}, models)
         log(INFO, "run %s finished: final test accuracy %.4f (max of last 5 evals %.4f); outputs in %s", self.out.name,
             summary["final-test-accuracy"], summary["max-last-5-evals"], self.out)
+        if "personal-selected-accuracy" in summary:
+            log(INFO, "personalised accuracy (mean over clients): final %.4f, at the lowest validation loss (round %d) "
+                "%.4f", summary["personal-final-accuracy"], summary["personal-selected-round"],
+                summary["personal-selected-accuracy"])
         return self.out
 
 

@@ -40,7 +40,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from server_app.messaging import Dispatcher, NodeDirectory, RejectedReply, parse_reply, weighted_mean
-from strategies.base import Payload, Strategy, Update
+from strategies.base import Payload, Strategy, Unusable, Update
 
 CLOCKS = ("virtual", "wall")
 
@@ -77,16 +77,19 @@ class StepLog:
     failures: int = 0  # error replies: exception on the device, node unavailable
     rejected: int = 0  # replies that arrived but could not be used (shape, NaN, missing keys, wrong version)
     timeouts: int = 0  # no reply within reply-timeout-s
+    bytes_down: int = 0  # models and arrays sent in this step's dispatches (float32)
+    bytes_up: int = 0  # ... and received in its accepted updates
     staleness: list[int] = field(default_factory=list)
     train: dict[str, float] = field(default_factory=dict)
     test: dict[str, float] = field(default_factory=dict)
     validation: dict[str, float] = field(default_factory=dict)  # with validation-size, for tuning
+    personal: dict[str, float] = field(default_factory=dict)  # every client's model on its own held-out split
     strategy: dict[str, float] = field(default_factory=dict)  # what the step's last strategy step measured
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items()
-               if k not in ("train", "test", "validation", "staleness", "strategy")}
+        out = {k.replace("_", "-"): v for k, v in self.__dict__.items()
+               if k not in ("train", "test", "validation", "personal", "staleness", "strategy")}
         out.update(self.strategy)
         if self.staleness:
             out["staleness-mean"] = float(np.mean(self.staleness))
@@ -94,6 +97,7 @@ class StepLog:
         out.update({f"train-{k.removeprefix('train-')}": v for k, v in self.train.items()})
         out.update({f"test-{k}": v for k, v in self.test.items()})
         out.update({f"val-{k}": v for k, v in self.validation.items()})
+        out.update({f"personal-{k}": v for k, v in self.personal.items()})
         return out
 
 
@@ -141,6 +145,7 @@ class Runner:
         self._reachable_at = -1e9
         self._t0 = time.perf_counter()
         self._step_metrics: dict[str, float] = {}  # what the last strategy step of the current step measured
+        self._bytes_down = 0  # payload bytes dispatched in the current step
         self.reply_to_dispatch: list[float] = []  # wall clock: seconds from a reply to the next dispatch
 
     # -- checkpointing ------------------------------------------------------------------------
@@ -187,6 +192,7 @@ class Runner:
         flights = []
         for c in clients:
             payload = self.strategy.model_for(c)
+            self._bytes_down += payload.nbytes
             self._seq += 1
             flights.append(Flight(self._seq, c, self.strategy.version, step,
                                   step + self.delay() if virtual else -1, payload, self.dispatcher.next_seed(c)))
@@ -248,7 +254,9 @@ class Runner:
                 if (update.client, update.base_version) != (flight.client, flight.version):
                     raise RejectedReply(f"reply is for client {update.client} at version {update.base_version}, "
                                         f"but client {flight.client} was sent version {flight.version}")
-            except RejectedReply as err:
+                update.sent = flight.payload
+                self.strategy.check(update)
+            except (RejectedReply, Unusable) as err:
                 outcome, reason = ("failure" if reply.has_error() else "rejected"), str(err)
                 if reply.has_error():
                     entry.failures += 1
@@ -258,11 +266,11 @@ class Runner:
             log(WARNING, "step %d: update of client %d (node %d) lost: %s", step, flight.client, flight.node, reason)
             self.on_event({**event, "outcome": outcome, "reason": reason})
             return False
-        update.sent = flight.payload
         staleness = update.staleness(self.strategy.version)
         self.strategy.receive(update)
         accepted.append(update)
         entry.accepted += 1
+        entry.bytes_up += update.nbytes
         entry.staleness.append(staleness)
         if self.strategy.ready():
             self._step_metrics = self.strategy.step(self.server_data)
@@ -270,7 +278,7 @@ class Runner:
         return True
 
     def open_step(self, step: int) -> tuple[StepLog, list[Update]]:
-        self._step_metrics = {}
+        self._step_metrics, self._bytes_down = {}, 0
         return StepLog(step, self.strategy.version), []
 
     def close_step(self, entry: StepLog, accepted: list[Update], started: float) -> StepLog:
@@ -278,6 +286,7 @@ class Runner:
         if self.strategy.ready():
             self._step_metrics = self.strategy.step(self.server_data)
         entry.version = self.strategy.version
+        entry.bytes_down = self._bytes_down
         entry.strategy = dict(self._step_metrics)
         entry.train = weighted_mean((u.num_examples, u.metrics) for u in accepted)
         entry.seconds = time.perf_counter() - started

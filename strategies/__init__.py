@@ -11,10 +11,15 @@ from strategies.base import STRATEGIES, Payload, Strategy, Update
 from strategies.ca2fl import CA2FL
 from strategies.fedasync import FedAsync
 from strategies.fedavg import FedAvg
+from strategies.fedavg_plus import FedAvgPlus
 from strategies.fedbuff import FedBuff
 from strategies.feddf import FedDF
 from strategies.feddle import Feddle
+from strategies.fedem import FedEM
+from strategies.fedmerge import FedMerge
 from strategies.hybrid_baselines import HFCL, Center, FedFT
+from strategies.ifca import IFCA
+from strategies.local import Local
 from strategies.scaffold import Scaffold
 
 
@@ -25,5 +30,6 @@ def build_strategy(name: str, options: dict[str, Any], *, seed: int = 0, num_cli
     return cls(make_options(cls.Config, options), seed=seed, num_clients=num_clients, recipe=recipe)
 
 
-__all__ = ["CA2FL", "HFCL", "STRATEGIES", "Center", "FedAsync", "FedAvg", "FedBuff", "FedDF", "FedFT", "Feddle",
-           "Payload", "Scaffold", "Strategy", "Update", "build_strategy"]
+__all__ = ["CA2FL", "HFCL", "IFCA", "STRATEGIES", "Center", "FedAsync", "FedAvg", "FedAvgPlus", "FedBuff", "FedDF",
+           "FedEM", "FedFT", "FedMerge", "Feddle", "Local", "Payload", "Scaffold", "Strategy", "Update",
+           "build_strategy"]

@@ -4,12 +4,14 @@ A strategy owns the method's models and math. It never touches the network or th
 (``server_app/``) decides when to dispatch and collects replies, then calls
 
     model_for(client) -> Payload     what `client` gets for a train or an evaluation dispatch
+    check(update)                    raise Unusable if a parsed update cannot be used (optional)
     receive(update)                  one client's update (it carries the Payload it answers: ``sent``)
     close_round()                    no more updates come for this round (or step)
     ready() -> bool                  enough has arrived for a step
     step(server) -> metrics          the server's step: may change several models; `server` is the
                                      server's own data (``common.server_data.ServerData``) or None
     central_models() -> {name: ω}    the model(s) the server evaluates on its test split and saves
+    client_report() -> {name: list}  per-client state recorded beside the personalised evaluation (optional)
     state_dict() / load_state_dict() everything a resumed run needs
 
 One global model ω is the default case: ``model_for`` sends it to everybody and ``central_models``
@@ -42,6 +44,12 @@ class Payload:
     params: torch.Tensor  # the model the client starts from (flat trainable parameters)
     arrays: dict[str, torch.Tensor] = field(default_factory=dict)  # extra tensors (a server gradient, examples)
     config: dict[str, Any] = field(default_factory=dict)  # method settings for the client's local work
+    memo: dict[str, torch.Tensor] = field(default_factory=dict)  # kept with the flight on the server, never sent
+
+    @property
+    def nbytes(self) -> int:
+        """What travels to the client: the model and the extra arrays, as float32 (the config aside)."""
+        return 4 * (self.params.numel() + sum(a.numel() for a in self.arrays.values()))
 
 
 @dataclass
@@ -56,6 +64,11 @@ class Update:
     metrics: dict[str, float] = field(default_factory=dict)
     sent: Payload | None = None  # the payload this update answers (its model: ω^τ, for stale updates too)
 
+    @property
+    def nbytes(self) -> int:
+        """What the client sent: the delta and the extra arrays, as float32 (the metrics aside)."""
+        return 4 * (self.delta.numel() + sum(a.numel() for a in self.arrays.values()))
+
     def staleness(self, version: int) -> int:
         return version - self.base_version
 
@@ -65,6 +78,11 @@ class Update:
         if self.sent is None:
             raise ValueError(f"the update of client {self.client} does not carry the payload it answers")
         return self.sent.params
+
+
+class Unusable(ValueError):
+    """An update that parsed but that this strategy cannot use (:meth:`Strategy.check`): the runner rejects,
+    counts and logs it, and the run goes on."""
 
 
 STRATEGIES: dict[str, type[Strategy]] = {}
@@ -118,6 +136,10 @@ class Strategy(ABC):
         """What `client` gets now, for a train or an evaluation dispatch (default: ω to everybody)."""
         return Payload(self.params)
 
+    def check(self, update: Update) -> None:
+        """Raise :class:`Unusable`, saying why, if `update` (with ``sent`` set) cannot enter :meth:`receive`
+        (IFCA: a model index out of range). Default: every well-formed update can."""
+
     @abstractmethod
     def receive(self, update: Update) -> None:
         """Take one client's update."""
@@ -137,6 +159,11 @@ class Strategy(ABC):
     def central_models(self) -> dict[str, torch.Tensor]:
         """The model(s) the server evaluates on its test split and saves; the first is the headline."""
         return {"global": self.params}
+
+    def client_report(self) -> dict[str, list]:
+        """Per-client state recorded with every personalised evaluation (``clients.jsonl``), one entry per
+        client id (FedMerge: each client's merging weights); default none."""
+        return {}
 
     def describe(self) -> dict[str, Any]:
         """The strategy's hyperparameters by key, for logs and summary.json."""

@@ -16,6 +16,7 @@ from helpers import Crash, crashing, digest, faulty_client_app, rows
 from torch import nn
 
 from client_app.app import app as client_app
+from common.protocol import COMPONENT_DELTAS, COMPONENTS, MIXTURE
 from server_app.config import load_config
 from server_app.inprocess import InProcessGrid, run_inprocess
 from server_app.run import Run, build_run
@@ -55,12 +56,23 @@ def built(tmp_path: Path, name: str, run_name: str, **kw: Any) -> Run:
     return r
 
 
+# What a strategy's clients send back besides the delta (made up like the delta, for `feed`)
+REPLY_ARRAYS = {"fedem": lambda sent, gen: {COMPONENT_DELTAS: 0.01 * torch.randn(sent.arrays[COMPONENTS].shape,
+                                                                                  generator=gen),
+                                            MIXTURE: torch.softmax(torch.randn(sent.arrays[MIXTURE].shape,
+                                                                               generator=gen), 0)}}
+
+
 def feed(r: Run, step: int) -> None:
     """The same two made-up updates, then the end of a step, into `r`'s strategy."""
     s = r.strategy
     for c in (0, 1):
-        delta = 0.01 * torch.randn(s.spec.numel, generator=torch.Generator().manual_seed(10 * step + c))
-        s.receive(Update(c, s.version, delta, 10 + c, sent=s.model_for(c)))
+        gen = torch.Generator().manual_seed(10 * step + c)
+        delta, sent = 0.01 * torch.randn(s.spec.numel, generator=gen), s.model_for(c)
+        arrays = REPLY_ARRAYS[s.name](sent, gen) if s.name in REPLY_ARRAYS else {}
+        update = Update(c, s.version, delta, 10 + c, arrays=arrays, sent=sent)
+        s.check(update)
+        s.receive(update)
         if s.ready():
             s.step(r.server_data)
     s.close_round()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.data import DataSpec, client_partition, load_dataset, make_splits, partition_indices
+from common.data import DataSpec, client_holdout, client_partition, load_dataset, make_splits, partition_indices
 
 
 def spec(**kw) -> DataSpec:
@@ -76,6 +76,30 @@ def test_client_partition_matches_indices_and_checks_its_id():
     np.testing.assert_array_equal(part.y, make_splits(s).train.y[partition_indices(s)[3]])
     with pytest.raises(ValueError, match="partition-id 10"):
         client_partition(s, 10)
+
+
+def test_a_client_holds_out_its_own_test_and_validation_parts_of_its_partition():
+    s = spec(client_test_fraction=1 / 6, client_validation_fraction=1 / 12, label_noise=0.3)
+    for pid in (0, 7):
+        parts = client_holdout(s, pid)
+        whole = partition_indices(s)[pid]
+        np.testing.assert_array_equal(np.sort(np.concatenate(list(parts.values()))), whole)  # disjoint, complete
+        assert len(parts["test"]) == round(len(whole) / 6) and len(parts["validation"]) == round(len(whole) / 12)
+        for name, idx in parts.items():
+            np.testing.assert_array_equal(client_partition(s, pid, name).x, make_splits(s).train.x[idx])
+        # label noise is on training labels only: the held-out parts keep the true labels
+        np.testing.assert_array_equal(client_partition(s, pid, "test").y, make_splits(s).train.y[parts["test"]])
+    assert all(np.array_equal(a, b) for a, b in zip(client_holdout(s, 3).values(), client_holdout(s, 3).values()))
+    moved = client_holdout(spec(client_test_fraction=1 / 6, client_validation_fraction=1 / 12, seed=1), 3)["test"]
+    assert not np.array_equal(moved, client_holdout(spec(client_test_fraction=1 / 6, client_validation_fraction=1 / 12,
+                                                         seed=2), 3)["test"])
+    # no holdout: the partition is the training data, as before
+    np.testing.assert_array_equal(client_partition(spec(), 3).y, make_splits(spec()).train.y[partition_indices(spec())[3]])
+    assert len(client_partition(spec(), 3, "test")) == 0
+    with pytest.raises(ValueError, match="nothing to train on"):
+        client_holdout(spec(client_test_fraction=0.9, client_validation_fraction=0.9), 0)
+    with pytest.raises(ValueError, match="client part 'val'"):
+        client_partition(s, 0, "val")
 
 
 def test_spec_round_trips_through_message_config():

@@ -57,6 +57,23 @@ def test_flwr_run_simulation_completes_and_matches_in_process(tmp_path):
 
 
 @pytest.mark.e2e
+def test_fedmerge_under_flwr_run_sends_each_client_its_own_model(tmp_path):
+    """Personalised evaluation under `flwr run`: every client's loss on its own test split matches the in-process
+    run's, where tests/test_fedmerge.py checks each is its own merge softmax(A_i)·Θ; the merges differ."""
+    job = {**JOB, "num-clients": 4, "clients-per-round": 4, "num-rounds": 3, "strategy": "fedmerge",
+           "global-models": 3, "partitioner": "clusters", "num-clusters": 2, "client-test-fraction": 0.25,
+           "client-validation-fraction": 0.1}
+    sim = simulate.simulate({**job, "output-dir": str(tmp_path), "run-name": "sim"}, tmp_path / "flwr-home")
+    ref = run_inprocess({**job, "output-dir": str(tmp_path), "run-name": "ref"})
+    last = [json.loads((out / "clients.jsonl").read_text().splitlines()[-1]) for out in (sim, ref)]
+    assert last[0]["round"] == last[1]["round"] == 3 and last[0]["clients"] == [0, 1, 2, 3]
+    assert max(abs(a - b) for a, b in zip(last[0]["eval-loss"], last[1]["eval-loss"])) < 1e-3
+    weights = torch.tensor(last[0]["merge-weights"])
+    assert torch.allclose(weights, torch.tensor(last[1]["merge-weights"]), atol=1e-4)
+    assert float((weights - weights.mean(0)).abs().max()) > 1e-3  # the clients' merges are not all the same
+
+
+@pytest.mark.e2e
 def test_virtual_clock_events_are_the_same_under_flwr_run_and_in_process(tmp_path):
     """The virtual clock decides the event sequence from the seed alone, whatever order Ray's workers
     physically answer in."""

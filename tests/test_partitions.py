@@ -158,3 +158,25 @@ def test_unknown_scheme_and_too_many_clients():
     with pytest.raises(ValueError, match="cannot fill"):
         P.partition("iid", LABELS[:5], K, 0)
     assert set(P.PARTITIONERS) == {"iid", "dirichlet", "pathological", "clusters", "natural", "feddual"}
+
+
+def test_picked_cluster_classes_keep_the_codes_structure_on_ten_classes():
+    """FedMerge's code picks 30 of CIFAR-100's classes per cluster from a refilled pool: clusters 1–3 disjoint,
+    4–5 reuse classes. 3 of 10 per cluster keeps that on Fashion-MNIST; shared classes go to both clusters."""
+    labels = np.repeat(np.arange(10), 60)
+    parts = P.clusters(labels, 20, 5, seed=3, alpha=10.0, sizes="fedmerge", classes_per_cluster=3)
+    rng = np.random.default_rng([3, 1])  # the partitioners' stream: the groups are drawn first, then the sizes
+    groups = P._picked_groups(np.arange(10), 5, 3, rng)
+    block = P._fedmerge_cluster_sizes(20, 5, rng)
+    assert all(len(g) == 3 for g in groups)
+    assert len(set(np.concatenate(groups[:3]))) == 9  # the first three are disjoint
+    owner = np.repeat(np.arange(5), block)  # client -> cluster (id blocks)
+    for client, part in enumerate(parts):
+        assert set(labels[part]) <= set(groups[owner[client]])
+    held = np.concatenate(parts)
+    assert len(held) == len(np.unique(held))  # no sample twice
+    picked = set(np.concatenate(groups))
+    assert set(labels[held]) == picked and len(held) == 60 * len(picked)  # every sample of a picked class
+    for cls in picked:  # a class several clusters hold reaches clients of each of them
+        holders = {owner[c] for c, part in enumerate(parts) if cls in set(labels[part])}
+        assert holders == {g for g, group in enumerate(groups) if cls in group}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from benchmarks import reproduce_feddle as R
+from benchmarks import runs
 from server_app.config import load_config
 from server_app.inprocess import run_inprocess
 
@@ -60,31 +61,31 @@ def test_an_interrupted_run_is_resumed_from_its_checkpoint_unless_its_configurat
     whole = R._one("k", {**overrides, "run-name": "whole"})
     run_inprocess(overrides)
     (tmp_path / "r" / "summary.json").unlink()  # as if killed after its last checkpoint
-    assert R._interrupted(overrides) == tmp_path / "r"
-    assert R._interrupted({**overrides, "server-lr": 0.5}) is None  # another configuration starts afresh
+    assert runs.interrupted(overrides) == tmp_path / "r"
+    assert runs.interrupted({**overrides, "server-lr": 0.5}) is None  # another configuration starts afresh
     resumed = R._one("k", overrides)
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["resumed-after-step"] == 4
     same = lambda r: {k: v for k, v in r.items() if k != "seconds"}  # noqa: E731
-    assert same(resumed) == same(whole) and resumed["config"] == R.config_digest(overrides)
+    assert same(resumed) == same(whole) and resumed["config"] == runs.config_digest(overrides)
 
 
 def test_a_result_is_run_again_only_when_its_resolved_configuration_changed():
     key, overrides = R.job("feddle-fmnist", "fedbuff", R.MAIN, 0)
-    digest = R.config_digest(overrides)
-    assert R.config_digest({**overrides, "server-lr": 0.5}) != digest
+    digest = runs.config_digest(overrides)
+    assert runs.config_digest({**overrides, "server-lr": 0.5}) != digest
     jobs = [(key, overrides)]
-    assert R.pending(jobs, {}) == jobs
-    assert R.pending(jobs, {key: {"config": digest}}) == []
-    assert R.pending(jobs, {key: {}}) == []  # recorded before digests were kept
-    assert R.pending(jobs, {key: {"config": "0" * 16}}) == jobs  # the preset changed since
+    assert runs.pending(jobs, {}) == jobs
+    assert runs.pending(jobs, {key: {"config": digest}}) == []
+    assert runs.pending(jobs, {key: {}}) == []  # recorded before digests were kept
+    assert runs.pending(jobs, {key: {"config": "0" * 16}}) == jobs  # the preset changed since
 
 
 def test_an_option_added_at_its_default_keeps_the_digests_of_finished_runs():
     config = load_config(R.job("feddle-fmnist", "feddle-id", R.MAIN, 0)[1]).to_dict()
     before = {k: v for k, v in config.items() if k != "search-every"}  # as resolved before that option existed
-    assert R._digest(before) == R._digest(config)
-    assert R._digest({**config, "search-every": "step"}) != R._digest(config)
-    assert R._digest({**config, "run-name": "elsewhere", "output-dir": "/tmp"}) == R._digest(config)
+    assert runs.digest(before) == runs.digest(config)
+    assert runs.digest({**config, "search-every": "step"}) != runs.digest(config)
+    assert runs.digest({**config, "run-name": "elsewhere", "output-dir": "/tmp"}) == runs.digest(config)
 
 
 def test_the_tuning_ranking_reads_the_validation_split_only():
@@ -92,7 +93,7 @@ def test_the_tuning_ranking_reads_the_validation_split_only():
     results = {}
     for extra, val, test in zip(grid, (0.80, 0.80, 0.70, 0.60), (0.50, 0.90, 0.95, 0.99)):
         key, overrides = R.job("feddle-fmnist", "center", R.MAIN, R.TUNE_SEED, extra)
-        results[key] = {"config": R.config_digest(overrides), "val": val, "test": test}
+        results[key] = {"config": runs.config_digest(overrides), "val": val, "test": test}
     rows = [line for line in R.tuning_table(results, "feddle-fmnist", None).splitlines()
             if "server-train-lr" in line and "not run" not in line]
     first = ", ".join(f"{k} {v}" for k, v in grid[0].items())

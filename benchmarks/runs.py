@@ -1,0 +1,125 @@
+"""What every reproduction script shares: resumable, parallel runs of presets in worker processes.
+
+A job is ``(key, overrides)``. Its result is one line of a results file (``runs.jsonl``), appended when
+it finishes; a job whose result is there with the same resolved configuration (:func:`config_digest`) is
+not run again, one whose preset changed since is. A run interrupted mid-way (a session ended) is picked up
+at its last checkpoint (:func:`interrupted`). Several invocations may share a results file.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+
+def digest(config: dict[str, Any]) -> str:
+    """A digest of the keys that differ from their defaults (output folder aside): an option added later, at
+    a default that reproduces the old behaviour, leaves the digests of finished runs as they were."""
+    from server_app.config import option_specs
+
+    from common.config import RunConfig
+
+    defaults = {k: spec.default for k, spec in {**RunConfig.specs(), **option_specs()}.items()}
+    kept = {k: v for k, v in config.items()
+            if k not in ("output-dir", "run-name", "resume") and (k not in defaults or v != defaults[k])}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def config_digest(overrides: dict[str, Any]) -> str:
+    """A digest of the run's resolved configuration (presets applied), output folder aside."""
+    from server_app.config import load_config
+
+    return digest(load_config(overrides).to_dict())
+
+
+def interrupted(overrides: dict[str, Any]) -> Path | None:
+    """The run folder of an earlier, interrupted run of this very configuration (a later session picks it up
+    at its last checkpoint), else None."""
+    from common.config import ConfigError
+    from server_app.checkpoint import CHECKPOINT, read_config
+
+    folder = Path(overrides["output-dir"]) / overrides["run-name"]
+    if not (folder / CHECKPOINT).is_file() or (folder / "summary.json").is_file():
+        return None
+    try:
+        same = digest(read_config(folder)) == config_digest(overrides)
+    except ConfigError:  # an unusable checkpoint: start afresh
+        return None
+    return folder if same else None
+
+
+
+
+def load_results(path: Path) -> dict[str, dict[str, Any]]:
+    if not path.is_file():
+        return {}
+    return {r["key"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def pending(jobs: Iterable[tuple[str, dict[str, Any]]],
+            done: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """The jobs without a result, or whose result was made with another resolved configuration (a record
+    made before digests were kept, without "config", is taken as it is)."""
+    todo, stale = [], []
+    for key, overrides in jobs:
+        if key not in done:
+            todo.append((key, overrides))
+        elif done[key].get("config", "") not in ("", config_digest(overrides)):
+            todo.append((key, overrides))
+            stale.append(key)
+    if stale:
+        print(f"{len(stale)} runs again: their presets changed since they ran ({', '.join(stale)})", flush=True)
+    return todo
+
+
+def append(path: Path, result: dict[str, Any]) -> None:
+    """One result line, appended under an exclusive lock: several invocations may share a results file."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(json.dumps(result) + "\n")
+        f.flush()
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run_all(jobs: Iterable[tuple[str, dict[str, Any]]], path: Path, workers: int,
+            one: Callable[[str, dict[str, Any]], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Run the jobs not yet in `path` (in parallel), appending each result as it finishes. ``one(key, overrides)``
+    runs a job in a worker process (a module-level function) and returns its result: ``key``, ``config``
+    (:func:`config_digest`), ``test``, ``val``, ``seconds`` and whatever the table needs."""
+    done = load_results(path)
+    todo = pending(list(dict(jobs).items()), done)  # a job listed twice runs once
+    path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"{len(todo)} runs to do ({len(done)} already in {path})", flush=True)
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        futures = {pool.submit(one, k, o): k for k, o in todo}
+        for n, fut in enumerate(as_completed(futures), 1):
+            result = fut.result()
+            done[result["key"]] = result
+            append(path, result)
+            print(f"[{n}/{len(todo)}] {result['key']}: test {result['test']:.4f} val {result['val']:.4f} "
+                  f"({result['seconds']:.0f} s)", flush=True)
+    return done
+
+
+def mean_std(values: Sequence[float]) -> str:
+    """Percent, mean ± sample std over seeds (one seed says so)."""
+    pct = [100 * v for v in values]
+    if len(pct) == 1:
+        return f"{pct[0]:.1f} (1 seed)"
+    return f"{statistics.mean(pct):.1f} ± {statistics.stdev(pct):.1f}"
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -1,0 +1,73 @@
+"""FedMerge's baselines that need no new math: Local (no federation) and FedAvg+ (FedAvg, then local
+fine-tuning before each personalised evaluation), checked against what each client should hold."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from common.data import client_partition, data_spec
+from common.models import build_from_config
+from common.params import ParamSpec
+from common.training import EVAL_STREAM, LocalRecipe, derive_seed, evaluate, train
+from server_app.checkpoint import read_checkpoint
+from server_app.config import load_config
+from server_app.inprocess import run_inprocess
+from strategies import Local
+from strategies.base import Update
+
+JOB = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 2, "num-rounds": 4, "local-epochs": 1,
+       "batch-size": 16, "partitioner": "clusters", "num-clusters": 2, "client-test-fraction": 0.25,
+       "eval-every": 2, "checkpoint-every": 4}
+
+
+def test_local_keeps_each_clients_own_model_and_shares_nothing():
+    s = Local(num_clients=3)
+    init = torch.zeros(4)
+    s.initialize(init, ParamSpec(("w",), ((4,),)))
+    first = s.model_for(0)
+    s.receive(Update(0, 0, torch.ones(4), 5, sent=first))
+    s.close_round()
+    s.step()
+    assert torch.equal(s.model_for(0).params, torch.ones(4))
+    assert torch.equal(s.model_for(1).params, init) and torch.equal(s.params, init)
+    s.receive(Update(0, 1, torch.full((4,), 2.0), 5, sent=s.model_for(0)))
+    s.close_round()
+    s.step()
+    assert torch.equal(s.model_for(0).params, torch.full((4,), 3.0))
+
+
+def clients_and_model(out, job):
+    cfg = load_config(job)
+    model = build_from_config(cfg.to_dict(), 1, 8, 4, seed=0)
+    return cfg, model, ParamSpec.of(model), json.loads((out / "clients.jsonl").read_text().splitlines()[-1])
+
+
+def test_local_clients_are_evaluated_with_their_own_models(tmp_path):
+    job = {**JOB, "strategy": "local", "output-dir": str(tmp_path), "run-name": "local"}
+    out = run_inprocess(job)
+    cfg, model, spec, last = clients_and_model(out, job)
+    local = read_checkpoint(out)["strategy"]["local"]
+    assert len(local) == 4
+    for c in range(4):
+        spec.load_into(model, local[c])
+        result = evaluate(model, client_partition(data_spec(cfg), c, "test"), seed=cfg.seed)
+        assert result["loss"] == pytest.approx(last["eval-loss"][c], rel=1e-5)
+
+
+def test_fedavg_plus_fine_tunes_the_global_model_on_each_client_before_evaluating(tmp_path):
+    job = {**JOB, "strategy": "fedavg-plus", "finetune-epochs": 2, "output-dir": str(tmp_path), "run-name": "plus"}
+    out = run_inprocess(job)
+    cfg, model, spec, last = clients_and_model(out, job)
+    state = read_checkpoint(out)["strategy"]
+    recipe = dataclasses.replace(LocalRecipe.from_config(cfg.to_dict()), epochs=2)
+    tuned = []
+    for c in range(4):
+        spec.load_into(model, state["params"])
+        plain = evaluate(model, client_partition(data_spec(cfg), c, "test"), seed=cfg.seed)["loss"]
+        train(model, client_partition(data_spec(cfg), c), recipe, seed=derive_seed(cfg.seed, EVAL_STREAM, c, 4))
+        tuned.append(evaluate(model, client_partition(data_spec(cfg), c, "test"), seed=cfg.seed)["loss"])
+        assert tuned[c] == pytest.approx(last["eval-loss"][c], rel=1e-5) and tuned[c] != pytest.approx(plain)

@@ -1,0 +1,54 @@
+"""benchmarks/reproduce_fedmerge.py: its presets resolve, and what it measures (cluster recovery, the table)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import reproduce_fedmerge as F
+from server_app.config import load_config
+from server_app.inprocess import run_inprocess
+
+
+def test_every_job_resolves_to_the_protocol_with_its_method_and_setting():
+    jobs = F.jobs([0, 1], [0], None)
+    assert len(jobs) == len(F.METHODS) * 2 * 2 + 3 * 2  # the table, then the d sweep without the protocol's d
+    for key, overrides in jobs:
+        cfg = load_config(overrides)
+        assert cfg.num_clients == 50 and cfg.clients_per_round == 50 and cfg.client_test_fraction > 0
+        assert cfg.partitioner == ("clusters" if "-cluster/" in key else "dirichlet")
+    fixed = load_config(F.job("fedmerge-fixed", "cluster", 0)[1])
+    assert fixed.options["fixed-models"] == 5 and fixed.options["global-models"] == 15
+    assert load_config(F.job("fedmerge", "personal", 0)[1]).local_objective == "proximal"
+
+
+def test_cluster_recovery_scores_weights_against_the_clients_class_sets(tmp_path):
+    out = run_inprocess({"dataset": "synthetic", "num-clients": 6, "clients-per-round": 6, "num-rounds": 1,
+                         "local-epochs": 1, "batch-size": 16, "strategy": "fedmerge", "global-models": 3,
+                         "partitioner": "clusters", "num-clusters": 2, "client-test-fraction": 0.2,
+                         "output-dir": str(tmp_path), "run-name": "r"})
+    lines = (out / "clients.jsonl").read_text().splitlines()
+    last = json.loads(lines[-1])
+    last["merge-weights"] = [[0.8, 0.1, 0.1]] * 3 + [[0.1, 0.1, 0.8]] * 3  # clusters are id blocks of 3
+    (out / "clients.jsonl").write_text("\n".join([*lines[:-1], json.dumps(last)]) + "\n")
+    rec = F.cluster_recovery(out)
+    assert rec["ari"] == pytest.approx(1.0) and rec["within"] == 0.0 and rec["between"] == pytest.approx(1.4)
+    last["merge-weights"] = [[0.8, 0.1, 0.1], [0.1, 0.1, 0.8]] * 3  # alternating: no agreement
+    (out / "clients.jsonl").write_text("\n".join([*lines[:-1], json.dumps(last)]) + "\n")
+    assert F.cluster_recovery(out)["ari"] < 0.1
+
+
+def test_the_table_reports_mean_and_std_over_seeds_and_the_papers_numbers():
+    def result(method, setting, seed, acc, extra=""):
+        key = f"{F.FAMILY}/{method}-{setting}/s{seed}" + (f"/{extra}" if extra else "")
+        return key, {"key": key, "test": acc, "worst": acc - 0.2, "bytes-down": 4e5, "bytes-up": 4e5, "ari": 0.5,
+                     "within": 0.1, "between": 0.9, "curve": [[0, 0.1], [10, acc]]}
+
+    results = dict([result("fedmerge", "cluster", s, a) for s, a in ((0, 0.80), (1, 0.90), (2, 0.85))]
+                   + [result("fedavg", "cluster", 0, 0.6), result("fedmerge", "cluster", 0, 0.7, "global-models=10")])
+    text = F.table(results)
+    assert "| FedMerge | 85.0 ± 5.0 | — | 65.0 ± 5.0 | 0.40 / 0.40 | 53.27; 51.18 |" in text
+    assert "| FedAvg | 60.0 (1 seed) |" in text
+    assert "| 10 | 70.0 (1 seed) | — | 0.50 | 0.10 | 0.90 |" in text
+    assert "| 5 | 85.0 ± 5.0 |" in text  # the protocol's d is the table's own runs
