@@ -45,7 +45,7 @@ PAPER_TABLE_2 = {"cluster": {"fedavg": "30.29", "fedmerge-fixed": "32.52 (5/15)"
 
 
 def job(method: str, setting: str, seed: int, extra: dict[str, Any] | None = None,
-        rounds: int | None = None, results_dir: Path | None = None) -> tuple[str, dict[str, Any]]:
+        rounds: int | None = None) -> tuple[str, dict[str, Any]]:
     extra = {**(extra or {}), **({"num-rounds": rounds} if rounds else {})}
     tail = ",".join(f"{k}={v}" for k, v in sorted(extra.items()))
     key = f"{FAMILY}/{method}-{setting}/s{seed}" + (f"/{tail}" if tail else "")

@@ -164,12 +164,12 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     config = msg.content[CONFIG]
     pid, spec, model, pspec = _load(msg, context)
     extras = extras_from_record(msg.content[EXTRAS]) if EXTRAS in msg.content.array_records else {}
-    choose_candidate(model, pspec, extras, client_partition(spec, pid), spec.seed)
+    own = client_partition(spec, pid)  # the client's training data: IFCA's choice, FedAvg+'s fine-tuning
+    choose_candidate(model, pspec, extras, own, spec.seed)
     if epochs := int(config.get(FINETUNE_EPOCHS, 0)):
         recipe = dataclasses.replace(LocalRecipe.from_config(config), epochs=epochs, objective="cross-entropy",
                                      objective_options=())
-        train(model, client_partition(spec, pid), recipe,
-              seed=derive_seed(spec.seed, EVAL_STREAM, pid, int(config[VERSION])))
+        train(model, own, recipe, seed=derive_seed(spec.seed, EVAL_STREAM, pid, int(config[VERSION])))
     if MIXTURE in extras:
         components = components_of(pspec, pspec.flatten(model), extras)
         assess = lambda d: evaluate_mixture(model, pspec, components, extras[MIXTURE], d, spec.seed)  # noqa: E731

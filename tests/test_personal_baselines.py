@@ -12,7 +12,7 @@ import torch
 from common.data import client_partition, data_spec
 from common.models import build_from_config
 from common.params import ParamSpec
-from common.training import EVAL_STREAM, LocalRecipe, derive_seed, evaluate, train
+from common.training import EVAL_STREAM, LocalRecipe, derive_seed, evaluate, evaluate_mixture, train
 from server_app.checkpoint import read_checkpoint
 from server_app.config import load_config
 from server_app.inprocess import run_inprocess
@@ -71,3 +71,35 @@ def test_fedavg_plus_fine_tunes_the_global_model_on_each_client_before_evaluatin
         train(model, client_partition(data_spec(cfg), c), recipe, seed=derive_seed(cfg.seed, EVAL_STREAM, c, 4))
         tuned.append(evaluate(model, client_partition(data_spec(cfg), c, "test"), seed=cfg.seed)["loss"])
         assert tuned[c] == pytest.approx(last["eval-loss"][c], rel=1e-5) and tuned[c] != pytest.approx(plain)
+
+
+def test_ifca_clients_evaluate_the_cluster_model_of_lowest_training_loss(tmp_path):
+    job = {**JOB, "strategy": "ifca", "global-models": 3, "output-dir": str(tmp_path), "run-name": "ifca"}
+    out = run_inprocess(job)
+    cfg, model, spec, last = clients_and_model(out, job)
+    theta = read_checkpoint(out)["strategy"]["theta"]
+    picks = set()
+    for c in range(4):
+        train_losses = []
+        for t in theta:
+            spec.load_into(model, t)
+            train_losses.append(evaluate(model, client_partition(data_spec(cfg), c), seed=cfg.seed)["loss"])
+        best = min(range(3), key=train_losses.__getitem__)
+        picks.add(best)
+        spec.load_into(model, theta[best])
+        result = evaluate(model, client_partition(data_spec(cfg), c, "test"), seed=cfg.seed)
+        assert result["loss"] == pytest.approx(last["eval-loss"][c], rel=1e-5)
+    assert picks != {0}  # some client evaluates a model other than the message's own
+
+
+def test_fedem_clients_evaluate_their_mixture(tmp_path):
+    job = {**JOB, "strategy": "fedem", "global-models": 2, "output-dir": str(tmp_path), "run-name": "fedem"}
+    out = run_inprocess(job)
+    cfg, model, spec, last = clients_and_model(out, job)
+    state = read_checkpoint(out)["strategy"]
+    for c in range(4):
+        mixed = evaluate_mixture(model, spec, state["theta"], state["pi"][c],
+                                 client_partition(data_spec(cfg), c, "test"), seed=cfg.seed)
+        assert mixed["loss"] == pytest.approx(last["eval-loss"][c], rel=1e-5)
+    assert torch.allclose(torch.tensor(last["mixture"]), state["pi"])
+    assert not torch.allclose(state["pi"], torch.full_like(state["pi"], 0.5))  # the clients' π moved
