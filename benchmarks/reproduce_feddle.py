@@ -43,13 +43,12 @@ accuracy at several steps and the server-data loss beside the validation loss (`
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.runs import config_digest, interrupted, mean_std, pyplot, run_all
+from benchmarks.runs import config_digest, finished_run, mean_std, pyplot, run_all
 
 SETTINGS: list[tuple[float, int]] = [(0.1, 20), (0.1, 5), (0.3, 20), (0.3, 5)]
 MAIN = (0.1, 20)
@@ -189,17 +188,7 @@ def series(rows: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
 def _one(key: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """One run in this worker process (one torch thread); its summary numbers, test-accuracy curve and
     per-evaluation :func:`series`."""
-    import logging
-
-    import torch
-
-    from server_app.inprocess import run_inprocess
-
-    torch.set_num_threads(1)
-    logging.getLogger("flwr").setLevel(logging.WARNING)
-    out = run_inprocess({"resume": str(folder)} if (folder := interrupted(overrides)) else overrides)
-    summary = json.loads((out / "summary.json").read_text())
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    _, summary, rows = finished_run(overrides)
     return {"key": key, "config": config_digest(overrides), "test": summary["max-last-5-evals"],
             "val": summary["val-max-last-5-evals"], "seconds": summary["wall-seconds"],
             "accepted": summary["total-accepted"],

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.runs import config_digest, interrupted, mean_std, pyplot, run_all
+from benchmarks.runs import config_digest, finished_run, mean_std, pyplot, run_all
 
 FAMILY = "fedmerge-fmnist"
 SETTINGS = ("cluster", "personal")
@@ -81,17 +81,7 @@ def cluster_recovery(out: Path) -> dict[str, float]:
 
 def _one(key: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """One run in this worker (one torch thread): its personalised headline, curve and cost."""
-    import logging
-
-    import torch
-
-    from server_app.inprocess import run_inprocess
-
-    torch.set_num_threads(1)
-    logging.getLogger("flwr").setLevel(logging.WARNING)
-    out = run_inprocess({"resume": str(folder)} if (folder := interrupted(overrides)) else overrides)
-    summary = json.loads((out / "summary.json").read_text())
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    out, summary, rows = finished_run(overrides)
     selected = next(r for r in rows if r["round"] == summary["personal-selected-round"])
     return {"key": key, "config": config_digest(overrides), "test": summary["personal-selected-accuracy"],
             "val": selected["personal-val-accuracy"], "final": summary["personal-final-accuracy"],

@@ -54,6 +54,20 @@ def interrupted(overrides: dict[str, Any]) -> Path | None:
     return folder if same else None
 
 
+def finished_run(overrides: dict[str, Any]) -> tuple[Path, dict[str, Any], list[dict[str, Any]]]:
+    """Run `overrides` in-process in this worker (one torch thread; an interrupted run of the same configuration
+    is resumed) and return its folder, summary.json and metrics.jsonl rows."""
+    import logging
+
+    import torch
+
+    from server_app.inprocess import run_inprocess
+
+    torch.set_num_threads(1)
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    out = run_inprocess({"resume": str(folder)} if (folder := interrupted(overrides)) else overrides)
+    summary = json.loads((out / "summary.json").read_text())
+    return out, summary, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def load_results(path: Path) -> dict[str, dict[str, Any]]:

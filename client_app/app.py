@@ -10,7 +10,8 @@ needs no run configuration of its own.
 Replies: ``train`` runs the local recipe with the client objective the message names
 (``local-objective``: cross-entropy, FedProx's proximal term, ...; common/objectives.py) from the
 received model and extra arrays, and returns the *delta* of the trainable parameters plus
-``num-examples``, ``partition-id``, ``base-version`` and training metrics; ``evaluate`` returns the
+``num-examples``, ``partition-id``, ``base-version``, training metrics and the objective's own (with
+``loss-gradient`` in the config, also the gradient FedDUAL's code aggregates); ``evaluate`` returns the
 received model's loss and accuracy on the node's own held-out splits (personalised evaluation) or, when
 the run holds none out, on its partition; ``query`` returns the node's partition id.
 An exception inside a handler becomes an error reply (``CLIENT_APP_RAISED_EXCEPTION``).
@@ -37,8 +38,9 @@ from common.models import build_from_config, model_config
 from common.objectives import Received, build_loss
 from common.params import ParamSpec, extras_from_record, extras_to_record
 from common.protocol import (ARRAYS, BASE_VERSION, CANDIDATE, CANDIDATES, COMPONENT_DELTAS, COMPONENTS, CONFIG, EXTRAS,
-                             FINETUNE_EPOCHS, METRICS, MIXTURE, NUM_EXAMPLES, PARTITION_ID, TRAIN_SEED, VERSION)
-from common.training import (EVAL_STREAM, LocalRecipe, derive_seed, evaluate, evaluate_mixture, train,
+                             FINETUNE_EPOCHS, LOSS_GRADIENT, METRICS, MIXTURE, NUM_EXAMPLES, PARTITION_ID, TRAIN_SEED,
+                             VERSION)
+from common.training import (EVAL_STREAM, LocalRecipe, derive_seed, evaluate, evaluate_mixture, loss_gradient, train,
                              train_mixture)
 
 app = ClientApp()
@@ -134,7 +136,7 @@ def train_handler(msg: Message, context: Context) -> Message:
     extras = extras_from_record(msg.content[EXTRAS]) if EXTRAS in msg.content.array_records else {}
     chosen = choose_candidate(model, pspec, extras, data, spec.seed)
     start = pspec.flatten(model)
-    received = Received(model, [p.detach().clone() for p in model.parameters() if p.requires_grad], extras)
+    received = Received(model, [p.detach().clone() for p in model.parameters() if p.requires_grad], extras, data=data)
     if MIXTURE in extras:  # FedEM: every component, weighted by the E-step's responsibilities
         components = components_of(pspec, start, extras)
         trained, pi, metrics = train_mixture(model, pspec, components, extras[MIXTURE], data, recipe,
@@ -145,7 +147,10 @@ def train_handler(msg: Message, context: Context) -> Message:
         loss = build_loss(recipe.objective, dict(config), received)
         metrics = train(model, data, recipe, seed=int(config[TRAIN_SEED]), loss=loss)
         delta = pspec.flatten(model) - start
-    reply = MetricRecord({NUM_EXAMPLES: len(data), PARTITION_ID: pid, BASE_VERSION: int(config[VERSION]), **metrics})
+    if arrays := int(config.get(LOSS_GRADIENT, 0)):
+        received.reply[LOSS_GRADIENT] = loss_gradient(model, data, arrays)
+    reply = MetricRecord({NUM_EXAMPLES: len(data), PARTITION_ID: pid, BASE_VERSION: int(config[VERSION]), **metrics,
+                          **received.metrics})
     if CANDIDATES in extras:
         reply[CANDIDATE] = chosen
     content = RecordDict({ARRAYS: pspec.to_record(delta), METRICS: reply})

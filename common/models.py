@@ -16,6 +16,7 @@ Registry (:data:`MODELS`) and default input sizes (``input_size=0`` picks the de
 name       network                                     default input    trainable
 =========  ==========================================  ===============  =====================
 cnn        the papers' CNN (from scratch)               the data's own   all
+lenet      FedDUAL's LeNet (from scratch, its code)     28               all
 resnet18   torchvision ResNet-18, new ``fc`` head       224 (papers)     all (full fine-tuning)
 vit-b16    torchvision ViT-B/16, new head               224 (papers)     LoRA adapters + head
 vit-small  torchvision ViT, 6 layers, hidden 192        32               LoRA adapters + head
@@ -189,6 +190,40 @@ class CNN(AdaptedNet):
             nn.ReLU(),
         )
         self.head = nn.Linear(4 * width, num_classes)
+
+
+class LeNet(AdaptedNet):
+    """FedDUAL's "LeNet" for Fashion-MNIST, as its reference code builds it (spec feddual-and-mixing.md A.3):
+    conv 5x5 (6, tanh) -> avg-pool 2 -> conv 5x5 (6, tanh) -> avg-pool 2 -> dense 120 (tanh) applied to
+    the channel axis of the 4x4x6 map (the code applies it before flattening) -> flatten 1920 -> dense 84
+    (tanh) -> dense `num_classes`: 164,116 parameters for 10 classes. Initialised as Keras does (Glorot
+    uniform kernels, zero biases). Valid convolutions need 28x28 inputs: the adapter resizes others.
+    """
+
+    def __init__(self, in_channels: int, num_classes: int, input_size: int = 28) -> None:
+        super().__init__()
+        if (input_size - 4) // 2 - 4 < 1:
+            raise ValueError(f"lenet needs input_size >= 14 (two valid 5x5 convolutions), got {input_size}")
+        side = ((input_size - 4) // 2 - 4) // 2
+        self.adapt = InputAdapter(in_channels, input_size, "none")
+        self.body = nn.Sequential(
+            nn.Conv2d(in_channels, 6, 5), nn.Tanh(), nn.AvgPool2d(2),
+            nn.Conv2d(6, 6, 5), nn.Tanh(), nn.AvgPool2d(2),
+            _ChannelsLast(), nn.Linear(6, 120), nn.Tanh(),  # Dense(120) on the channel axis, as the code
+            nn.Flatten(), nn.Linear(120 * side * side, 84), nn.Tanh(),
+        )
+        self.head = nn.Linear(84, num_classes)
+        for m in self.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                nn.init.xavier_uniform_(m.weight)
+                nn.init.zeros_(m.bias)
+
+
+class _ChannelsLast(nn.Module):
+    """(N, C, H, W) -> (N, H, W, C): a Keras Dense layer before Flatten acts on the last (channel) axis."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.permute(0, 2, 3, 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -427,19 +462,28 @@ def _cnn(in_channels: int, image_size: int, num_classes: int, *, seed: int, pret
         return CNN(in_channels, image_size, num_classes, width=cnn_width, input_size=input_size)
 
 
+def _lenet(in_channels: int, image_size: int, num_classes: int, *, seed: int, pretrained_weights: str = "",
+           input_size: int = 0, normalize: str = "", **_: object) -> LeNet:
+    if pretrained_weights or normalize not in ("", "none"):
+        raise ValueError("model 'lenet' is trained from scratch on unnormalised inputs: pretrained_weights and "
+                         "normalize are not supported")
+    with _seeded(seed):
+        return LeNet(in_channels, num_classes, input_size or DEFAULT_INPUT_SIZE["lenet"])
+
+
 def _resnet18(in_channels: int, image_size: int, num_classes: int, **options) -> ResNet18:
     options = {k: v for k, v in options.items() if not k.startswith(("lora_", "cnn_"))}  # no LoRA: full fine-tuning
     return ResNet18(in_channels, image_size, num_classes, **options)
 
 
 # name -> builder(in_channels, image_size, num_classes, *, seed, **options)
-MODELS: dict[str, Callable[..., AdaptedNet]] = {"cnn": _cnn, "resnet18": _resnet18, "vit-b16": _vit_b16,
-                                                "vit-small": _vit_small}
+MODELS: dict[str, Callable[..., AdaptedNet]] = {"cnn": _cnn, "lenet": _lenet, "resnet18": _resnet18,
+                                                "vit-b16": _vit_b16, "vit-small": _vit_small}
 # options every builder accepts (models ignore the LoRA ones when they have no LoRA), with defaults
 MODEL_OPTIONS: dict[str, object] = {"pretrained_weights": "", "input_size": 0, "normalize": "",
                                     "lora_rank": 4, "lora_alpha": 8.0, "lora_targets": "q,v",
                                     "batch_norm": "batch", "cnn_width": 32}
-DEFAULT_INPUT_SIZE: dict[str, int | None] = {"cnn": None, "resnet18": 224, "vit-b16": 224, "vit-small": 32}
+DEFAULT_INPUT_SIZE: dict[str, int | None] = {"cnn": None, "lenet": 28, "resnet18": 224, "vit-b16": 224, "vit-small": 32}
 
 
 def build_model(name: str, in_channels: int, image_size: int, num_classes: int, seed: int,

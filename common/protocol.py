@@ -23,3 +23,8 @@ CANDIDATES, CANDIDATE = "candidates", "candidate"
 # Keys of FedEM's extra arrays: the payload's other components and the client's mixture weights π (the
 # message's model is component 1); the reply's deltas of the other components and the new π.
 COMPONENTS, MIXTURE, COMPONENT_DELTAS = "components", "mixture", "component-deltas"
+
+# FedDUAL's code (dynamic-source = loss-gradient): a train message's config asks for the gradient of the summed
+# cross-entropy over the client's whole training data, at its trained model, w.r.t. its last this-many parameter
+# arrays; the reply carries it (flat) as the extra array of the same name.
+LOSS_GRADIENT = "loss-gradient"

@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from common.config import specs_of
 from common.datasets import ArrayDataset
-from common.objectives import OBJECTIVES, BatchLoss
+from common.objectives import OBJECTIVES, BatchLoss, LocalLoss
 from common.params import ParamSpec
 
 
@@ -79,11 +79,12 @@ def make_optimizer(recipe: LocalRecipe, params: Iterable[nn.Parameter]) -> torch
 
 
 def run_epochs(optimizer: torch.optim.Optimizer, n: int, batch_size: int, epochs: int, seed: int,
-               batch_loss: Callable[[torch.Tensor], torch.Tensor]) -> float:
+               batch_loss: Callable[[torch.Tensor], torch.Tensor],
+               epoch_end: Callable[[], None] | None = None) -> float:
     """The one training loop: `epochs` passes over `n` samples, each in mini-batches of a fresh shuffle
     drawn from `seed`; per batch of indices ``idx`` (on the CPU): zero the gradients,
-    ``batch_loss(idx).backward()``, ``optimizer.step()``. A lone trailing sample is skipped (BatchNorm
-    cannot train on a batch of one). Returns the mean batch loss per sample."""
+    ``batch_loss(idx).backward()``, ``optimizer.step()``; ``epoch_end()`` after each pass. A lone trailing
+    sample is skipped (BatchNorm cannot train on a batch of one). Returns the mean batch loss per sample."""
     gen = torch.Generator().manual_seed(seed)
     total, seen = 0.0, 0
     for _ in range(epochs):
@@ -96,6 +97,8 @@ def run_epochs(optimizer: torch.optim.Optimizer, n: int, batch_size: int, epochs
             optimizer.step()
             total += loss.item() * len(idx)
             seen += len(idx)
+        if epoch_end is not None:
+            epoch_end()
     return total / max(seen, 1)
 
 
@@ -129,9 +132,25 @@ def train(model: nn.Module, data: ArrayDataset, recipe: LocalRecipe, seed: int, 
         return ce if loss is None else loss(xb, yb, logits)
 
     model.train()
-    run_epochs(opt, len(y), recipe.batch_size, recipe.epochs, seed, batch_loss)
+    run_epochs(opt, len(y), recipe.batch_size, recipe.epochs, seed, batch_loss,
+               loss.epoch_end if isinstance(loss, LocalLoss) else None)
     n = max(seen["samples"], 1)
     return {"train-loss": seen["ce"] / n, "train-accuracy": seen["correct"] / n}
+
+
+def loss_gradient(model: nn.Module, data: ArrayDataset, arrays: int, batch_size: int = 1024) -> torch.Tensor:
+    """∇ Σ_i CE(model(x_i), y_i), the SUMMED cross-entropy over all of `data`, with respect to the model's last
+    `arrays` trainable parameter arrays, flat, in eval mode (FedDUAL's code: the server steps its last layers
+    along the barycenter of these gradients, taken at each client's trained model)."""
+    params = [p for p in model.parameters() if p.requires_grad][-arrays:]
+    x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
+    model.eval()
+    grads = [torch.zeros_like(p) for p in params]
+    for idx in torch.arange(len(y)).split(batch_size):  # the sum is additive over batches
+        ce = F.cross_entropy(model(x[idx]), y[idx], reduction="sum")
+        for g, part in zip(grads, torch.autograd.grad(ce, params)):
+            g += part
+    return torch.cat([g.reshape(-1) for g in grads]).detach()
 
 
 def train_on_server(model: nn.Module, spec: ParamSpec, params: torch.Tensor, server: Any, recipe: LocalRecipe,

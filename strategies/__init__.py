@@ -14,6 +14,7 @@ from strategies.fedavg import FedAvg
 from strategies.fedavg_plus import FedAvgPlus
 from strategies.fedbuff import FedBuff
 from strategies.feddf import FedDF
+from strategies.feddual import FedDual
 from strategies.feddle import Feddle
 from strategies.fedem import FedEM
 from strategies.fedmerge import FedMerge
@@ -31,5 +32,5 @@ def build_strategy(name: str, options: dict[str, Any], *, seed: int = 0, num_cli
 
 
 __all__ = ["CA2FL", "HFCL", "IFCA", "STRATEGIES", "Center", "FedAsync", "FedAvg", "FedAvgPlus", "FedBuff", "FedDF",
-           "FedEM", "FedFT", "FedMerge", "Feddle", "Local", "Payload", "Scaffold", "Strategy", "Update",
+           "FedDual", "FedEM", "FedFT", "FedMerge", "Feddle", "Local", "Payload", "Scaffold", "Strategy", "Update",
            "build_strategy"]

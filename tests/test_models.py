@@ -18,7 +18,7 @@ from common.models import (MODELS, VIT_SMALL, InputAdapter, PretrainedWeightsErr
 from common.params import ParamSpec
 from common.training import LocalRecipe, evaluate, train
 
-SMALL = {"cnn": {}, "resnet18": {"input_size": 32}, "vit-small": {}}
+SMALL = {"cnn": {}, "lenet": {}, "resnet18": {"input_size": 32}, "vit-small": {}}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -113,6 +113,25 @@ def test_cnn_unchanged():
     assert build_model("cnn", 1, 28, 10, seed=0, input_size=32).body[8].in_features == 64 * 16 * 16
 
 
+def test_lenet_is_feddual_codes_network():
+    """164,116 parameters for 10 classes (the code's Keras summary), Glorot kernels and zero biases, the
+    120-unit dense layer on the channel axis of the 4x4x6 map; other input sizes are resized to 28."""
+    model = build_model("lenet", 1, 28, 10, seed=0)
+    assert sum(p.numel() for p in model.parameters()) == 164_116
+    shapes = [tuple(p.shape) for _, p in model.named_parameters()]
+    assert shapes == [(6, 1, 5, 5), (6,), (6, 6, 5, 5), (6,), (120, 6), (120,), (84, 1920), (84,), (10, 84), (10,)]
+    assert all(torch.equal(p, torch.zeros_like(p)) for n, p in model.named_parameters() if n.endswith("bias"))
+    w = model.head.weight
+    assert w.abs().max() <= (6 / (84 + 10)) ** 0.5 and w.std() > 0.5 * (2 / (84 + 10)) ** 0.5  # Glorot uniform
+    x = torch.rand(2, 1, 28, 28)
+    maps = model.body[:6](model.adapt(x))  # after the second pooling: 6 x 4 x 4
+    dense = torch.tanh(maps.permute(0, 2, 3, 1) @ model.body[7].weight.T + model.body[7].bias)
+    torch.testing.assert_close(model.body[:10](model.adapt(x)), dense.reshape(2, -1))
+    assert model.adapt.size == 28 and build_model("lenet", 1, 8, 10, seed=0).adapt.size == 28
+    with pytest.raises(ValueError, match="input_size >= 14"):
+        build_model("lenet", 1, 28, 10, seed=0, input_size=12)
+
+
 # --- structure and parameter counts -------------------------------------------------------------
 
 
@@ -183,7 +202,7 @@ def test_lora_options():
     # run-config values may arrive as strings; LoRA options are ignored by models without LoRA
     assert build_model("vit-small", 3, 32, 10, seed=0, lora_rank="4", input_size="32").adapt.size == 32
     assert ParamSpec.of(build_model("cnn", 1, 8, 4, seed=0, lora_rank=4)).numel > 0
-    assert set(MODELS) == {"cnn", "resnet18", "vit-b16", "vit-small"}
+    assert set(MODELS) == {"cnn", "lenet", "resnet18", "vit-b16", "vit-small"}
 
 
 def test_split_attention_is_the_same_function():
