@@ -8,7 +8,8 @@ the closed form mean(|sort(u) − sort(v)|) with the client vectors sorted once;
 POT's ``ot.wasserstein_1d`` (what a straightforward port calls every iteration) are timed beside them.
 Client: one local run (3 epochs of Adam, batch 32) on a client of ``--client-size`` Fashion-MNIST-shaped
 samples as each method's clients do it: plain cross-entropy (FedAvg), the adaptive loss with its accuracy
-passes (the paper), CE/2 and the extra loss-gradient pass (the code). Medians of ``--repeats``, the variants alternating; one torch thread.
+passes (the paper), CE/2 and the extra loss-gradient pass (the code). Medians of ``--repeats``, the variants
+alternating; one torch thread.
 
     python -m benchmarks.feddual_cost [--repeats 5] [--client-size 600]
 """

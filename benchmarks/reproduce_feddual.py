@@ -29,7 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.runs import config_digest, finished_run, mean_std, pyplot, run_all
+from benchmarks.runs import (config_digest, finished_run, mean_curves, mean_std, preset_job, pyplot, ranking, run_all,
+                            seeded)
 
 FAMILY = "feddual-fmnist"
 PARTITIONS = ("code", "dirichlet")
@@ -54,11 +55,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / FAMILY
 
 def job(method: str, partition: str, seed: int, extra: dict[str, Any] | None = None,
         rounds: int | None = None) -> tuple[str, dict[str, Any]]:
-    extra = {**(extra or {}), **({"num-rounds": rounds} if rounds else {})}
-    tail = ",".join(f"{k}={v}" for k, v in sorted(extra.items()))
-    key = f"{FAMILY}/{method}-{partition}/s{seed}" + (f"/{tail}" if tail else "")
-    return key, {"preset": f"{FAMILY}/{method}-{partition}", "seed": seed, **extra,
-                 "output-dir": str(Path("outputs/reproduce-feddual").resolve()), "run-name": key.replace("/", "_")}
+    return preset_job(f"{FAMILY}/{method}-{partition}", seed, extra, rounds, "outputs/reproduce-feddual")
 
 
 def _one(key: str, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -75,9 +72,7 @@ def _one(key: str, overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def cells(results: dict[str, dict[str, Any]], method: str, partition: str) -> list[dict[str, Any]]:
-    """The reported runs (seeds, no extra overrides) of one method and partition."""
-    prefix = f"{FAMILY}/{method}-{partition}/s"
-    return [r for k, r in sorted(results.items()) if k.startswith(prefix) and k[len(prefix):].isdigit()]
+    return seeded(results, f"{FAMILY}/{method}-{partition}")
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
@@ -93,38 +88,16 @@ def table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def tuning_table(results: dict[str, dict[str, Any]], rounds: int | None) -> str:
-    """Each grid's candidates, best validation score first (ties: grid order); never ranked by the test split."""
-    lines = ["| method | candidate | val % | test % |", "|---|---|---:|---:|"]
-    for method, grid in GRIDS.items():
-        rows = []
-        for extra in grid:
-            key, overrides = job(method, "code", TUNE_SEED, extra, rounds)
-            r = results.get(key)
-            if r is not None and r["config"] == config_digest(overrides):
-                rows.append((r["val"], r["test"], ", ".join(f"{k} {v}" for k, v in extra.items())))
-        for rank, (val, test, label) in enumerate(sorted(rows, key=lambda r: r[0], reverse=True)):
-            lines.append(f"| {method if rank == 0 else ''} | {label}{' *' if rank == 0 else ''} | {100 * val:.1f} | "
-                         f"{100 * test:.1f} |")
-    return "\n".join(lines)
+def tuning_jobs(methods: Sequence[str], rounds: int | None) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+    return {m: [job(m, "code", TUNE_SEED, extra, rounds) for extra in GRIDS[m]] for m in methods if m in GRIDS}
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
-    import numpy as np
-
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for method, label, _ in METHODS:
-        runs = cells(results, method, "code")
-        if runs:
-            steps = [s for s, _ in runs[0]["curve"]]
-            acc = np.mean([[a for _, a in r["curve"]] for r in runs], axis=0)
-            ax.plot(steps, 100 * acc, label=label, lw=2.5 if method == "feddual" else 1.2,
-                    ls="--" if method in ASYNC else "-")
-    ax.set(title="Fashion-MNIST, Dir(0.01), the code's partition (mean over seeds)", xlabel="round",
-           ylabel="test accuracy (%)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    mean_curves(ax, {label: [r["curve"] for r in cells(results, m, "code")] for m, label, _ in METHODS},
+                "Fashion-MNIST, Dir(0.01), the code's partition (mean over seeds)", "round", bold="FedDUAL (paper",
+                dashed=[label for m, label, _ in METHODS if m in ASYNC])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -160,9 +133,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         ap.error(f"unknown methods {unknown}")
     args.results.mkdir(parents=True, exist_ok=True)
     if args.tune:
-        grid = [job(m, "code", TUNE_SEED, extra, args.rounds) for m in methods for extra in GRIDS.get(m, [])]
-        done = run_all([] if args.report else grid, args.results / "tuning.jsonl", args.jobs, _one)
-        text = tuning_table(done, args.rounds)
+        grids = tuning_jobs(methods, args.rounds)
+        done = run_all([] if args.report else [j for g in grids.values() for j in g], args.results / "tuning.jsonl",
+                       args.jobs, _one)
+        text = ranking(done, tuning_jobs(list(GRIDS), args.rounds))
         (args.results / "tuning.md").write_text(text + "\n")
         print(text)
         return

@@ -54,6 +54,52 @@ def interrupted(overrides: dict[str, Any]) -> Path | None:
     return folder if same else None
 
 
+def preset_job(preset: str, seed: int, extra: dict[str, Any] | None = None, rounds: int | None = None,
+               root: str = "outputs/reproduce") -> tuple[str, dict[str, Any]]:
+    """The job of `preset` at `seed` with `extra` overrides (and `rounds`, for quick looks): its key
+    ``<preset>/s<seed>[/k=v,...]`` and its overrides, run in ``<root>/<key with _ for />``."""
+    extra = {**(extra or {}), **({"num-rounds": rounds} if rounds else {})}
+    tail = ",".join(f"{k}={v}" for k, v in sorted(extra.items()))
+    key = f"{preset}/s{seed}" + (f"/{tail}" if tail else "")
+    return key, {"preset": preset, "seed": seed, **extra, "output-dir": str(Path(root).resolve()),
+                 "run-name": key.replace("/", "_")}
+
+
+def seeded(results: dict[str, dict[str, Any]], preset: str) -> list[dict[str, Any]]:
+    """The reported runs of `preset`: one per seed, without extra overrides."""
+    prefix = f"{preset}/s"
+    return [r for k, r in sorted(results.items()) if k.startswith(prefix) and k[len(prefix):].isdigit()]
+
+
+def ranking(results: dict[str, dict[str, Any]], grids: dict[str, list[tuple[str, dict[str, Any]]]]) -> str:
+    """A markdown table of tuning grids (``{name: [(key, overrides), ...]}``): each grid's finished candidates
+    (same configuration as now), best validation score first, ties in grid order; never ranked on test."""
+    lines = ["| grid | candidate | val % | test % |", "|---|---|---:|---:|"]
+    for name, jobs in grids.items():
+        done = [(r["val"], r["test"], key.rsplit("/", 1)[1]) for key, overrides in jobs
+                if (r := results.get(key)) is not None and r.get("config") == config_digest(overrides)]
+        for rank, (val, test, label) in enumerate(sorted(done, key=lambda r: r[0], reverse=True)):
+            lines.append(f"| {name if rank == 0 else ''} | {label}{' *' if rank == 0 else ''} | {100 * val:.1f} | "
+                         f"{100 * test:.1f} |")
+    return "\n".join(lines)
+
+
+def mean_curves(ax: Any, curves: dict[str, list[list[list[float]]]], title: str, xlabel: str, bold: str = "",
+                dashed: Sequence[str] = ()) -> None:
+    """Accuracy (%) per step on `ax`: for each label, the mean over its runs' ``[[step, accuracy], ...]``."""
+    import numpy as np
+
+    for label, runs in curves.items():
+        if runs:
+            steps = [s for s, _ in runs[0]]
+            acc = np.mean([[a for _, a in c] for c in runs], axis=0)
+            ax.plot(steps, 100 * acc, label=label, lw=2.5 if bold and label.startswith(bold) else 1.2,
+                    ls="--" if label in dashed else "-")
+    ax.set(title=title, xlabel=xlabel, ylabel="test accuracy (%)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 def finished_run(overrides: dict[str, Any]) -> tuple[Path, dict[str, Any], list[dict[str, Any]]]:
     """Run `overrides` in-process in this worker (one torch thread; an interrupted run of the same configuration
     is resumed) and return its folder, summary.json and metrics.jsonl rows."""

@@ -30,6 +30,7 @@ from flwr.app import Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.common.constant import ErrorCode
+import numpy as np
 import torch
 from torch import nn
 
@@ -37,9 +38,9 @@ from common.data import ArrayDataset, DataSpec, client_partition, load_dataset
 from common.models import build_from_config, model_config
 from common.objectives import Received, build_loss
 from common.params import ParamSpec, extras_from_record, extras_to_record
-from common.protocol import (ARRAYS, BASE_VERSION, CANDIDATE, CANDIDATES, COMPONENT_DELTAS, COMPONENTS, CONFIG, EXTRAS,
-                             FINETUNE_EPOCHS, LOSS_GRADIENT, METRICS, MIXTURE, NUM_EXAMPLES, PARTITION_ID, TRAIN_SEED,
-                             VERSION)
+from common.protocol import (ARRAYS, BASE_VERSION, CANDIDATE, CANDIDATES, CENTRAL_X, CENTRAL_Y, COMPONENT_DELTAS,
+                             COMPONENTS, CONFIG, EXTRAS, FINETUNE_EPOCHS, LOSS_GRADIENT, METRICS, MIXTURE, NUM_EXAMPLES,
+                             PARTITION_ID, TRAIN_SEED, VERSION)
 from common.training import (EVAL_STREAM, LocalRecipe, derive_seed, evaluate, evaluate_mixture, loss_gradient, train,
                              train_mixture)
 
@@ -119,6 +120,17 @@ def choose_candidate(model: nn.Module, pspec: ParamSpec, extras: dict[str, torch
     return best
 
 
+def with_central_examples(data: ArrayDataset, extras: dict[str, torch.Tensor]) -> ArrayDataset:
+    """The client's data plus the central examples of the payload (example transfer), for this round only."""
+    if CENTRAL_X not in extras:
+        return data
+    x, y = extras[CENTRAL_X].numpy(), extras[CENTRAL_Y].round().long().numpy()
+    if x.shape[1:] != data.x.shape[1:] or len(x) != len(y) or (len(y) and (y.min() < 0 or y.max() >= data.num_classes)):
+        raise ValueError(f"central examples of shape {x.shape} with labels in [{y.min()}, {y.max()}] do not fit this "
+                         f"client's data {data.x.shape[1:]} with {data.num_classes} classes")
+    return ArrayDataset(np.concatenate([data.x, x]), np.concatenate([data.y, y]), data.num_classes)
+
+
 def components_of(pspec: ParamSpec, start: torch.Tensor, extras: dict[str, torch.Tensor]) -> torch.Tensor:
     """FedEM's M components (M × P): the message's model, then the payload's ``components``."""
     return torch.cat([start[None], extras[COMPONENTS].reshape(-1, pspec.numel)])
@@ -145,7 +157,7 @@ def train_handler(msg: Message, context: Context) -> Message:
         received.reply.update({COMPONENT_DELTAS: (trained[1:] - components[1:]).reshape(-1), MIXTURE: pi})
     else:
         loss = build_loss(recipe.objective, dict(config), received)
-        metrics = train(model, data, recipe, seed=int(config[TRAIN_SEED]), loss=loss)
+        metrics = train(model, with_central_examples(data, extras), recipe, seed=int(config[TRAIN_SEED]), loss=loss)
         delta = pspec.flatten(model) - start
     if arrays := int(config.get(LOSS_GRADIENT, 0)):
         received.reply[LOSS_GRADIENT] = loss_gradient(model, data, arrays)

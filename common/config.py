@@ -82,6 +82,32 @@ class OneOf:
         return ", ".join(f"`{n}`" if n else '`""`' for n in self.allowed())
 
 
+@dataclass(frozen=True)
+class ClassList:
+    """Comma-separated class ids (``"7,8,9"``), each at most once; ``""`` = none."""
+
+    def ok(self, v: str) -> bool:
+        try:
+            ids = class_ids(v)
+        except ValueError:
+            return False
+        return len(set(ids)) == len(ids)
+
+    def describe(self) -> str:
+        return "comma-separated distinct class ids such as '7,8,9', or '' for none"
+
+    def short(self) -> str:
+        return "class ids `7,8,9`; `\"\"` = none"
+
+
+def class_ids(text: str) -> tuple[int, ...]:
+    """``"7, 8,9"`` -> (7, 8, 9); ``""`` -> (); ValueError for anything else."""
+    ids = tuple(int(part) for part in text.split(",") if part.strip()) if text.strip() else ()
+    if any(i < 0 for i in ids):
+        raise ValueError(f"negative class id in {text!r}")
+    return ids
+
+
 def _datasets() -> Iterable[str]:
     from common.data import DATASETS, IMAGEFOLDER
 
@@ -118,7 +144,7 @@ def _presets() -> Iterable[str]:
     return sorted(p.relative_to(CONFIG_DIR).with_suffix("").as_posix() for p in CONFIG_DIR.rglob("*.yaml"))
 
 
-Check = Range | OneOf | None
+Check = Range | OneOf | ClassList | None
 
 
 def option(default: Any, check: Check = None, doc: str = "", allowed: str = "") -> Any:
@@ -240,6 +266,12 @@ class RunConfig:
                                 "(Feddle 000 Table 4)")
     test_fraction: float = option(0.2, Range(0, 0.9, low_open=True),
                                   "stratified fraction of the data kept as the server's test split")
+    binary_positive: str = option("", ClassList(), "a two-class task: these classes become label 1, every other "
+                                  "class label 0 (the mixing paper's smiling / not smiling); \"\" = the dataset's "
+                                  "labels")
+    central_classes: str = option("", ClassList(), "label shift (the mixing paper): the training samples of these "
+                                  "classes leave the clients and become the server's central split (`central-size` of "
+                                  "them, 0 = all); the test split keeps every class")
     central_size: int = option(0, Range(0), "samples moved from the test split to the server's in-domain central "
                                "split (held out with `server-dataset` too, so ID and OOD runs test on the same "
                                "samples)")

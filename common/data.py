@@ -4,7 +4,8 @@ Every dataset is loaded into memory as float32 images ``(N, C, H, W)`` and int64
 The data is then split, deterministically from the run's seed, into
 
 * ``test``    — the server's test split (the evaluation set of the global model),
-* ``central`` — the server's held-out central split (taken from the test split, as the papers do),
+* ``central`` — the server's held-out central split (taken from the test split, as the papers do; with
+  ``central-classes``, the training samples of those classes instead: a label shift, as the mixing paper),
 * ``train``   — the decentralised data, partitioned over the clients; with ``client-test-fraction`` (and
   ``client-validation-fraction``) each client's partition is split again into its own train, validation
   and test parts, for personalised evaluation.
@@ -24,6 +25,7 @@ import numpy as np
 
 from common import datasets as _ds
 from common import partitions
+from common.config import class_ids
 from common.datasets import ArrayDataset
 
 
@@ -97,6 +99,8 @@ class DataSpec:
     label_noise: float = 0.0
     client_test_fraction: float = 0.0
     client_validation_fraction: float = 0.0
+    binary_positive: str = ""
+    central_classes: str = ""
 
     def to_config(self) -> dict[str, int | float | str]:
         return {f"data-{k.replace('_', '-')}": v for k, v in self.__dict__.items()}
@@ -125,21 +129,42 @@ def _stratified_split(y: np.ndarray, fraction: float, rng: np.random.Generator) 
     return np.setdiff1d(np.arange(len(y)), taken_idx), taken_idx
 
 
+def binary(data: ArrayDataset, positive: str) -> ArrayDataset:
+    """`data` as a two-class task: the classes in `positive` (``binary-positive``) are label 1, the others 0."""
+    ids = class_ids(positive)
+    if max(ids) >= data.num_classes:
+        raise ValueError(f"binary-positive {positive!r}: the dataset has classes 0..{data.num_classes - 1}")
+    return replace(data, y=np.isin(data.y, ids).astype(np.int64), num_classes=2, fine=None)
+
+
 @lru_cache(maxsize=8)
 def make_splits(spec: DataSpec) -> Splits:
     """Train / test / central / validation splits of the spec's dataset, fixed by the spec's seed.
 
     Central and validation samples are taken from the test split (central first, so adding a
-    validation split leaves the central split as it was)."""
+    validation split leaves the central split as it was). With ``central-classes`` (a label shift) the
+    central split is instead the training samples of those classes (``central-size`` of them, 0 = all),
+    which the clients no longer hold; test and validation keep every class."""
     full = load_dataset(spec.dataset, spec.data_root)
+    if spec.binary_positive:
+        full = binary(full, spec.binary_positive)
     rng = np.random.default_rng([spec.seed, 0])
     train_idx, test_idx = _stratified_split(full.y, spec.test_fraction, rng)
-    c, v = spec.central_size, spec.validation_size
+    shift = class_ids(spec.central_classes)
+    c, v = (0 if shift else spec.central_size), spec.validation_size
     if c + v >= len(test_idx):
         raise ValueError(f"central-size {c} + validation-size {v} leave no test samples "
                          f"(the test split has {len(test_idx)}; raise test-fraction or lower them)")
     test_idx = rng.permutation(test_idx)
     central_idx, val_idx, test_idx = np.split(test_idx, [c, c + v])
+    if shift:
+        if max(shift) >= full.num_classes:
+            raise ValueError(f"central-classes {spec.central_classes!r}: the dataset has classes "
+                             f"0..{full.num_classes - 1}")
+        moved = np.isin(full.y[train_idx], shift)
+        central_idx = np.random.default_rng([spec.seed, 6]).permutation(train_idx[moved])
+        central_idx = central_idx[: spec.central_size or len(central_idx)]
+        train_idx = train_idx[~moved]
     return Splits(full.subset(train_idx), full.subset(np.sort(test_idx)), full.subset(np.sort(central_idx)),
                   full.subset(np.sort(val_idx)))
 
@@ -206,4 +231,5 @@ def data_spec(cfg) -> DataSpec:
                     cluster_alpha=cfg.cluster_alpha, cluster_sizes=cfg.cluster_sizes,
                     cluster_classes=cfg.cluster_classes, label_noise=cfg.label_noise,
                     client_test_fraction=cfg.client_test_fraction,
-                    client_validation_fraction=cfg.client_validation_fraction)
+                    client_validation_fraction=cfg.client_validation_fraction, binary_positive=cfg.binary_positive,
+                    central_classes=cfg.central_classes)

@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 from common.config import NoOptions, OneOf, Range, make_options, option
 from common.datasets import ArrayDataset
+from common.protocol import CENTRAL_GRADIENT
 
 BatchLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -112,18 +113,31 @@ def proximal(received: Received, options: ProximalConfig) -> BatchLoss:
     return loss
 
 
+def added_to_every_gradient(received: Received, array: str) -> BatchLoss:
+    """Cross-entropy plus the linear term ⟨w, v⟩, which adds exactly v, the payload array `array` (flat, in the
+    trainable parameters' layout), to every local gradient."""
+    params = [p for p in received.model.parameters() if p.requires_grad]
+    v = received.flat_to_params(received.arrays[array])
+
+    def loss(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, y) + sum((w * c).sum() for w, c in zip(params, v))
+
+    return loss
+
+
 @objective("scaffold")
 def scaffold(received: Received, options: NoOptions) -> BatchLoss:
     """SCAFFOLD's corrected local step (Karimireddy et al., ICML 2020, Alg. 1 line 10):
-    y ← y − η_l (g_i(y) − c_i + c). The linear term ⟨w, c − c_i⟩ adds exactly c − c_i to every gradient;
-    the server sends c − c_i as the payload array ``correction`` (``strategies/scaffold.py``)."""
-    params = [p for p in received.model.parameters() if p.requires_grad]
-    correction = received.flat_to_params(received.arrays["correction"])
+    y ← y − η_l (g_i(y) − c_i + c). The server sends c − c_i as the payload array ``correction``
+    (``strategies/scaffold.py``), and the loss adds it to every gradient."""
+    return added_to_every_gradient(received, "correction")
 
-    def loss(x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits, y) + sum((w * c).sum() for w, c in zip(params, correction))
 
-    return loss
+@objective("gradient-transfer")
+def gradient_transfer(received: Received, options: NoOptions) -> BatchLoss:
+    """Gradient transfer (Augenstein et al., mixing paper, Alg. 4): x ← CLIENTOPT(x, g + g̃) at every local
+    step, g̃ = w · g_c the central gradient the server sends as ``central-gradient`` (``strategies/mixing.py``)."""
+    return added_to_every_gradient(received, CENTRAL_GRADIENT)
 
 
 BETA_MODES = ("epoch", "reference")

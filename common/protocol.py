@@ -28,3 +28,7 @@ COMPONENTS, MIXTURE, COMPONENT_DELTAS = "components", "mixture", "component-delt
 # cross-entropy over the client's whole training data, at its trained model, w.r.t. its last this-many parameter
 # arrays; the reply carries it (flat) as the extra array of the same name.
 LOSS_GRADIENT = "loss-gradient"
+
+# Data mixing: a payload's central examples (images and labels, as floats) that the client trains on with its own
+# data this round (example transfer), and the central gradient it adds to every local step (gradient transfer).
+CENTRAL_X, CENTRAL_Y, CENTRAL_GRADIENT = "central-x", "central-y", "central-gradient"

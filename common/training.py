@@ -80,17 +80,21 @@ def make_optimizer(recipe: LocalRecipe, params: Iterable[nn.Parameter]) -> torch
 
 def run_epochs(optimizer: torch.optim.Optimizer, n: int, batch_size: int, epochs: int, seed: int,
                batch_loss: Callable[[torch.Tensor], torch.Tensor],
-               epoch_end: Callable[[], None] | None = None) -> float:
+               epoch_end: Callable[[], None] | None = None, max_steps: int | None = None) -> float:
     """The one training loop: `epochs` passes over `n` samples, each in mini-batches of a fresh shuffle
     drawn from `seed`; per batch of indices ``idx`` (on the CPU): zero the gradients,
-    ``batch_loss(idx).backward()``, ``optimizer.step()``; ``epoch_end()`` after each pass. A lone trailing
-    sample is skipped (BatchNorm cannot train on a batch of one). Returns the mean batch loss per sample."""
+    ``batch_loss(idx).backward()``, ``optimizer.step()``; ``epoch_end()`` after each pass; with `max_steps`,
+    as many passes as it takes to make that many steps, the last one cut short. A lone trailing sample is
+    skipped (BatchNorm cannot train on a batch of one). Returns the mean batch loss per sample."""
     gen = torch.Generator().manual_seed(seed)
-    total, seen = 0.0, 0
+    total, seen, steps = 0.0, 0, 0
+    if max_steps is not None:
+        epochs = -(-max_steps // max(local_steps(n, batch_size, 1), 1))
     for _ in range(epochs):
         for idx in torch.randperm(n, generator=gen).split(batch_size):
-            if len(idx) == 1 < n:
+            if len(idx) == 1 < n or steps == max_steps:
                 continue
+            steps += 1
             optimizer.zero_grad(set_to_none=True)
             loss = batch_loss(idx)
             loss.backward()
@@ -109,11 +113,12 @@ def local_steps(n: int, batch_size: int, epochs: int) -> int:
 
 
 def train(model: nn.Module, data: ArrayDataset, recipe: LocalRecipe, seed: int, device: torch.device | None = None,
-          loss: BatchLoss | None = None) -> dict[str, float]:
-    """Train `model` in place on `data` with `recipe`; `seed` fixes the shuffling; batches go to `device`
-    (the model's device, e.g. the server's GPU; default: where the data is); `loss(x, y, logits)` is
-    the objective (default: cross-entropy). Returns the mean cross-entropy and accuracy of the batches
-    trained on (cross-entropy whatever the objective, so that every method's train-loss compares)."""
+          loss: BatchLoss | None = None, max_steps: int | None = None) -> dict[str, float]:
+    """Train `model` in place on `data` with `recipe` (or for `max_steps` optimizer steps instead of its
+    epochs); `seed` fixes the shuffling; batches go to `device` (the model's device, e.g. the server's GPU;
+    default: where the data is); `loss(x, y, logits)` is the objective (default: cross-entropy). Returns the
+    mean cross-entropy and accuracy of the batches trained on (cross-entropy whatever the objective, so that
+    every method's train-loss compares)."""
     if len(data) == 0:
         raise ValueError("cannot train on an empty dataset")
     x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
@@ -133,7 +138,7 @@ def train(model: nn.Module, data: ArrayDataset, recipe: LocalRecipe, seed: int, 
 
     model.train()
     run_epochs(opt, len(y), recipe.batch_size, recipe.epochs, seed, batch_loss,
-               loss.epoch_end if isinstance(loss, LocalLoss) else None)
+               loss.epoch_end if isinstance(loss, LocalLoss) else None, max_steps)
     n = max(seen["samples"], 1)
     return {"train-loss": seen["ce"] / n, "train-accuracy": seen["correct"] / n}
 
@@ -154,9 +159,9 @@ def loss_gradient(model: nn.Module, data: ArrayDataset, arrays: int, batch_size:
 
 
 def train_on_server(model: nn.Module, spec: ParamSpec, params: torch.Tensor, server: Any, recipe: LocalRecipe,
-                    seed: int) -> tuple[torch.Tensor, dict[str, float]]:
+                    seed: int, max_steps: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Load `params` into `model`, train it on ``server.data`` (cross-entropy on the server's labels) with
-    `recipe` and `seed` on ``server.device``.
+    `recipe` (or for `max_steps` steps) and `seed` on ``server.device``.
 
     Returns the trained flat parameters (float32, on the CPU) and ``train()``'s metrics. `model` is left
     on the device holding the trained parameters; buffers that do not travel (BatchNorm running
@@ -166,7 +171,7 @@ def train_on_server(model: nn.Module, spec: ParamSpec, params: torch.Tensor, ser
     model.to(device)
     spec.load_into(model, params.to(device))
     stats = train(model, server.data, dataclasses.replace(recipe, objective="cross-entropy", objective_options=()),
-                  seed, device=device)
+                  seed, device=device, max_steps=max_steps)
     return spec.flatten(model).cpu(), stats
 
 

@@ -145,6 +145,7 @@ class Recorder:
             **{f"total-{k}": v for k, v in totals.items()},
             "updates-per-s": self._rate(),
             "bytes-down-per-dispatch": _ratio(self.rows, "bytes-down", "sampled"),
+            "extra-bytes-down-per-dispatch": _ratio(self.rows, "bytes-extra-down", "sampled"),
             "bytes-up-per-update": _ratio(self.rows, "bytes-up", "accepted"),
             "staleness-mean": float(np.mean(self.staleness)) if self.staleness else None,
             "staleness-max": int(max(self.staleness)) if self.staleness else None,

@@ -79,6 +79,7 @@ class StepLog:
     timeouts: int = 0  # no reply within reply-timeout-s
     bytes_down: int = 0  # models and arrays sent in this step's dispatches (float32)
     bytes_up: int = 0  # ... and received in its accepted updates
+    bytes_extra_down: int = 0  # of bytes-down, what is not the model: extra arrays (examples, a central gradient)
     staleness: list[int] = field(default_factory=list)
     train: dict[str, float] = field(default_factory=dict)
     test: dict[str, float] = field(default_factory=dict)
@@ -119,7 +120,7 @@ class Runner:
         poll_interval: seconds between ``pull_messages`` calls when nothing arrived.
         wait_nodes: seconds to wait for a reachable client before failing the run.
         seed: seeds client sampling and delays.
-        server_data: passed to ``strategy.step``.
+        server_data: attached to the strategy and passed to ``strategy.step``.
         on_event: called with a dict for every update handed over or lost (events.jsonl).
     """
 
@@ -135,6 +136,7 @@ class Runner:
         self.clients_per_round, self.clock, self.delay_sigma = clients_per_round, clock, delay_sigma
         self.concurrency, self.reply_timeout, self.poll_interval = concurrency, reply_timeout, poll_interval
         self.wait_nodes, self.server_data = wait_nodes, server_data
+        strategy.attach(server_data)
         self.on_event = on_event or (lambda event: None)
         self._sample_rng = random.Random(seed)
         self._delay_rng = np.random.default_rng([seed, 2])
@@ -145,7 +147,7 @@ class Runner:
         self._reachable_at = -1e9
         self._t0 = time.perf_counter()
         self._step_metrics: dict[str, float] = {}  # what the last strategy step of the current step measured
-        self._bytes_down = 0  # payload bytes dispatched in the current step
+        self._bytes_down = self._bytes_extra = 0  # payload bytes dispatched in the current step, and extra ones
         self.reply_to_dispatch: list[float] = []  # wall clock: seconds from a reply to the next dispatch
 
     # -- checkpointing ------------------------------------------------------------------------
@@ -193,6 +195,7 @@ class Runner:
         for c in clients:
             payload = self.strategy.model_for(c)
             self._bytes_down += payload.nbytes
+            self._bytes_extra += payload.extra_nbytes
             self._seq += 1
             flights.append(Flight(self._seq, c, self.strategy.version, step,
                                   step + self.delay() if virtual else -1, payload, self.dispatcher.next_seed(c)))
@@ -278,7 +281,7 @@ class Runner:
         return True
 
     def open_step(self, step: int) -> tuple[StepLog, list[Update]]:
-        self._step_metrics, self._bytes_down = {}, 0
+        self._step_metrics, self._bytes_down, self._bytes_extra = {}, 0, 0
         return StepLog(step, self.strategy.version), []
 
     def close_step(self, entry: StepLog, accepted: list[Update], started: float) -> StepLog:
@@ -286,7 +289,7 @@ class Runner:
         if self.strategy.ready():
             self._step_metrics = self.strategy.step(self.server_data)
         entry.version = self.strategy.version
-        entry.bytes_down = self._bytes_down
+        entry.bytes_down, entry.bytes_extra_down = self._bytes_down, self._bytes_extra
         entry.strategy = dict(self._step_metrics)
         entry.train = weighted_mean((u.num_examples, u.metrics) for u in accepted)
         entry.seconds = time.perf_counter() - started

@@ -21,6 +21,7 @@ from strategies.fedmerge import FedMerge
 from strategies.hybrid_baselines import HFCL, Center, FedFT
 from strategies.ifca import IFCA
 from strategies.local import Local
+from strategies.mixing import ExampleTransfer, GeneralizedFedAvg, GradientTransfer, ParallelTraining
 from strategies.scaffold import Scaffold
 
 
@@ -31,6 +32,7 @@ def build_strategy(name: str, options: dict[str, Any], *, seed: int = 0, num_cli
     return cls(make_options(cls.Config, options), seed=seed, num_clients=num_clients, recipe=recipe)
 
 
-__all__ = ["CA2FL", "HFCL", "IFCA", "STRATEGIES", "Center", "FedAsync", "FedAvg", "FedAvgPlus", "FedBuff", "FedDF",
-           "FedDual", "FedEM", "FedFT", "FedMerge", "Feddle", "Local", "Payload", "Scaffold", "Strategy", "Update",
+__all__ = ["CA2FL", "HFCL", "IFCA", "STRATEGIES", "Center", "ExampleTransfer", "FedAsync", "FedAvg", "FedAvgPlus",
+           "FedBuff", "FedDF", "FedDual", "FedEM", "FedFT", "FedMerge", "Feddle", "GeneralizedFedAvg",
+           "GradientTransfer", "Local", "ParallelTraining", "Payload", "Scaffold", "Strategy", "Update",
            "build_strategy"]

@@ -10,6 +10,7 @@ A strategy owns the method's models and math. It never touches the network or th
     ready() -> bool                  enough has arrived for a step
     step(server) -> metrics          the server's step: may change several models; `server` is the
                                      server's own data (``common.server_data.ServerData``) or None
+                                     (also attached before the first dispatch: ``self.server``)
     central_models() -> {name: ω}    the model(s) the server evaluates on its test split and saves
     client_report() -> {name: list}  per-client state recorded beside the personalised evaluation (optional)
     state_dict() / load_state_dict() everything a resumed run needs
@@ -49,7 +50,12 @@ class Payload:
     @property
     def nbytes(self) -> int:
         """What travels to the client: the model and the extra arrays, as float32 (the config aside)."""
-        return 4 * (self.params.numel() + sum(a.numel() for a in self.arrays.values()))
+        return 4 * self.params.numel() + self.extra_nbytes
+
+    @property
+    def extra_nbytes(self) -> int:
+        """What travels besides the model: the extra arrays, as float32 (transferred examples, a gradient)."""
+        return 4 * sum(a.numel() for a in self.arrays.values())
 
 
 @dataclass
@@ -105,7 +111,8 @@ class Strategy(ABC):
     name: ClassVar[str] = ""
     Config: ClassVar[type] = NoOptions
     server_data: ClassVar[str] = "none"  # "none", "in-domain" (labels in the clients' space) or "any"
-    _structure: ClassVar[frozenset[str]] = frozenset({"config", "seed", "num_clients", "recipe", "spec", "model"})
+    _structure: ClassVar[frozenset[str]] = frozenset({"config", "seed", "num_clients", "recipe", "spec", "model",
+                                                      "server"})
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -125,11 +132,18 @@ class Strategy(ABC):
         self.model: nn.Module | None = None
         self.params: torch.Tensor | None = None  # ω
         self.version = 0
+        self.server: Any = None  # the server's own data (ServerData), attached by the runner
 
     def initialize(self, params: torch.Tensor, spec: ParamSpec, model: nn.Module | None = None) -> None:
         """Start from global parameters `params` (version 0). `model` is the architecture (its trainable
         parameters are `spec`'s layout), for strategies that train or evaluate on the server's data."""
         self.params, self.spec, self.model, self.version = params.clone(), spec, model, 0
+
+    def attach(self, server: Any) -> None:
+        """The server's own data (``common.server_data.ServerData``, or None), attached by the runner before the
+        first dispatch, for payloads that carry some of it (example transfer, a central gradient); ``step``
+        gets it as its argument too."""
+        self.server = server
 
     # -- the contract -------------------------------------------------------------------------
     def model_for(self, client: int) -> Payload:

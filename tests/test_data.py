@@ -175,3 +175,43 @@ def test_ood_digits_feed_a_model_built_for_animal_mnist_clients():
     model = build_from_config(cfg.to_dict(), 1, 28, 10, seed=0)
     x, _ = server.tensors()
     assert model(x).shape == (100, 10) and model.features(x).shape[0] == 100
+
+
+def test_a_label_shift_moves_the_central_classes_from_the_clients_to_the_server():
+    """central-classes: their training samples leave the clients and become the central split (central-size of
+    them, 0 = all); test and validation keep every class and are the splits the run would have without it."""
+    plain = make_splits(spec(validation_size=50, central_size=0))
+    shifted = make_splits(spec(validation_size=50, central_size=0, central_classes="7,9"))
+    assert set(np.unique(shifted.train.y)) == set(range(10)) - {7, 9}
+    assert set(np.unique(shifted.central.y)) == {7, 9}
+    assert len(shifted.central) == int(np.isin(plain.train.y, [7, 9]).sum())  # every one of them
+    assert len(shifted.train) + len(shifted.central) == len(plain.train)
+    np.testing.assert_array_equal(shifted.test.y, plain.test.y)
+    np.testing.assert_array_equal(shifted.validation.x, plain.validation.x)
+    capped = make_splits(spec(central_classes="7,9", central_size=30))
+    assert len(capped.central) == 30 and set(np.unique(capped.central.y)) <= {7, 9}
+    held = np.concatenate([client_partition(spec(central_classes="7,9"), c).y for c in range(10)])
+    assert len(held) == len(shifted.train) and not np.isin(held, [7, 9]).any()
+
+
+def test_a_binary_task_maps_the_positive_classes_to_1_and_the_rest_to_0():
+    full, binary = load_dataset("digits"), make_splits(spec(binary_positive="1,3,5"))
+    label_of = {x.tobytes(): y for x, y in zip(full.x, full.y)}
+    for split in (binary.train, binary.test, binary.central):
+        original = np.array([label_of[x.tobytes()] for x in split.x])
+        np.testing.assert_array_equal(split.y, np.isin(original, [1, 3, 5]).astype(np.int64))
+    assert binary.train.num_classes == 2 and len(binary.train) + len(binary.test) + len(binary.central) == len(full)
+    clients_positive = make_splits(spec(binary_positive="1,3,5", central_classes="0"))
+    assert set(np.unique(clients_positive.train.y)) == {1} and set(np.unique(clients_positive.central.y)) == {0}
+
+
+@pytest.mark.parametrize("key,value", [("central-classes", "7,x"), ("central-classes", "3,3"),
+                                       ("binary-positive", "-1")])
+def test_bad_class_lists_fail_at_start_naming_the_key(key, value):
+    from common.config import ConfigError
+    from server_app.config import load_config
+
+    with pytest.raises(ConfigError, match=key):
+        load_config({key: value})
+    with pytest.raises(ValueError, match="central-classes"):
+        make_splits(spec(central_classes="12"))

@@ -1,0 +1,45 @@
+"""benchmarks/reproduce_mixing.py: its presets resolve to the label-shift protocol, and what it measures."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import reproduce_mixing as M
+from server_app.config import load_config
+from server_app.inprocess import run_inprocess
+
+
+@pytest.mark.parametrize("setting", M.SETTINGS)
+def test_every_preset_resolves_to_the_protocol_with_its_label_shift(setting):
+    lacking = {"binary": "0", "classes10": "7,8,9"}[setting]
+    assert M.lacking_classes(setting) == tuple(int(c) for c in lacking.split(","))
+    for method, _ in M.METHODS:
+        cfg = load_config(M.job(method, setting, 0)[1])
+        assert (cfg.num_clients, cfg.clients_per_round, cfg.num_rounds, cfg.dataset) == (100, 10, 100, "fashion-mnist")
+        assert cfg.binary_positive == ("0,2,3,4,6" if setting == "binary" else "")
+        assert cfg.central_classes == ("" if method == "oracle" else lacking)  # the oracle federates everything
+    strategies = {m: load_config(M.job(m, setting, 0)[1]).strategy for m, _ in M.METHODS}
+    assert strategies == {"nomix": "fedavg", "parallel": "parallel-training", "example": "example-transfer",
+                          "gradient": "gradient-transfer", "oracle": "fedavg", "fedft": "fedft", "hfcl": "hfcl"}
+    for grid in M.tuning_jobs(list(M.GRIDS), None).values():
+        for _, overrides in grid:
+            load_config(overrides)  # every candidate is a valid configuration
+
+
+def test_the_lacking_classes_accuracy_is_measured_on_those_test_samples_only(tmp_path):
+    out = run_inprocess({"dataset": "synthetic", "num-clients": 4, "clients-per-round": 4, "num-rounds": 2,
+                         "central-classes": "3", "strategy": "fedavg", "output-dir": str(tmp_path), "run-name": "r"})
+    assert M.lacking_accuracy(out, (3,)) == 0.0  # never seen: never predicted
+    assert M.lacking_accuracy(out, (0, 1, 2)) > 0.5
+
+
+def test_the_table_puts_accuracy_and_extra_bytes_side_by_side():
+    def result(method, setting, seed, acc, lacking, extra):
+        key = f"{M.FAMILY}/{method}-{setting}/s{seed}"
+        return key, {"key": key, "test": acc, "lacking": lacking, "extra-bytes": extra, "curve": [[0, 0.1], [5, acc]]}
+
+    results = dict([result("example", "binary", s, a, 0.8, 128 * 785 * 4) for s, a in ((0, 0.9), (1, 0.8))]
+                   + [result("nomix", "binary", 0, 0.5, 0.0, 0)])
+    text = M.table(results)
+    assert "| example transfer | 85.0 ± 7.1 | 80.0 ± 0.0 | 401.9 | — | — | — |" in text
+    assert "| no mixing (FedAvg, clients' data) | 50.0 (1 seed) | 0.0 (1 seed) | 0.0 | — | — | — |" in text
