@@ -29,7 +29,7 @@ from common.models import build_from_config
 from common.objectives import Received, build_loss
 from common.params import ParamSpec
 from common.protocol import LOSS_GRADIENT
-from common.training import LocalRecipe, loss_gradient, train
+from common.training import LocalRecipe, accuracy_of, loss_gradient, train
 from server_app.config import load_config
 from strategies import build_strategy
 from strategies.base import Update
@@ -82,7 +82,7 @@ def client_run(preset: str, n: int, seed: int = 0) -> float:
     data = ArrayDataset(rng.random((n, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, n), 10)
     recipe = LocalRecipe.from_config(cfg.to_dict())
     started = time.perf_counter()
-    received = Received(model, [p.detach().clone() for p in model.parameters()], data=data)
+    received = Received(model, [p.detach().clone() for p in model.parameters()], accuracy=accuracy_of(model, data))
     train(model, data, recipe, seed, loss=build_loss(recipe.objective, cfg.to_dict(), received))
     if cfg.options.get("dynamic-source") == "loss-gradient" and cfg.strategy == "feddual":
         loss_gradient(model, data, cfg.options["dynamic-arrays"])

@@ -53,7 +53,7 @@ def job(method: str, setting: str, seed: int, extra: dict[str, Any] | None = Non
 
 def lacking_classes(setting: str) -> tuple[int, ...]:
     """The classes the clients of `setting` lack (its central-classes; the oracle's clients hold them)."""
-    from common.config import class_ids
+    from common.datasets import class_ids
     from server_app.config import load_config
 
     return class_ids(load_config({"preset": f"{FAMILY}/{setting}"}).central_classes)

@@ -41,8 +41,8 @@ from common.params import ParamSpec, extras_from_record, extras_to_record
 from common.protocol import (ARRAYS, BASE_VERSION, CANDIDATE, CANDIDATES, CENTRAL_X, CENTRAL_Y, COMPONENT_DELTAS,
                              COMPONENTS, CONFIG, EXTRAS, FINETUNE_EPOCHS, LOSS_GRADIENT, METRICS, MIXTURE, NUM_EXAMPLES,
                              PARTITION_ID, TRAIN_SEED, VERSION)
-from common.training import (EVAL_STREAM, LocalRecipe, derive_seed, evaluate, evaluate_mixture, loss_gradient, train,
-                             train_mixture)
+from common.training import (EVAL_STREAM, LocalRecipe, accuracy_of, derive_seed, evaluate, evaluate_mixture,
+                             loss_gradient, train, train_mixture)
 
 app = ClientApp()
 
@@ -148,7 +148,8 @@ def train_handler(msg: Message, context: Context) -> Message:
     extras = extras_from_record(msg.content[EXTRAS]) if EXTRAS in msg.content.array_records else {}
     chosen = choose_candidate(model, pspec, extras, data, spec.seed)
     start = pspec.flatten(model)
-    received = Received(model, [p.detach().clone() for p in model.parameters() if p.requires_grad], extras, data=data)
+    received = Received(model, [p.detach().clone() for p in model.parameters() if p.requires_grad], extras,
+                        accuracy=accuracy_of(model, data))
     if MIXTURE in extras:  # FedEM: every component, weighted by the E-step's responsibilities
         components = components_of(pspec, start, extras)
         trained, pi, metrics = train_mixture(model, pspec, components, extras[MIXTURE], data, recipe,

@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+from common.datasets import class_ids
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -98,14 +100,6 @@ class ClassList:
 
     def short(self) -> str:
         return "class ids `7,8,9`; `\"\"` = none"
-
-
-def class_ids(text: str) -> tuple[int, ...]:
-    """``"7, 8,9"`` -> (7, 8, 9); ``""`` -> (); ValueError for anything else."""
-    ids = tuple(int(part) for part in text.split(",") if part.strip()) if text.strip() else ()
-    if any(i < 0 for i in ids):
-        raise ValueError(f"negative class id in {text!r}")
-    return ids
 
 
 def _datasets() -> Iterable[str]:

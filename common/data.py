@@ -25,8 +25,7 @@ import numpy as np
 
 from common import datasets as _ds
 from common import partitions
-from common.config import class_ids
-from common.datasets import ArrayDataset
+from common.datasets import ArrayDataset, class_ids
 
 
 def _digits(root: Path) -> ArrayDataset:

@@ -66,6 +66,14 @@ class DatasetNotFound(FileNotFoundError):
     """A dataset's files are not where the loader looks; the message says what to put where."""
 
 
+def class_ids(text: str) -> tuple[int, ...]:
+    """``"7, 8,9"`` -> (7, 8, 9); ``""`` -> (); ValueError for anything else."""
+    ids = tuple(int(part) for part in text.split(",") if part.strip()) if text.strip() else ()
+    if any(i < 0 for i in ids):
+        raise ValueError(f"negative class id in {text!r}")
+    return ids
+
+
 @dataclass(frozen=True)
 class ArrayDataset:
     """Images ``x`` (N, C, H, W) float32 in [0, 1] and labels ``y`` (N,) int64.

@@ -21,7 +21,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from common.config import NoOptions, OneOf, Range, make_options, option
-from common.datasets import ArrayDataset
 from common.protocol import CENTRAL_GRADIENT
 
 BatchLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -35,7 +34,7 @@ class Received:
     start: list[torch.Tensor]  # detached copies of its trainable parameters as received (w^t)
     arrays: dict[str, torch.Tensor] = field(default_factory=dict)  # the payload's extra arrays
     reply: dict[str, torch.Tensor] = field(default_factory=dict)  # what the objective sends back (the reply's extras)
-    data: ArrayDataset | None = None  # the client's training data (an objective may measure the model on it)
+    accuracy: Callable[[], float] | None = None  # the model's accuracy on the client's training data, measured now
     metrics: dict[str, float] = field(default_factory=dict)  # what the objective reports (joins the reply's metrics)
 
     def flat_to_params(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -155,15 +154,6 @@ def flat_log_softmax(params: list[torch.Tensor]) -> torch.Tensor:
     return F.log_softmax(torch.cat([w.reshape(-1) for w in params]), 0)
 
 
-def accuracy(model: nn.Module, data: ArrayDataset) -> float:
-    """`model`'s accuracy on `data` in eval mode; the model is put back in train mode (a local run goes on)."""
-    from common.training import evaluate  # common.training imports this module
-
-    acc = evaluate(model, data)["accuracy"]
-    model.train()
-    return acc
-
-
 class AdaptiveLoss(LocalLoss):
     """FedDUAL's adaptive local objective (Sahoo et al., FedDUAL, §4.0.1, Eqs. 6–10):
 
@@ -179,17 +169,24 @@ class AdaptiveLoss(LocalLoss):
     """
 
     def __init__(self, received: Received, options: FedDualConfig) -> None:
-        if received.data is None:
-            raise ValueError("FedDUAL's adaptive loss measures accuracies on the client's data: Received.data is unset")
-        self.model, self.data, self.metrics = received.model, received.data, received.metrics
+        if received.accuracy is None:
+            raise ValueError("FedDUAL's adaptive loss measures accuracies on the client's data: Received.accuracy "
+                             "is unset")
+        self.model, self.measure, self.metrics = received.model, received.accuracy, received.metrics
         self.params = [p for p in received.model.parameters() if p.requires_grad]
         self.reference = options.beta_mode == "reference"
         self.log_q = flat_log_softmax(received.start)  # the frozen global model; nothing extra is downloaded
         self.beta, self.betas = 0.5, [0.5]  # A_local = A_global before the first epoch: β = σ(0)
         self.metrics["feddual-beta"] = self.beta
         if not self.reference:
-            self.a_global = accuracy(self.model, self.data)
+            self.a_global = self.accuracy()
             self.metrics.update({"feddual-a-global": self.a_global, "feddual-a-local": self.a_global})
+
+    def accuracy(self) -> float:
+        """The model's accuracy on the client's data now (eval mode); the model goes back to train mode."""
+        acc = self.measure()
+        self.model.train()
+        return acc
 
     def kl(self) -> torch.Tensor:
         """D_KL(p ‖ q) = Σ_i p_i (log p_i − log q_i) (Eq. 7), differentiable in the local weights."""
@@ -205,7 +202,7 @@ class AdaptiveLoss(LocalLoss):
     def epoch_end(self) -> None:
         if self.reference:
             return
-        self.a_local = accuracy(self.model, self.data)
+        self.a_local = self.accuracy()
         self.beta = float(torch.sigmoid(torch.tensor(self.a_local - self.a_global)))  # Eq. 9
         self.betas.append(self.beta)
         # β of the epochs trained (the last re-measure only reports A_local)

@@ -199,6 +199,11 @@ def predict(model: nn.Module, x: torch.Tensor, batch_size: int = 1024, seed: int
     return out
 
 
+def accuracy_of(model: nn.Module, data: ArrayDataset) -> Callable[[], float]:
+    """A function that measures `model`'s accuracy on `data` when called (an objective's ``Received.accuracy``)."""
+    return lambda: evaluate(model, data)["accuracy"]
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, data: ArrayDataset, batch_size: int = 1024, seed: int = 0) -> dict[str, float]:
     """Mean cross-entropy and accuracy of `model` on `data` (batches in :func:`eval_order`)."""

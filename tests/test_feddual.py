@@ -21,7 +21,7 @@ from common.models import build_from_config
 from common.objectives import AdaptiveLoss, FedDualConfig, Received, build_loss
 from common.params import ParamSpec
 from common.protocol import LOSS_GRADIENT
-from common.training import LocalRecipe, evaluate, loss_gradient, train
+from common.training import LocalRecipe, accuracy_of, evaluate, loss_gradient, train
 from server_app.config import load_config
 from server_app.inprocess import run_inprocess
 from strategies import FedDual
@@ -188,7 +188,7 @@ def client(seed: int = 0) -> tuple[nn.Module, ArrayDataset]:
 
 
 def received(model: nn.Module, data: ArrayDataset) -> Received:
-    return Received(model, [p.detach().clone() for p in model.parameters()], data=data)
+    return Received(model, [p.detach().clone() for p in model.parameters()], accuracy=accuracy_of(model, data))
 
 
 def test_the_kl_term_is_the_papers_and_its_gradient_is_p_times_the_centred_drift():
@@ -228,7 +228,7 @@ def test_beta_zero_is_cross_entropy_and_reference_mode_is_half_of_it_with_no_kl_
 def received_with_start(model: nn.Module, data: ArrayDataset, shift: float) -> Received:
     start = [p.detach().clone() for p in model.parameters()]
     start[0] = start[0] + shift
-    return Received(model, start, data=data)
+    return Received(model, start, accuracy=accuracy_of(model, data))
 
 
 def test_beta_follows_the_local_and_global_accuracies_epoch_by_epoch():
