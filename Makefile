@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install data demo test simulate deploy clean
+.PHONY: install data demo test simulate deploy compose-demo compose-twin clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,15 @@ test: $(STAMP)
 # Local deployment: one SuperLink and N SuperNodes on loopback; ARGS='--supernodes 3 num-rounds=5'
 deploy: $(STAMP)
 	$(PY) -m scripts.deploy_local $(ARGS)
+
+# Docker: docker/compose.yml up (app image built), the main job run through it, outputs copied to
+# outputs/compose/. TLS=1 adds TLS + SuperNode authentication, GPU=1 the CUDA ServerApp. Needs a Docker engine.
+compose-demo: $(STAMP)
+	$(PY) -m scripts.compose demo $(if $(TLS),--tls) $(if $(GPU),--gpu) $(ARGS)
+
+# The same compose files without Docker: every service's command started natively on loopback
+compose-twin: $(STAMP)
+	$(PY) -m scripts.compose twin $(if $(TLS),--tls) $(ARGS)
 
 clean:
 	rm -rf $(VENV) .flwr outputs .pytest_cache

@@ -1,13 +1,17 @@
 """Run a preset on a local Flower deployment (one SuperLink + N SuperNodes on loopback) and check it.
 
-    python -m scripts.deploy_local [--supernodes N] [--latency I=SECONDS ...] [--flwr-home PATH] [KEY=VALUE ...]
+    python -m scripts.deploy_local [--supernodes N] [--latency I=SECONDS ...] [--tls [--auth]] [--flwr-home PATH]
+                                   [KEY=VALUE ...]
     e.g.  python -m scripts.deploy_local --supernodes 2 clients-per-round=2 num-rounds=2
+          python -m scripts.deploy_local --supernodes 2 --tls --auth clients-per-round=2 num-rounds=2
           python -m scripts.deploy_local --supernodes 3 --latency 2=4 strategy="fedasync" clock="wall" concurrency=3
 
 KEY=VALUE pairs are run-config overrides with ``flwr run -c`` syntax, as in scripts/simulate.py.
-The script validates the config first, then starts ``flower-superlink`` (insecure, subprocess
-isolation, in-memory state) and N ``flower-supernode`` processes on free loopback ports, node i
-holding partition i of N (N defaults to num-clients; a different --supernodes sets num-clients=N).
+The script validates the config first, then starts ``flower-superlink`` (subprocess isolation, in-memory
+state) and N ``flower-supernode`` processes on free loopback ports, node i holding partition i of N (N
+defaults to num-clients; a different --supernodes sets num-clients=N). Plain HTTP by default; ``--tls``
+serves every API over HTTPS with a private CA (scripts/pki.py, kept in <flwr-home>/pki), ``--auth`` also
+admits only SuperNodes whose keys were registered (``flwr supernode register``) before they start.
 It runs ``flwr run . --stream`` against them, checks that the run *finished:completed* and wrote
 ``summary.json``, and stops exactly the processes it started (logs in <run>/flower-logs/).
 Expect a few seconds per message: a SuperNode polls the SuperLink every 3 s.
@@ -21,9 +25,11 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
+from common.config import ConfigError
 from server_app.config import load_config
 from scripts.flower import (PROJECT_DIR, ProcessGroup, check_completed, flower_env, flwr_run, free_port,
-                            run_and_report, wait_healthy, write_connection)
+                            register_supernode, run_and_report, wait_healthy, write_connection)
+from scripts.pki import make_pki
 from scripts.simulate import parse_overrides, prepare
 
 CONNECTION = "hybridfl-local"
@@ -31,23 +37,27 @@ CONNECTION = "hybridfl-local"
 
 def deploy(overrides: dict[str, Any], flwr_home: Path, supernodes: int | None = None,
            latency: dict[int, float] | None = None,
-           on_started: Callable[[ProcessGroup, Path], None] | None = None) -> tuple[Path, set[int]]:
+           on_started: Callable[[ProcessGroup, Path], None] | None = None,
+           tls: bool = False, auth: bool = False) -> tuple[Path, set[int]]:
     """Run one job on a fresh deployment; return its run folder and the PIDs started (all stopped by now).
 
     `latency` slows SuperNode i's train replies by that many seconds (node config ``latency-s``);
     `on_started(processes, run_folder)` is called once every process is up, before the run starts
-    (tests use it to stop a SuperNode mid-run). Raises ConfigError for a bad config and
-    RuntimeError with the reason when the run fails.
+    (tests use it to stop a SuperNode mid-run). `tls` and `auth` as ``--tls`` and ``--auth``. Raises
+    ConfigError for a bad config and RuntimeError with the reason when the run fails.
     """
-    paths, pids = deploy_runs([overrides], flwr_home, supernodes, latency, on_started)
+    paths, pids = deploy_runs([overrides], flwr_home, supernodes, latency, on_started, tls, auth)
     return paths[0], pids
 
 
 def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | None = None,
                 latency: dict[int, float] | None = None,
-                on_started: Callable[[ProcessGroup, Path], None] | None = None) -> tuple[list[Path], set[int]]:
+                on_started: Callable[[ProcessGroup, Path], None] | None = None,
+                tls: bool = False, auth: bool = False) -> tuple[list[Path], set[int]]:
     """Run several jobs one after the other on the same SuperLink and SuperNodes (all must agree on
     num-clients); see :func:`deploy`. `on_started` gets the first run's folder."""
+    if auth and not tls:
+        raise ConfigError("--auth", True, "--auth together with --tls (SuperNode authentication needs TLS)")
     if supernodes is not None:
         runs = [{**o, "num-clients": supernodes} if supernodes != load_config(o).num_clients else o for o in runs]
     prepared = [prepare(o) for o in runs]  # validates every config before anything starts
@@ -60,17 +70,26 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
     node_ports: set[int] = set()
     while len(node_ports) < n:  # free_port can hand out a port twice in a row
         node_ports |= {free_port()} - {port}
+    pki = make_pki(flwr_home / "pki", nodes=n if auth else 0) if tls else None
+    ca = pki / "ca.crt" if pki else None
+    link_security = ["--insecure"] if pki is None else [
+        "--ssl-ca-certfile", str(ca), "--ssl-certfile", str(pki / "server.crt"),
+        "--ssl-keyfile", str(pki / "server.key"), *(["--enable-supernode-auth"] if auth else [])]
     with ProcessGroup(prepared[0][1] / "flower-logs", env) as procs:
-        link = procs.start("superlink", ["flower-superlink", "--insecure", "--host", "127.0.0.1", "--port", str(port),
+        link = procs.start("superlink", ["flower-superlink", *link_security, "--host", "127.0.0.1", "--port", str(port),
                                          "--disable-runtime-dependency-installation"])
-        wait_healthy(port, link)
+        wait_healthy(port, link, ca=ca)
+        write_connection(flwr_home, CONNECTION, port, ca)
         for i, node_port in enumerate(sorted(node_ports)):
             node_config = f"partition-id={i} num-partitions={n}"
             if (latency or {}).get(i):
                 node_config += f" latency-s={float(latency[i])}"
-            procs.start(f"supernode-{i}", ["flower-supernode", "--insecure", "--superlink", f"127.0.0.1:{port}",
+            security = ["--insecure"] if ca is None else ["--root-certificates", str(ca)]
+            if auth:
+                register_supernode(env, CONNECTION, pki / f"supernode-{i}.pub")
+                security += ["--auth-supernode-private-key", str(pki / f"supernode-{i}")]
+            procs.start(f"supernode-{i}", ["flower-supernode", *security, "--superlink", f"127.0.0.1:{port}",
                                            "--port", str(node_port), "--node-config", node_config])
-        write_connection(flwr_home, CONNECTION, port)
         if on_started:
             on_started(procs, prepared[0][1])
         outcomes = [(flwr_run(env, CONNECTION, o), path) for o, path in prepared]
@@ -86,12 +105,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="SuperNodes to start, one per client partition (default: num-clients)")
     parser.add_argument("--latency", action="append", default=[], metavar="I=SECONDS",
                         help="slow SuperNode I's train replies by SECONDS (repeatable)")
+    parser.add_argument("--tls", action="store_true", help="HTTPS with a private CA (kept in <flwr-home>/pki)")
+    parser.add_argument("--auth", action="store_true",
+                        help="SuperNode authentication: only registered node keys are admitted (needs --tls)")
     parser.add_argument("--flwr-home", type=Path, default=PROJECT_DIR / ".flwr",
                         help="FLWR_HOME for this run (default: ./.flwr)")
     args = parser.parse_args(argv)
     latency = {int(i): float(sec) for i, sec in (item.split("=", 1) for item in args.latency)}
     return run_and_report(lambda: deploy(parse_overrides(args.overrides), args.flwr_home.resolve(),
-                                         args.supernodes, latency)[0])
+                                         args.supernodes, latency, tls=args.tls, auth=args.auth)[0])
 
 
 if __name__ == "__main__":

@@ -74,9 +74,10 @@ class ProcessGroup:
         self.pids: set[int] = set()
         log_dir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, cmd: Sequence[str]) -> subprocess.Popen:
+    def start(self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start `cmd` as `name` (log: <log_dir>/<name>.log) with the group's environment, or `env`."""
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(list(cmd), env=self.env, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(list(cmd), env=env or self.env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, cwd=PROJECT_DIR)
         self.procs.append((name, proc))
         return proc
@@ -145,14 +146,15 @@ def alive(pids: set[int]) -> set[int]:
     return pids & {int(pid) for pid, stat in _ps("pid=,stat=") if not stat.startswith("Z")}
 
 
-def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> None:
-    """Wait for a SuperLink's /health on 127.0.0.1:`port`."""
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 60.0, ca: Path | None = None) -> None:
+    """Wait for a SuperLink's /health on 127.0.0.1:`port` (HTTPS verified against `ca` when given)."""
+    url = f"{'https' if ca else 'http'}://127.0.0.1:{port}/health"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"flower-superlink exited with code {proc.returncode} before it was healthy")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1.0).is_success:
+            if httpx.get(url, timeout=1.0, verify=str(ca) if ca else True).is_success:
                 return
         except httpx.HTTPError:
             pass
@@ -160,11 +162,28 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 60.0) -> No
     raise RuntimeError(f"flower-superlink on port {port} not healthy after {timeout:.0f}s")
 
 
-def write_connection(flwr_home: Path, name: str, port: int) -> None:
-    """A SuperLink connection `name` -> 127.0.0.1:`port` (insecure) in $FLWR_HOME/config.toml."""
+def write_connection(flwr_home: Path, name: str, port: int, ca: Path | None = None) -> None:
+    """A SuperLink connection `name` -> 127.0.0.1:`port` in $FLWR_HOME/config.toml: HTTPS verified against
+    the root certificate `ca` when given, plain HTTP otherwise."""
     flwr_home.mkdir(parents=True, exist_ok=True)
+    security = f"root-certificates = {json.dumps(str(ca))}" if ca else "insecure = true"
     (flwr_home / "config.toml").write_text(
-        f'[superlink]\ndefault = "{name}"\n\n[superlink.{name}]\naddress = "127.0.0.1:{port}"\ninsecure = true\n')
+        f'[superlink]\ndefault = "{name}"\n\n[superlink.{name}]\naddress = "127.0.0.1:{port}"\n{security}\n')
+
+
+def register_supernode(env: dict[str, str], connection: str, public_key: Path) -> int:
+    """``flwr supernode register``: allow the SuperNode holding `public_key`'s private key on a SuperLink
+    started with ``--enable-supernode-auth``; returns its node id (fixed by the key, across restarts)."""
+    out = subprocess.run([str(Path(sys.executable).parent / "flwr"), "supernode", "register", str(public_key),
+                          connection, "--format", "json"], env=env, cwd=PROJECT_DIR, capture_output=True,
+                         text=True, timeout=120)
+    try:
+        reply = json.loads(out.stdout)
+    except json.JSONDecodeError:
+        reply = {}
+    if not reply.get("success"):
+        raise RuntimeError(f"cannot register {public_key}: {out.stdout}{out.stderr}")
+    return int(reply["node-id"])
 
 
 def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
@@ -197,7 +216,7 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
         raise RuntimeError(f"flwr run did not finish within {timeout:.0f}s")
     if run_id is None:
         raise RuntimeError(f"flwr run did not start a run (exit code {proc.returncode})")
-    return run_id, run_status(env, connection, run_id)
+    return run_id, final_status(env, connection, run_id, timeout)
 
 
 def run_status(env: dict[str, str], connection: str, run_id: int) -> str:
@@ -209,6 +228,20 @@ def run_status(env: dict[str, str], connection: str, run_id: int) -> str:
     except (json.JSONDecodeError, KeyError) as err:
         raise RuntimeError(f"cannot read the status of run {run_id}: {out.stdout}{out.stderr}") from err
     return str(runs[0]["status"])
+
+
+def final_status(env: dict[str, str], connection: str, run_id: int, timeout: float = 3600.0) -> str:
+    """The run's status once it is ``finished:*``. ``flwr run --stream`` also returns when its connection
+    drops (a SuperLink restarting with ``--database`` keeps the run going), so poll until the run ended."""
+    deadline, status = time.monotonic() + timeout, "unknown (SuperLink unreachable)"
+    while True:
+        try:
+            status = run_status(env, connection, run_id)
+        except (RuntimeError, subprocess.TimeoutExpired):
+            pass  # unreachable for now
+        if status.startswith("finished") or time.monotonic() > deadline:
+            return status
+        time.sleep(2.0)
 
 
 def run_and_report(fn: Callable[[], Path]) -> int:

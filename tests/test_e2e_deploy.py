@@ -9,9 +9,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import httpx
 import pytest
 
 from scripts.deploy_local import deploy, main
+from scripts.flower import free_port
+from scripts.pki import node_key
 
 
 def running(pid: int) -> bool:
@@ -21,10 +24,30 @@ def running(pid: int) -> bool:
 
 
 @pytest.mark.e2e
-def test_local_deployment_runs_and_stops_its_processes(tmp_path: Path) -> None:
+def test_local_deployment_with_tls_and_auth_runs_refuses_intruders_and_stops_its_processes(tmp_path: Path) -> None:
+    """``--tls --auth``: the two registered SuperNodes train; a SuperNode with its own unregistered key and a
+    plain-HTTP one are refused by the SuperLink (their own exit and the SuperLink's reason are asserted)."""
     overrides = {"num-clients": 2, "clients-per-round": 2, "num-rounds": 2, "dataset": "digits",
                  "output-dir": str(tmp_path / "out"), "run-name": "e2e"}
-    run_path, pids = deploy(overrides, tmp_path / "flwr-home", supernodes=2)  # raises unless finished:completed
+    home = tmp_path / "flwr-home"
+    refused: dict[str, tuple[int | None, str]] = {}
+
+    def start_intruders(procs, run_path: Path) -> None:
+        link = next(p for name, p in procs.procs if name == "superlink")
+        port = int(link.args[link.args.index("--port") + 1])
+        with pytest.raises(httpx.RemoteProtocolError):  # HTTPS only: a plain-HTTP request gets no answer
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        base = ["flower-supernode", "--superlink", f"127.0.0.1:{port}", "--max-retries", "1"]
+        intruders = {
+            "unregistered": procs.start("unregistered", base + [
+                "--root-certificates", str(home / "pki" / "ca.crt"),
+                "--auth-supernode-private-key", str(node_key(tmp_path, "unregistered")), "--port", str(free_port())]),
+            "plain-http": procs.start("plain-http", base + ["--insecure", "--port", str(free_port())])}
+        for name, proc in intruders.items():
+            proc.wait(timeout=120)
+            refused[name] = (proc.returncode, (run_path / "flower-logs" / f"{name}.log").read_text())
+
+    run_path, pids = deploy(overrides, home, supernodes=2, on_started=start_intruders, tls=True, auth=True)
 
     assert run_path == tmp_path / "out" / "e2e"
     summary = json.loads((run_path / "summary.json").read_text())
@@ -33,10 +56,20 @@ def test_local_deployment_runs_and_stops_its_processes(tmp_path: Path) -> None:
     assert summary["client-eval"]["replies"] == 2
     rounds = [json.loads(line)["round"] for line in (run_path / "metrics.jsonl").read_text().splitlines()]
     assert rounds == [0, 1, 2]
-    assert (run_path / "flower-logs" / "supernode-1.log").is_file()
-    # superlink + 2 supernodes, plus the flower-superexec each of them starts
-    assert len(pids) >= 6
+    code, log = refused["unregistered"]
+    assert code != 0 and "Failed to activate SuperNode" in log
+    assert "No SuperNode found with the given public key" in (run_path / "flower-logs" / "superlink.log").read_text()
+    code, log = refused["plain-http"]
+    assert code != 0 and "Server disconnected without sending a response" in log
+    # superlink + 2 supernodes + 2 intruders, plus the flower-superexec each of them starts
+    assert len(pids) >= 10
     assert [pid for pid in pids if running(pid)] == []
+
+
+def test_auth_without_tls_is_refused_before_starting_anything(tmp_path: Path, capsys) -> None:
+    assert main(["--flwr-home", str(tmp_path / "flwr-home"), "--auth"]) == 2
+    assert "--auth together with --tls" in capsys.readouterr().err
+    assert not (tmp_path / "flwr-home").exists()
 
 
 def test_bad_config_exits_2_before_starting_anything(tmp_path: Path) -> None:

@@ -1,0 +1,380 @@
+"""docker/compose.yml, run: with Docker (``demo``), or natively on loopback as its "twin" (``twin``).
+
+    python -m scripts.compose demo [--tls] [--gpu] [KEY=VALUE ...]    # needs a Docker engine (make compose-demo)
+    python -m scripts.compose twin [--tls] [--workdir DIR] [KEY=VALUE ...]
+    python -m scripts.compose check [--tls] [--gpu]                   # the files' structure only
+
+The twin reads the compose files (``compose.yml``, plus ``with-tls.yml`` with --tls), checks their
+structure, and starts every service's exact command as a local process, in ``depends_on`` order, waiting
+for each dependency's own healthcheck command: a service name in an address becomes 127.0.0.1, each
+(service, container port) gets a free port, ``--host 0.0.0.0`` becomes 127.0.0.1, each volume becomes a
+folder under the workdir (bind mounts: their source), and every service gets its own FLWR_HOME as every
+container has its own HOME. SuperNodes started with ``--auth-supernode-private-key K`` are registered
+(``K.pub``) before they start, as the demo does. Then both modes run the same job with ``flwr run`` and
+check that it finished:completed: the main job on ``num-clients`` = the compose file's SuperNodes, outputs
+in the ``outputs`` volume. What the twin cannot show: image contents, the Docker network, GPU reservation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from scripts.flower import (PROJECT_DIR, ProcessGroup, check_completed, flower_env, flwr_run, free_port,
+                            register_supernode, run_and_report, write_connection)
+from scripts.pki import make_pki
+from server_app.config import load_config
+from scripts.simulate import parse_overrides
+
+COMPOSE_DIR = PROJECT_DIR / "docker"
+CONNECTION = "hybridfl-compose"
+# The entrypoint of each image (hybridfl/app is built FROM flwr/superexec and keeps its entrypoint)
+ENTRYPOINTS = {"flwr/superlink": "flower-superlink", "flwr/supernode": "flower-supernode",
+               "flwr/superexec": "flower-superexec", "hybridfl/app": "flower-superexec"}
+SUPERLINK, SERVERAPP, OUTPUTS = "superlink", "superexec-serverapp", "outputs"
+CERTS = COMPOSE_DIR / "certs"
+IMAGE_UID = 49999  # the user `app` of Flower's images
+
+
+class ComposeError(ValueError):
+    """A compose file that cannot be run; the message names the service and what is wrong."""
+
+
+def compose_files(tls: bool = False, gpu: bool = False) -> list[Path]:
+    return [COMPOSE_DIR / "compose.yml", *([COMPOSE_DIR / "with-tls.yml"] if tls else []),
+            *([COMPOSE_DIR / "compose.gpu.yml"] if gpu else [])]
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Compose's merge of an override file: mappings merge key by key, ``ports`` and ``volumes`` add up
+    (a volume replaces the one at the same container path), everything else (command, healthcheck test,
+    image) is replaced."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        elif key == "volumes" and isinstance(value, list) and isinstance(out.get(key), list):
+            targets = {_volume(v)[1] for v in value}
+            out[key] = [v for v in out[key] if _volume(v)[1] not in targets] + value
+        elif key == "ports" and isinstance(value, list) and isinstance(out.get(key), list):
+            out[key] = out[key] + [p for p in value if p not in out[key]]
+        else:
+            out[key] = value
+    return out
+
+
+def load(files: list[Path]) -> dict[str, Any]:
+    """The compose files merged in order, then checked (:func:`validate`)."""
+    merged: dict[str, Any] = {}
+    for path in files:
+        data = yaml.safe_load(path.read_text())
+        if not isinstance(data, dict):
+            raise ComposeError(f"{path}: not a mapping")
+        merged = _merge(merged, data)
+    validate(merged)
+    return merged
+
+
+def _volume(spec: str) -> tuple[str, str, bool]:
+    """``source:target[:ro]`` -> (source, target, read-only)."""
+    parts = str(spec).split(":")
+    if len(parts) not in (2, 3) or not parts[1].startswith("/") or parts[2:] not in ([], ["ro"], ["rw"]):
+        raise ComposeError(f"volume {spec!r}: expected source:/container/path[:ro]")
+    return parts[0], parts[1], parts[2:] == ["ro"]
+
+
+def _image(name: str, service: dict[str, Any]) -> str:
+    image = service.get("image")
+    if not isinstance(image, str) or ":" not in image:
+        raise ComposeError(f"service {name}: image {image!r} must be repository:tag")
+    repository = image.rsplit(":", 1)[0]
+    if repository not in ENTRYPOINTS:
+        raise ComposeError(f"service {name}: image {image!r} is none of {sorted(ENTRYPOINTS)}")
+    return repository
+
+
+def validate(compose: dict[str, Any]) -> None:
+    """Raise ComposeError naming every problem: images and their tags, commands as lists of strings,
+    ports, volumes declared, ``depends_on`` targets that exist (with a healthcheck where the condition is
+    service_healthy) and no cycle, a healthcheck on the SuperLink and every SuperNode, one SuperLink."""
+    services = compose.get("services")
+    if not isinstance(services, dict) or not services:
+        raise ComposeError("no services")
+    problems: list[str] = []
+    named = set(compose.get("volumes") or {})
+    tags: dict[str, str] = {}
+    for name, svc in services.items():
+        try:
+            repository = _image(name, svc)
+        except ComposeError as err:
+            problems.append(str(err))
+            continue
+        if repository.startswith("flwr/"):
+            tags[name] = svc["image"].rsplit(":", 1)[1]
+        cmd = svc.get("command")
+        if not (isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd)):
+            problems.append(f"service {name}: command must be a non-empty list of strings, got {cmd!r}")
+        for port in svc.get("ports") or []:
+            if not re.fullmatch(r"\d+:\d+", str(port)):
+                problems.append(f"service {name}: port {port!r} must be HOST:CONTAINER")
+        for spec in svc.get("volumes") or []:
+            try:
+                source = _volume(spec)[0]
+            except ComposeError as err:
+                problems.append(f"service {name}: {err}")
+                continue
+            if not source.startswith((".", "/", "$")) and source not in named:
+                problems.append(f"service {name}: volume {source!r} is not declared under volumes:")
+        for dep, cond in (svc.get("depends_on") or {}).items():
+            if dep not in services:
+                problems.append(f"service {name}: depends_on {dep!r}, which is not a service")
+            elif (cond or {}).get("condition") == "service_healthy" and "healthcheck" not in services[dep]:
+                problems.append(f"service {name}: waits for {dep} to be healthy, but {dep} has no healthcheck")
+        needs_health = repository in ("flwr/superlink", "flwr/supernode")
+        test = (svc.get("healthcheck") or {}).get("test")
+        if needs_health and not (isinstance(test, list) and test[:1] in (["CMD"], ["CMD-SHELL"])):
+            problems.append(f"service {name}: needs a healthcheck test [CMD, ...]")
+    if len(set(tags.values())) > 1:
+        problems.append(f"Flower images must share one version, got {tags}")
+    links = [n for n, s in services.items() if s.get("image", "").startswith("flwr/superlink:")]
+    if links != [SUPERLINK]:
+        problems.append(f"expected one SuperLink service named {SUPERLINK!r}, got {links}")
+    if SERVERAPP not in services:
+        problems.append(f"no {SERVERAPP!r} service (the ServerApp's SuperExec)")
+    if not problems:
+        try:
+            start_order(services)
+        except ComposeError as err:
+            problems.append(str(err))
+    if problems:
+        raise ComposeError("; ".join(problems))
+
+
+def start_order(services: dict[str, Any]) -> list[str]:
+    """Services in an order that starts each after everything it depends on."""
+    order: list[str] = []
+    visiting: set[str] = set()
+
+    def visit(name: str) -> None:
+        if name in order:
+            return
+        if name in visiting:
+            raise ComposeError(f"depends_on cycle through {name}")
+        visiting.add(name)
+        for dep in services[name].get("depends_on") or {}:
+            visit(dep)
+        order.append(name)
+
+    for name in services:
+        visit(name)
+    return order
+
+
+def supernodes(compose: dict[str, Any]) -> list[str]:
+    return [n for n, s in compose["services"].items() if s["image"].startswith("flwr/supernode:")]
+
+
+@dataclass
+class Twin:
+    """Where each service's container ports and paths land on this machine: named volumes in
+    <workdir>/volumes, the certificates' bind mount in <workdir>/certs (a fresh CA per twin, as a fresh
+    deployment), other bind mounts at their source."""
+
+    compose: dict[str, Any]
+    workdir: Path
+    ports: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    @property
+    def certs(self) -> Path:
+        return self.workdir / "certs"
+
+    def port(self, service: str, container_port: int) -> int:
+        if (service, container_port) not in self.ports:
+            taken = set(self.ports.values())
+            while (p := free_port()) in taken:
+                pass
+            self.ports[(service, container_port)] = p
+        return self.ports[(service, container_port)]
+
+    def paths(self, service: str) -> list[tuple[str, Path]]:
+        """(container path, host path) of `service`'s volumes, longest container path first."""
+        out = []
+        for spec in self.compose["services"][service].get("volumes") or []:
+            source, target, _ = _volume(spec)
+            resolved = (COMPOSE_DIR / source).resolve()
+            if resolved.is_relative_to(CERTS):
+                host = self.certs / resolved.relative_to(CERTS)
+            elif source.startswith((".", "/")):
+                host = resolved
+            else:
+                host = self.workdir / "volumes" / source
+                host.mkdir(parents=True, exist_ok=True)
+            out.append((target, host))
+        return sorted(out, key=lambda tp: -len(tp[0]))
+
+    def text(self, service: str, value: str) -> str:
+        """`value` as seen on this machine: service addresses, loopback ports and container paths mapped."""
+        services = self.compose["services"]
+        value = re.sub(r"\b([A-Za-z0-9_.-]+):(\d+)\b", lambda m: (
+            f"127.0.0.1:{self.port(m[1], int(m[2]))}" if m[1] in services else
+            f"127.0.0.1:{self.port(service, int(m[2]))}" if m[1] in ("127.0.0.1", "localhost", "0.0.0.0") else m[0]),
+            value)
+        for target, host in self.paths(service):
+            value = re.sub(rf"{re.escape(target)}(?=/|\b|$)", str(host), value)
+        return value
+
+    def command(self, service: str) -> list[str]:
+        svc = self.compose["services"][service]
+        args, out = svc["command"], [ENTRYPOINTS[_image(service, svc)]]
+        for i, arg in enumerate(args):
+            before = args[i - 1] if i else ""
+            out.append("127.0.0.1" if before == "--host" else str(self.port(service, int(arg))) if before == "--port"
+                       else self.text(service, arg))
+        return out
+
+    def env(self, service: str) -> dict[str, str]:
+        """`service`'s environment: its own FLWR_HOME (each container has its own HOME), its ``environment``."""
+        own = self.compose["services"][service].get("environment") or {}
+        return {**flower_env(self.workdir / "home" / service),
+                **{k: self.text(service, str(v)) for k, v in own.items()}}
+
+    def healthy(self, service: str) -> bool:
+        test = self.compose["services"][service]["healthcheck"]["test"]
+        argv = test[1:] if test[0] == "CMD" else ["sh", "-c", test[1]]
+        argv = [sys.executable if a == "python" else self.text(service, a) for a in argv]
+        return subprocess.run(argv, capture_output=True, timeout=30).returncode == 0
+
+
+def _wait(what: str, check: Callable[[], bool], proc: subprocess.Popen, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before it was healthy")
+        if check():
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"{what} not healthy after {timeout:.0f}s")
+
+
+def job(compose: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """The demo's run config: the main job on as many clients as the file has SuperNodes, written to the
+    ServerApp's path of the ``outputs`` volume under a fresh run name, then the user's overrides; checked
+    (ConfigError) before anything starts."""
+    n = len(supernodes(compose))
+    for spec in compose["services"][SERVERAPP].get("volumes") or []:
+        if _volume(spec)[0] == OUTPUTS:
+            run_config = {"num-clients": n, "clients-per-round": n, "num-rounds": 5, "output-dir": _volume(spec)[1],
+                          "run-name": time.strftime("compose-%Y%m%d-%H%M%S"), **overrides}
+            load_config(run_config)
+            return run_config
+    raise ComposeError(f"service {SERVERAPP}: no {OUTPUTS!r} volume for the run's outputs")
+
+
+def twin(files: list[Path], jobs: list[dict[str, Any]], workdir: Path,
+         on_started: Callable[[ProcessGroup, Twin], None] | None = None) -> tuple[list[Path], set[int]]:
+    """Run the compose files' services natively and the jobs (overrides of :func:`job`) through them one
+    after the other; return their run folders (in the outputs volume) and every PID started (all stopped by
+    now). `on_started(processes, twin)` runs once every service is up (tests stop or restart services there)."""
+    compose = load(files)
+    t = Twin(compose, workdir)
+    env = flower_env(workdir / "home" / "cli")
+    ca = None
+    if "--insecure" not in compose["services"][SUPERLINK]["command"]:
+        ca = make_pki(t.certs, nodes=len(supernodes(compose))) / "ca.crt"
+    run_configs = []
+    for i, overrides in enumerate(jobs):
+        run_config = job(compose, overrides)
+        run_configs.append({**run_config, "output-dir": t.text(SERVERAPP, run_config["output-dir"]),
+                            "run-name": f"{run_config['run-name']}-{i}"})
+    with ProcessGroup(workdir / "logs", env) as procs:
+        for name in start_order(compose["services"]):
+            svc = compose["services"][name]
+            for dep, cond in (svc.get("depends_on") or {}).items():
+                if (cond or {}).get("condition") == "service_healthy":
+                    _wait(dep, lambda d=dep: t.healthy(d), dict(procs.procs)[dep])
+            cmd = t.command(name)
+            if "--auth-supernode-private-key" in cmd:
+                register_supernode(env, CONNECTION, Path(cmd[cmd.index("--auth-supernode-private-key") + 1] + ".pub"))
+            procs.start(name, cmd, t.env(name))
+            if name == SUPERLINK:
+                _wait(name, lambda: t.healthy(SUPERLINK), dict(procs.procs)[name])
+                write_connection(workdir / "home" / "cli", CONNECTION, t.port(SUPERLINK, 8000), ca)
+        if on_started:
+            on_started(procs, t)
+        outcomes = [flwr_run(env, CONNECTION, c) for c in run_configs]
+    paths = [Path(c["output-dir"]) / c["run-name"] for c in run_configs]
+    for (run_id, status), path in zip(outcomes, paths):
+        check_completed(run_id, status, path)
+    return paths, procs.pids
+
+
+def demo(files: list[Path], overrides: dict[str, Any], tls: bool) -> Path:
+    """``docker compose up`` the files (building the app image), with --tls first the SuperLink alone to
+    register the SuperNodes' keys; run the job; copy its outputs to ./outputs/compose. Needs a Docker engine."""
+    compose = load(files)
+    flwr_home = PROJECT_DIR / ".flwr-compose"
+    env = flower_env(flwr_home)
+    dc = ["docker", "compose", *(a for f in files for a in ("-f", str(f)))]
+    ca = make_pki(CERTS, nodes=len(supernodes(compose))) / "ca.crt" if tls else None
+    if tls and os.geteuid() == 0:  # the images run as app (UID 49999): let them read their keys
+        for f in CERTS.iterdir():
+            os.chown(f, IMAGE_UID, IMAGE_UID)
+    write_connection(flwr_home, CONNECTION, 8000, ca)
+    _sh(dc + ["up", "-d", "--build", "--wait", SUPERLINK], env)
+    for node in supernodes(compose):
+        cmd = compose["services"][node]["command"]
+        if "--auth-supernode-private-key" in cmd:
+            key = Path(cmd[cmd.index("--auth-supernode-private-key") + 1]).name
+            register_supernode(env, CONNECTION, CERTS / f"{key}.pub")
+    _sh(dc + ["up", "-d", "--build", "--wait"], env)
+    run_config = job(compose, overrides)
+    run_id, status = flwr_run(env, CONNECTION, run_config)
+    local = PROJECT_DIR / "outputs" / "compose"
+    local.mkdir(parents=True, exist_ok=True)
+    _sh(dc + ["cp", f"{SERVERAPP}:{run_config['output-dir']}/{run_config['run-name']}", str(local)], env)
+    check_completed(run_id, status, local / run_config["run-name"])
+    return local / run_config["run-name"]
+
+
+def _sh(cmd: list[str], env: dict[str, str]) -> None:
+    print("$", shlex.join(cmd), flush=True)
+    subprocess.run(cmd, env=env, cwd=PROJECT_DIR, check=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["demo", "twin", "check"])
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    parser.add_argument("--tls", action="store_true", help="add docker/with-tls.yml (TLS + SuperNode auth)")
+    parser.add_argument("--gpu", action="store_true", help="add docker/compose.gpu.yml (CUDA ServerApp)")
+    parser.add_argument("--workdir", type=Path, default=PROJECT_DIR / "outputs" / "compose-twin",
+                        help="twin: folder for volumes, FLWR_HOMEs and logs")
+    args = parser.parse_intermixed_args(argv)
+    files = compose_files(args.tls, args.gpu)
+    try:
+        compose = load(files)
+    except ComposeError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.mode == "check":
+        print(f"{', '.join(f.name for f in files)}: {len(compose['services'])} services, start order "
+              f"{' -> '.join(start_order(compose['services']))}")
+        return 0
+    overrides = parse_overrides(args.overrides)
+    if args.mode == "demo":
+        return run_and_report(lambda: demo(files, overrides, args.tls))
+    return run_and_report(lambda: twin(files, [overrides], args.workdir.resolve())[0][0])
+
+if __name__ == "__main__":
+    sys.exit(main())

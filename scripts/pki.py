@@ -1,0 +1,119 @@
+"""Certificates and SuperNode keys for a secured deployment (TLS + SuperNode authentication).
+
+    python -m scripts.pki DIR [--name superlink --name localhost ...] [--nodes N]
+
+writes into DIR:
+  ca.crt, ca.key                  a private certificate authority (10 years)
+  server.crt, server.key          the SuperLink's certificate, signed by the CA, with a SAN per --name
+                                  (DNS names, or IP addresses such as 127.0.0.1)
+  supernode-I, supernode-I.pub    for I < N: SuperNode I's authentication key pair (ECDSA P-384, OpenSSH
+                                  format, as ``ssh-keygen -t ecdsa -b 384 -N ""`` writes it)
+
+SuperLink: ``--ssl-ca-certfile ca.crt --ssl-certfile server.crt --ssl-keyfile server.key
+--enable-supernode-auth``; SuperNode I: ``--root-certificates ca.crt --auth-supernode-private-key supernode-I``,
+after ``flwr supernode register supernode-I.pub`` (see README "Deployment"). Files that exist are kept, so a
+second call adds nodes without changing the CA or the keys already registered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import sys
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+DEFAULT_NAMES = ("superlink", "localhost", "127.0.0.1")
+VALID = datetime.timedelta(days=3650)
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey, fmt: serialization.PrivateFormat) -> None:
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, fmt, serialization.NoEncryption()))
+    path.chmod(0o600)
+
+
+def _load_key(path: Path) -> ec.EllipticCurvePrivateKey:
+    key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ValueError(f"{path} is not an elliptic-curve key; move it away to have a new CA made")
+    return key
+
+
+def _san(name: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(name))
+    except ValueError:
+        return x509.DNSName(name)
+
+
+def _certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name | None,
+                 issuer_key: ec.EllipticCurvePrivateKey, names: tuple[str, ...] = ()) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+    ca = issuer is None
+    builder = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer or name)
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + VALID)
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if ca:
+        builder = builder.add_extension(x509.KeyUsage(
+            digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+            key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
+            decipher_only=False), critical=True)
+    else:
+        builder = (builder.add_extension(x509.SubjectAlternativeName([_san(n) for n in names]), critical=False)
+                   .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False))
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def make_pki(directory: Path, names: tuple[str, ...] = DEFAULT_NAMES, nodes: int = 0) -> Path:
+    """Create (or complete) the CA, the server certificate for `names` and `nodes` SuperNode key pairs."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_crt, ca_key = directory / "ca.crt", directory / "ca.key"
+    if not ca_crt.exists():
+        key = ec.generate_private_key(ec.SECP384R1())
+        _write_key(ca_key, key, serialization.PrivateFormat.TraditionalOpenSSL)
+        ca_crt.write_bytes(_certificate("hybridfl CA", key, None, key).public_bytes(serialization.Encoding.PEM))
+    issuer_key = _load_key(ca_key)
+    issuer = x509.load_pem_x509_certificate(ca_crt.read_bytes()).subject
+    if not (directory / "server.crt").exists():
+        key = ec.generate_private_key(ec.SECP384R1())
+        _write_key(directory / "server.key", key, serialization.PrivateFormat.TraditionalOpenSSL)
+        cert = _certificate(names[0], key, issuer, issuer_key, names)
+        (directory / "server.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    for i in range(nodes):
+        node_key(directory, f"supernode-{i}")
+    return directory
+
+
+def node_key(directory: Path, name: str) -> Path:
+    """SuperNode `name`'s key pair (`name`, `name`.pub) in OpenSSH format; kept if it exists. Returns the
+    private key's path."""
+    private = directory / name
+    if not private.exists():
+        key = ec.generate_private_key(ec.SECP384R1())
+        _write_key(private, key, serialization.PrivateFormat.OpenSSH)
+        public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+        (directory / f"{name}.pub").write_bytes(public + f" {name}\n".encode())
+    return private
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--name", action="append", default=None,
+                        help=f"a name the SuperLink is reached by (repeatable; default: {' '.join(DEFAULT_NAMES)})")
+    parser.add_argument("--nodes", type=int, default=0, help="SuperNode key pairs to create")
+    args = parser.parse_args(argv)
+    make_pki(args.directory, tuple(args.name or DEFAULT_NAMES), args.nodes)
+    print(f"certificates and keys in {args.directory}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

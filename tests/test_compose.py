@@ -1,0 +1,145 @@
+"""docker/: the compose files' structure, the translation of their commands, and their native twin end to
+end (no Docker engine here: each service's exact command runs as a local process)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from scripts.compose import (COMPOSE_DIR, ComposeError, Twin, _merge, compose_files, load, main, start_order,
+                             supernodes, twin, validate)
+from scripts.flower import PROJECT_DIR
+
+
+def test_the_compose_files_load_and_merge_as_compose_does() -> None:
+    plain, tls = load(compose_files()), load(compose_files(tls=True))
+    assert start_order(plain["services"])[0] == "superlink"
+    assert supernodes(plain) == ["supernode-0", "supernode-1"]
+    link, link_tls = plain["services"]["superlink"], tls["services"]["superlink"]
+    assert "--insecure" in link["command"] and "--insecure" not in link_tls["command"]
+    assert {"--enable-supernode-auth", "--database"} <= set(link_tls["command"])
+    # volumes add up (state + certificates), the healthcheck test is replaced, the rest is kept
+    assert "superlink-state:/app/state" in link_tls["volumes"] and len(link_tls["volumes"]) == 4
+    assert "https://localhost:8000/health" in link_tls["healthcheck"]["test"][-1]
+    assert link_tls["healthcheck"]["retries"] == link["healthcheck"]["retries"]
+    gpu = load(compose_files(tls=True, gpu=True))["services"]["superexec-serverapp"]
+    assert gpu["image"].endswith("-cuda")
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
+    assert "--root-certificates" in gpu["command"]  # the TLS override still applies under the GPU one
+
+
+def test_merge_replaces_a_volume_at_the_same_container_path() -> None:
+    merged = _merge({"services": {"a": {"volumes": ["x:/data", "y:/state"], "command": ["--a"]}}},
+                    {"services": {"a": {"volumes": ["./z:/data:ro"], "command": ["--b"]}}})
+    assert merged["services"]["a"] == {"volumes": ["y:/state", "./z:/data:ro"], "command": ["--b"]}
+
+
+def _broken(edit) -> dict:
+    compose = copy.deepcopy(yaml.safe_load((COMPOSE_DIR / "compose.yml").read_text()))
+    edit(compose["services"])
+    return compose
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda s: s["supernode-0"].update(image="nginx:1"), "supernode-0: image 'nginx:1'"),
+    (lambda s: s["supernode-1"].update(image="flwr/supernode:1.41.0"), "share one version"),
+    (lambda s: s["superlink"].update(command="--insecure"), "superlink: command must be a non-empty list"),
+    (lambda s: s["superlink"].pop("healthcheck"), "waits for superlink to be healthy"),
+    (lambda s: s["superexec-clientapp-0"].update(depends_on={"supernode-9": None}), "'supernode-9', which is not"),
+    (lambda s: s["superlink"].update(depends_on={"superexec-serverapp": None}), "depends_on cycle"),
+    (lambda s: s["superexec-serverapp"].update(volumes=["results:/app/outputs"]), "'results' is not declared"),
+    (lambda s: s["superlink"].update(ports=["8000"]), "port '8000' must be HOST:CONTAINER"),
+    (lambda s: s.pop("superexec-serverapp"), "no 'superexec-serverapp' service"),
+])
+def test_a_broken_compose_file_is_refused_naming_the_service(edit, says) -> None:
+    with pytest.raises(ComposeError, match=re.escape(says)):
+        validate(_broken(edit))
+
+
+def test_the_twin_maps_addresses_ports_and_paths(tmp_path: Path) -> None:
+    t = Twin(load(compose_files(tls=True)), tmp_path)
+    node = t.command("supernode-1")
+    link_port, node_port = t.port("superlink", 8000), t.port("supernode-1", 9094)
+    assert node[0] == "flower-supernode"
+    assert node[node.index("--superlink") + 1] == f"127.0.0.1:{link_port}"
+    assert node[node.index("--host") + 1] == "127.0.0.1" and node[node.index("--port") + 1] == str(node_port)
+    assert node[node.index("--auth-supernode-private-key") + 1] == str(tmp_path / "certs" / "supernode-1")
+    assert node[node.index("--node-config") + 1] == "partition-id=1 num-partitions=2"
+    assert t.port("supernode-0", 9094) not in (link_port, node_port)  # same container port, other service
+    client = t.command("superexec-clientapp-1")
+    assert client[0] == "flower-superexec" and f"127.0.0.1:{node_port}" in client
+    link = t.command("superlink")
+    assert link[link.index("--database") + 1] == str(tmp_path / "volumes" / "superlink-state" / "superlink.db")
+    assert link[link.index("--ssl-keyfile") + 1] == str(tmp_path / "certs" / "server.key")
+    assert (PROJECT_DIR / "data").as_posix() in t.text("superexec-serverapp", "/app/data/x")
+
+
+def test_the_app_image_matches_the_compose_flower_version() -> None:
+    tags = {s["image"].rsplit(":", 1)[1] for s in load(compose_files())["services"].values()
+            if s["image"].startswith("flwr/")}
+    for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
+        text = (COMPOSE_DIR / dockerfile).read_text()
+        assert re.search(r"^ARG FLWR_VERSION=(\S+)$", text, re.M)[1] in tags
+        assert 'ENTRYPOINT ["flower-superexec"]' in text and "torch==2.14.1 torchvision==0.29.1" in text
+
+
+def test_a_bad_run_config_fails_before_any_service_starts(tmp_path: Path, capsys) -> None:
+    assert main(["twin", "--workdir", str(tmp_path / "twin"), "num-rounds=0"]) == 2
+    assert "'num-rounds' = 0" in capsys.readouterr().err
+    assert not (tmp_path / "twin").exists()
+    assert main(["check", "--tls", "--gpu"]) == 0
+
+
+def _summary(path: Path) -> dict:
+    return json.loads((path / "summary.json").read_text())
+
+
+@pytest.mark.e2e
+def test_the_compose_twin_runs_fedavg_through_a_superlink_restart_then_an_asynchronous_strategy(tmp_path: Path) -> None:
+    """compose.yml natively. During the FedAvg run the SuperLink is killed after the first evaluated round and
+    started again with the same command (its state in SQLite on the volume): the SuperNodes and the ServerApp
+    reconnect and the run finishes with every update. Then a wall-clock FedAsync run on the same services."""
+    restarted: list[float] = []
+
+    def restart_superlink_mid_run(procs, t: Twin) -> None:
+        def watch() -> None:
+            deadline = time.monotonic() + 900
+            while time.monotonic() < deadline:
+                metrics = list((tmp_path / "volumes" / "outputs").glob("*-0/metrics.jsonl"))
+                if metrics and len(metrics[0].read_text().splitlines()) >= 2:  # round 0 and round 1 evaluated
+                    procs.kill("superlink")
+                    time.sleep(2)
+                    procs.start("superlink-restarted", t.command("superlink"), t.env("superlink"))
+                    restarted.append(time.monotonic())
+                    return
+                time.sleep(0.5)
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    jobs = [{"num-rounds": 3}, {"num-rounds": 3, "strategy": "fedasync", "clock": "wall", "concurrency": 2}]
+    (sync, asyn), pids = twin(compose_files(), jobs, tmp_path, restart_superlink_mid_run)  # raises unless completed
+    assert restarted, "the SuperLink was not restarted during the first run"
+    assert sync.parent == asyn.parent == tmp_path / "volumes" / "outputs"
+    assert _summary(sync)["final-version"] == 3 and _summary(sync)["total-accepted"] == 6
+    assert [json.loads(line)["round"] for line in (sync / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+    assert _summary(asyn)["strategy"]["strategy"] == "fedasync"
+    assert _summary(asyn)["final-version"] == _summary(asyn)["total-accepted"] == 6  # one version per update
+    assert (tmp_path / "volumes" / "superlink-state" / "superlink.db").is_file()
+    assert "superexec-clientapp-1.log" in {p.name for p in (tmp_path / "logs").iterdir()}
+    assert len(pids) >= 7
+
+
+@pytest.mark.e2e
+def test_the_tls_compose_twin_admits_the_registered_supernodes(tmp_path: Path) -> None:
+    (run,), _ = twin(compose_files(tls=True), [{"num-rounds": 2}], tmp_path)
+    assert _summary(run)["total-accepted"] == 4
+    link_log = (tmp_path / "logs" / "superlink.log").read_text()
+    assert "Uvicorn running on https://" in link_log
+    assert len(set(re.findall(r"Activated node_id=(\d+)", link_log))) == 2

@@ -1,0 +1,41 @@
+"""scripts/pki.py: a CA, a SuperLink certificate it signed for the given names, SuperNode keys in the
+format ``flower-supernode --auth-supernode-private-key`` reads; kept on a second call."""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from scripts.pki import main, make_pki
+
+
+def test_the_server_certificate_is_signed_by_the_ca_for_every_name(tmp_path: Path) -> None:
+    make_pki(tmp_path, ("superlink", "localhost", "127.0.0.1"), nodes=2)
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
+    server = x509.load_pem_x509_certificate((tmp_path / "server.crt").read_bytes())
+    server.verify_directly_issued_by(ca)  # raises unless the CA signed it
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    assert not server.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["superlink", "localhost"]
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
+    key = serialization.load_pem_private_key((tmp_path / "server.key").read_bytes(), password=None)
+    assert key.public_key().public_numbers() == server.public_key().public_numbers()
+    assert (tmp_path / "server.key").stat().st_mode & 0o077 == 0
+
+
+def test_supernode_keys_are_openssh_ecdsa_pairs_and_kept_on_a_second_call(tmp_path: Path) -> None:
+    assert main([str(tmp_path), "--nodes", "1"]) == 0
+    private = serialization.load_ssh_private_key((tmp_path / "supernode-0").read_bytes(), password=None)
+    public = serialization.load_ssh_public_key((tmp_path / "supernode-0.pub").read_bytes())
+    assert isinstance(private, ec.EllipticCurvePrivateKey) and private.curve.name == "secp384r1"
+    assert public.public_numbers() == private.public_key().public_numbers()
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    make_pki(tmp_path, nodes=2)  # adds supernode-1, changes nothing that exists
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert {k: after[k] for k in before} == before
+    assert set(after) - set(before) == {"supernode-1", "supernode-1.pub"}
