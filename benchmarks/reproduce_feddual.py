@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.runs import (config_digest, finished_run, mean_curves, mean_std, preset_job, pyplot, ranking, run_all,
-                            seeded)
+from benchmarks.runs import (add_run_options, config_digest, finished_run, mean_curves, mean_std, preset_job, pyplot,
+                            seeded, tune_or_run)
 
 FAMILY = "feddual-fmnist"
 PARTITIONS = ("code", "dirichlet")
@@ -118,37 +118,19 @@ def jobs(methods: Sequence[str], seeds: Sequence[int], other_seeds: Sequence[int
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes, one torch thread each)")
     ap.add_argument("--methods", default=",".join(m for m, _, _ in METHODS))
     ap.add_argument("--seeds", default="0,1,2", help="seeds on the code's partition")
     ap.add_argument("--other-seeds", default="0", help="seeds on the standard Dirichlet partition ('' for none)")
-    ap.add_argument("--rounds", type=int, default=None, help="override the presets' num-rounds (quick looks)")
-    ap.add_argument("--tune", action="store_true", help="run the grids of --methods instead (validation split)")
-    ap.add_argument("--report", action="store_true", help="run nothing: tabulate and plot the results so far")
-    ap.add_argument("--results", type=Path, default=RESULTS)
+    add_run_options(ap, RESULTS)
     args = ap.parse_args(argv)
     methods = args.methods.split(",")
     unknown = sorted(set(methods) - {m for m, _, _ in METHODS})
     if unknown:
         ap.error(f"unknown methods {unknown}")
-    args.results.mkdir(parents=True, exist_ok=True)
-    if args.tune:
-        grids = tuning_jobs(methods, args.rounds)
-        done = run_all([] if args.report else [j for g in grids.values() for j in g], args.results / "tuning.jsonl",
-                       args.jobs, _one)
-        text = ranking(done, tuning_jobs(list(GRIDS), args.rounds))
-        (args.results / "tuning.md").write_text(text + "\n")
-        print(text)
-        return
     seeds = [int(s) for s in args.seeds.split(",") if s]
     other = [int(s) for s in args.other_seeds.split(",") if s]
-    results = run_all([] if args.report else jobs(methods, seeds, other, args.rounds), args.results / "runs.jsonl",
-                      args.jobs, _one)
-    text = table(results)
-    (args.results / "table.md").write_text(text + "\n")
-    plot(results, args.results / "accuracy.png")
-    print(text)
-
+    tune_or_run(args, _one, lambda ms: tuning_jobs(ms or list(GRIDS), args.rounds), methods,
+                lambda: jobs(methods, seeds, other, args.rounds), table, plot)
 
 if __name__ == "__main__":
     main()

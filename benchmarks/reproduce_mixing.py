@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.runs import (config_digest, finished_run, mean_curves, mean_std, preset_job, pyplot, ranking, run_all,
-                             seeded)
+from benchmarks.runs import (add_run_options, config_digest, finished_run, mean_curves, mean_std, preset_job, pyplot,
+                             seeded, tune_or_run)
 
 FAMILY = "mixing-fmnist"
 SETTINGS = ("binary", "classes10")
@@ -121,36 +121,19 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes, one torch thread each)")
     ap.add_argument("--methods", default=",".join(m for m, _ in METHODS))
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--rounds", type=int, default=None, help="override the presets' num-rounds (quick looks)")
-    ap.add_argument("--tune", action="store_true", help="run the grids of --methods instead (validation split)")
-    ap.add_argument("--report", action="store_true", help="run nothing: tabulate and plot the results so far")
-    ap.add_argument("--results", type=Path, default=RESULTS)
+    add_run_options(ap, RESULTS)
     args = ap.parse_args(argv)
     methods, settings = args.methods.split(","), args.settings.split(",")
     unknown = sorted(set(methods) - {m for m, _ in METHODS}) + sorted(set(settings) - set(SETTINGS))
     if unknown:
         ap.error(f"unknown methods or settings {unknown}")
-    args.results.mkdir(parents=True, exist_ok=True)
-    if args.tune:
-        grids = tuning_jobs(methods, args.rounds)
-        done = run_all([] if args.report else [j for g in grids.values() for j in g], args.results / "tuning.jsonl",
-                       args.jobs, _one)
-        text = ranking(done, tuning_jobs(list(GRIDS), args.rounds))
-        (args.results / "tuning.md").write_text(text + "\n")
-        print(text)
-        return
     seeds = [int(s) for s in args.seeds.split(",")]
-    jobs = [job(m, s, seed, rounds=args.rounds) for seed in seeds for s in settings for m in methods]
-    results = run_all([] if args.report else jobs, args.results / "runs.jsonl", args.jobs, _one)
-    text = table(results)
-    (args.results / "table.md").write_text(text + "\n")
-    plot(results, args.results / "accuracy.png")
-    print(text)
-
+    tune_or_run(args, _one, lambda ms: tuning_jobs(ms or list(GRIDS), args.rounds), methods,
+                lambda: [job(m, s, seed, rounds=args.rounds) for seed in seeds for s in settings for m in methods],
+                table, plot)
 
 if __name__ == "__main__":
     main()

@@ -8,6 +8,7 @@ at its last checkpoint (:func:`interrupted`). Several invocations may share a re
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import hashlib
 import json
@@ -145,6 +146,38 @@ def append(path: Path, result: dict[str, Any]) -> None:
         f.write(json.dumps(result) + "\n")
         f.flush()
         fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def add_run_options(ap: argparse.ArgumentParser, results: Path) -> None:
+    """The options every reproduction script has: --jobs, --rounds, --tune, --report, --results."""
+    ap.add_argument("--jobs", type=int, default=2, help="runs in parallel (processes, one torch thread each)")
+    ap.add_argument("--rounds", type=int, default=None, help="override the presets' num-rounds (quick looks)")
+    ap.add_argument("--tune", action="store_true", help="run the grids of --methods instead (validation split)")
+    ap.add_argument("--report", action="store_true", help="run nothing: tabulate and plot the results so far")
+    ap.add_argument("--results", type=Path, default=results)
+
+
+Jobs = list[tuple[str, dict[str, Any]]]
+
+
+def tune_or_run(args: argparse.Namespace, one: Callable[[tuple[str, dict[str, Any]]], dict[str, Any]],
+                grids: Callable[[list[str] | None], dict[str, Jobs]], methods: list[str],
+                jobs: Callable[[], Jobs], table: Callable[[dict[str, dict[str, Any]]], str],
+                plot: Callable[[dict[str, dict[str, Any]], Path], None]) -> None:
+    """With --tune: run the grids of `methods` (``grids(methods)``; ``grids(None)`` is every grid) and write
+    their ranking to tuning.md; otherwise run `jobs()`, write table.md and accuracy.png. With --report, run
+    nothing and tabulate what the results files hold. Everything written is also printed."""
+    args.results.mkdir(parents=True, exist_ok=True)
+    if args.tune:
+        todo = [j for g in grids(methods).values() for j in g]
+        done = run_all([] if args.report else todo, args.results / "tuning.jsonl", args.jobs, one)
+        text, out = ranking(done, grids(None)), args.results / "tuning.md"
+    else:
+        results = run_all([] if args.report else jobs(), args.results / "runs.jsonl", args.jobs, one)
+        text, out = table(results), args.results / "table.md"
+        plot(results, args.results / "accuracy.png")
+    out.write_text(text + "\n")
+    print(text)
 
 
 def run_all(jobs: Iterable[tuple[str, dict[str, Any]]], path: Path, workers: int,

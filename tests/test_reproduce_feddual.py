@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from benchmarks import reproduce_feddual as F
+from benchmarks.runs import ranking
 from server_app.config import load_config
 
 
@@ -32,7 +33,7 @@ def test_the_tuning_grid_is_ranked_on_the_validation_split_only():
     for extra, val, test in (({"lr": 1e-3}, 0.70, 0.60), ({"lr": 3e-4}, 0.80, 0.50), ({"lr": 3e-3}, 0.80, 0.90)):
         key, overrides = F.job("fedavg", "code", F.TUNE_SEED, extra)
         results[key] = {"key": key, "config": F.config_digest(overrides), "val": val, "test": test}
-    lines = F.ranking(results, F.tuning_jobs(["fedavg"], None)).splitlines()
+    lines = ranking(results, F.tuning_jobs(["fedavg"], None)).splitlines()
     assert lines[2:] == ["| fedavg | lr=0.0003 * | 80.0 | 50.0 |", "|  | lr=0.003 | 80.0 | 90.0 |",
                          "|  | lr=0.001 | 70.0 | 60.0 |"]  # tied on validation: grid order, never test
 
