@@ -230,16 +230,21 @@ def run_status(env: dict[str, str], connection: str, run_id: int) -> str:
     return str(runs[0]["status"])
 
 
-def final_status(env: dict[str, str], connection: str, run_id: int, timeout: float = 3600.0) -> str:
+def final_status(env: dict[str, str], connection: str, run_id: int, timeout: float = 3600.0,
+                 unreachable_s: float = 30.0) -> str:
     """The run's status once it is ``finished:*``. ``flwr run --stream`` also returns when its connection
-    drops (a SuperLink restarting with ``--database`` keeps the run going), so poll until the run ended."""
-    deadline, status = time.monotonic() + timeout, "unknown (SuperLink unreachable)"
+    drops (a SuperLink restarting with ``--database`` keeps the run going), so poll until the run ended, or
+    until the SuperLink has not answered for `unreachable_s` (it is gone, not restarting)."""
+    deadline, status, since = time.monotonic() + timeout, "unknown", None
     while True:
         try:
-            status = run_status(env, connection, run_id)
+            status, since = run_status(env, connection, run_id), None
         except (RuntimeError, subprocess.TimeoutExpired):
-            pass  # unreachable for now
-        if status.startswith("finished") or time.monotonic() > deadline:
+            since = since or time.monotonic()
+        now = time.monotonic()
+        if since is not None and now - since > unreachable_s:
+            return f"unknown: the SuperLink has not answered for {unreachable_s:.0f}s (last status: {status})"
+        if status.startswith("finished") or now > deadline:
             return status
         time.sleep(2.0)
 

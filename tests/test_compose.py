@@ -15,6 +15,7 @@ import yaml
 
 from scripts.compose import (COMPOSE_DIR, ComposeError, Twin, _merge, compose_files, load, main, start_order,
                              supernodes, twin, validate)
+from scripts import flower
 from scripts.flower import PROJECT_DIR
 
 
@@ -143,3 +144,32 @@ def test_the_tls_compose_twin_admits_the_registered_supernodes(tmp_path: Path) -
     link_log = (tmp_path / "logs" / "superlink.log").read_text()
     assert "Uvicorn running on https://" in link_log
     assert len(set(re.findall(r"Activated node_id=(\d+)", link_log))) == 2
+
+
+class FakeLink:
+    """`run_status` answers from a script of replies (a status, or None for "unreachable"), on a fake clock."""
+
+    def __init__(self, replies: list[str | None]) -> None:
+        self.replies, self.now = replies, 0.0
+
+    def status(self, env, connection, run_id) -> str:
+        reply = self.replies.pop(0) if len(self.replies) > 1 else self.replies[0]
+        if reply is None:
+            raise RuntimeError("cannot read the status: Connection to the SuperLink is unavailable")
+        return reply
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.mark.parametrize("replies, expected", [
+    (["running", None, None, None, "running", "finished:completed"], "finished:completed"),  # a restart
+    (["running", None], "unknown: the SuperLink has not answered for 30s (last status: running)"),  # gone
+    (["finished:failed"], "finished:failed"),
+])
+def test_the_final_status_outlives_a_superlink_restart_but_not_its_end(monkeypatch, replies, expected) -> None:
+    link = FakeLink(replies)
+    monkeypatch.setattr(flower, "run_status", link.status)
+    monkeypatch.setattr(flower.time, "sleep", link.sleep)
+    monkeypatch.setattr(flower.time, "monotonic", lambda: link.now)
+    assert flower.final_status({}, "c", 1) == expected
