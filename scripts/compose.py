@@ -35,7 +35,7 @@ from scripts.flower import (PROJECT_DIR, ProcessGroup, check_completed, flower_e
                             register_supernode, run_and_report, write_connection)
 from scripts.pki import make_pki
 from server_app.config import load_config
-from scripts.simulate import parse_overrides
+from scripts.simulate import MAIN_JOB, parse_overrides
 
 COMPOSE_DIR = PROJECT_DIR / "docker"
 CONNECTION = "hybridfl-compose"
@@ -268,13 +268,15 @@ def _wait(what: str, check: Callable[[], bool], proc: subprocess.Popen, timeout:
 
 
 def job(compose: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """The demo's run config: the main job on as many clients as the file has SuperNodes, written to the
-    ServerApp's path of the ``outputs`` volume under a fresh run name, then the user's overrides; checked
+    """The demo's run config: the main job (Feddle-ID on digits) on as many clients as the file has SuperNodes,
+    all of them in every step and in every FedBuff step (buffer-size), for 20 steps; written to the
+    ServerApp's path of the ``outputs`` volume under a fresh run name; then the user's overrides. Checked
     (ConfigError) before anything starts."""
     n = len(supernodes(compose))
     for spec in compose["services"][SERVERAPP].get("volumes") or []:
         if _volume(spec)[0] == OUTPUTS:
-            run_config = {"num-clients": n, "clients-per-round": n, "num-rounds": 5, "output-dir": _volume(spec)[1],
+            run_config = {"preset": MAIN_JOB, "num-clients": n, "clients-per-round": n, "buffer-size": n,
+                          "num-rounds": 20, "output-dir": _volume(spec)[1],
                           "run-name": time.strftime("compose-%Y%m%d-%H%M%S"), **overrides}
             load_config(run_config)
             return run_config

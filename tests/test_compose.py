@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scripts.compose import (COMPOSE_DIR, ComposeError, Twin, _merge, compose_files, load, main, start_order,
+from scripts.compose import (COMPOSE_DIR, ComposeError, Twin, _merge, compose_files, job, load, main, start_order,
                              supernodes, twin, validate)
+from server_app.inprocess import run_inprocess
 from scripts import flower
 from scripts.flower import PROJECT_DIR
 
@@ -124,7 +125,8 @@ def test_the_compose_twin_runs_fedavg_through_a_superlink_restart_then_an_asynch
 
         threading.Thread(target=watch, daemon=True).start()
 
-    jobs = [{"num-rounds": 3}, {"num-rounds": 3, "strategy": "fedasync", "clock": "wall", "concurrency": 2}]
+    jobs = [{"preset": "fedavg-digits", "num-rounds": 3},
+            {"preset": "fedavg-digits", "num-rounds": 3, "strategy": "fedasync", "clock": "wall", "concurrency": 2}]
     (sync, asyn), pids = twin(compose_files(), jobs, tmp_path, restart_superlink_mid_run)  # raises unless completed
     assert restarted, "the SuperLink was not restarted during the first run"
     assert sync.parent == asyn.parent == tmp_path / "volumes" / "outputs"
@@ -139,8 +141,14 @@ def test_the_compose_twin_runs_fedavg_through_a_superlink_restart_then_an_asynch
 
 @pytest.mark.e2e
 def test_the_tls_compose_twin_admits_the_registered_supernodes(tmp_path: Path) -> None:
-    (run,), _ = twin(compose_files(tls=True), [{"num-rounds": 2}], tmp_path)
-    assert _summary(run)["total-accepted"] == 4
+    """with-tls.yml natively, running the demo's job (Feddle-ID, shortened): the virtual clock's run, the same
+    arrivals and versions as in-process."""
+    (run,), _ = twin(compose_files(tls=True), [{"num-rounds": 10}], tmp_path)
+    reference = run_inprocess({**job(load(compose_files()), {"num-rounds": 10}), "output-dir": str(tmp_path / "ref")})
+    summary = _summary(run)
+    assert summary["strategy"]["strategy"] == "feddle" and summary["final-version"] >= 1
+    for key in ("final-version", "total-accepted"):
+        assert summary[key] == _summary(reference)[key]
     link_log = (tmp_path / "logs" / "superlink.log").read_text()
     assert "Uvicorn running on https://" in link_log
     assert len(set(re.findall(r"Activated node_id=(\d+)", link_log))) == 2
