@@ -26,11 +26,11 @@ import traceback
 from collections.abc import Callable
 from logging import ERROR
 
+import numpy as np
 from flwr.app import Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.common.constant import ErrorCode
-import numpy as np
 import torch
 from torch import nn
 

@@ -12,6 +12,7 @@ changes over the local run (FedDUAL's β, re-measured after every epoch) is a :c
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,12 +44,13 @@ class Received:
                                                            self.start)]
 
 
-class LocalLoss:
+class LocalLoss(ABC):
     """A batch loss with state over one local run: ``train`` calls it per batch, as ``loss(x, y, logits)``,
     and calls :meth:`epoch_end` after every local epoch."""
 
+    @abstractmethod
     def __call__(self, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The batch's loss."""
 
     def epoch_end(self) -> None:
         """One local epoch is over (the model is in train mode and must be left so)."""

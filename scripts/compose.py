@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from scripts.flower import (PROJECT_DIR, ProcessGroup, check_completed, flower_env, flwr_run, free_port,
-                            register_supernode, run_and_report, write_connection)
+                            register_supernode, run_and_report, wait_until, write_connection)
 from scripts.pki import make_pki
 from server_app.config import load_config
 from scripts.simulate import MAIN_JOB, parse_overrides
@@ -181,6 +181,13 @@ def start_order(services: dict[str, Any]) -> list[str]:
     return order
 
 
+def auth_key(command: list[str]) -> str | None:
+    """The private key a SuperNode command authenticates with (``--auth-supernode-private-key``), if any: its
+    public half must be registered before the SuperNode starts."""
+    flag = "--auth-supernode-private-key"
+    return command[command.index(flag) + 1] if flag in command else None
+
+
 def supernodes(compose: dict[str, Any]) -> list[str]:
     return [n for n, s in compose["services"].items() if s["image"].startswith("flwr/supernode:")]
 
@@ -256,17 +263,6 @@ class Twin:
         return subprocess.run(argv, capture_output=True, timeout=30).returncode == 0
 
 
-def _wait(what: str, check: Callable[[], bool], proc: subprocess.Popen, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode} before it was healthy")
-        if check():
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"{what} not healthy after {timeout:.0f}s")
-
-
 def job(compose: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """The demo's run config: the main job (Feddle-ID on digits) on as many clients as the file has SuperNodes,
     all of them in every step and in every FedBuff step (buffer-size), for 20 steps; written to the
@@ -304,13 +300,13 @@ def twin(files: list[Path], jobs: list[dict[str, Any]], workdir: Path,
             svc = compose["services"][name]
             for dep, cond in (svc.get("depends_on") or {}).items():
                 if (cond or {}).get("condition") == "service_healthy":
-                    _wait(dep, lambda d=dep: t.healthy(d), dict(procs.procs)[dep])
+                    wait_until(dep, lambda d=dep: t.healthy(d), dict(procs.procs)[dep], 90.0, 0.5)
             cmd = t.command(name)
-            if "--auth-supernode-private-key" in cmd:
-                register_supernode(env, CONNECTION, Path(cmd[cmd.index("--auth-supernode-private-key") + 1] + ".pub"))
+            if key := auth_key(cmd):
+                register_supernode(env, CONNECTION, Path(f"{key}.pub"))
             procs.start(name, cmd, t.env(name))
             if name == SUPERLINK:
-                _wait(name, lambda: t.healthy(SUPERLINK), dict(procs.procs)[name])
+                wait_until(name, lambda: t.healthy(SUPERLINK), dict(procs.procs)[name], 90.0, 0.5)
                 write_connection(workdir / "home" / "cli", CONNECTION, t.port(SUPERLINK, 8000), ca)
         if on_started:
             on_started(procs, t)
@@ -335,10 +331,8 @@ def demo(files: list[Path], overrides: dict[str, Any], tls: bool) -> Path:
     write_connection(flwr_home, CONNECTION, 8000, ca)
     _sh(dc + ["up", "-d", "--build", "--wait", SUPERLINK], env)
     for node in supernodes(compose):
-        cmd = compose["services"][node]["command"]
-        if "--auth-supernode-private-key" in cmd:
-            key = Path(cmd[cmd.index("--auth-supernode-private-key") + 1]).name
-            register_supernode(env, CONNECTION, CERTS / f"{key}.pub")
+        if key := auth_key(compose["services"][node]["command"]):
+            register_supernode(env, CONNECTION, CERTS / f"{Path(key).name}.pub")
     _sh(dc + ["up", "-d", "--build", "--wait"], env)
     run_config = job(compose, overrides)
     run_id, status = flwr_run(env, CONNECTION, run_config)

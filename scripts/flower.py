@@ -146,20 +146,31 @@ def alive(pids: set[int]) -> set[int]:
     return pids & {int(pid) for pid, stat in _ps("pid=,stat=") if not stat.startswith("Z")}
 
 
-def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 60.0, ca: Path | None = None) -> None:
-    """Wait for a SuperLink's /health on 127.0.0.1:`port` (HTTPS verified against `ca` when given)."""
-    url = f"{'https' if ca else 'http'}://127.0.0.1:{port}/health"
+def wait_until(what: str, check: Callable[[], bool], proc: subprocess.Popen, timeout: float = 60.0,
+               every: float = 0.25) -> None:
+    """Poll `check()` until it is true; raise if `proc` (the process behind `what`) exits first or `timeout`
+    passes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"flower-superlink exited with code {proc.returncode} before it was healthy")
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before it was healthy")
+        if check():
+            return
+        time.sleep(every)
+    raise RuntimeError(f"{what} not healthy after {timeout:.0f}s")
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 60.0, ca: Path | None = None) -> None:
+    """Wait for a SuperLink's /health on 127.0.0.1:`port` (HTTPS verified against `ca` when given)."""
+    url = f"{'https' if ca else 'http'}://127.0.0.1:{port}/health"
+
+    def healthy() -> bool:
         try:
-            if httpx.get(url, timeout=1.0, verify=str(ca) if ca else True).is_success:
-                return
+            return httpx.get(url, timeout=1.0, verify=str(ca) if ca else True).is_success
         except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError(f"flower-superlink on port {port} not healthy after {timeout:.0f}s")
+            return False
+
+    wait_until(f"flower-superlink on port {port}", healthy, proc, timeout)
 
 
 def write_connection(flwr_home: Path, name: str, port: int, ca: Path | None = None) -> None:
