@@ -16,7 +16,8 @@ from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
@@ -147,6 +148,9 @@ class Dispatcher:
     run_config: dict[str, Any]
     seed: int
     dispatches: dict[int, int] = field(default_factory=dict)
+    # The record of the last model sent, reused while messages carry that very tensor: the messages of one model
+    # version share one copy of its bytes, so messages in the air cost a model per version, not per message.
+    _last: tuple[torch.Tensor | None, ArrayRecord | None] = field(default=(None, None), repr=False)
 
     def next_seed(self, client: int) -> int:
         count = self.dispatches.get(client, 0)
@@ -158,7 +162,9 @@ class Dispatcher:
         config = {**self.run_config, **payload.config, VERSION: version}
         if train_seed is not None:
             config[TRAIN_SEED] = train_seed
-        content = RecordDict({ARRAYS: self.spec.to_record(payload.params), CONFIG: ConfigRecord(config)})
+        if self._last[0] is not payload.params:
+            self._last = (payload.params, self.spec.to_record(payload.params))
+        content = RecordDict({ARRAYS: self._last[1], CONFIG: ConfigRecord(config)})
         if payload.arrays:
             content[EXTRAS] = extras_to_record(payload.arrays)
         return Message(content, dst_node_id=node, message_type=message_type, group_id=str(version))

@@ -225,17 +225,19 @@ class Runner:
             log(INFO, "resending the %d updates that were in flight at the checkpoint", len(restored))
             self.push(restored)
 
-    def poll(self) -> bool:
-        """Pull replies of every flight, mark flights past the timeout; True if anything new."""
-        waiting = [f.message_id for f in self.flights.values() if f.message_id not in self._replies]
+    def poll(self, flights: list[Flight] | None = None) -> bool:
+        """Pull the replies of `flights` (default: every flight), mark those past the timeout; True if anything
+        new. The virtual clock pulls only the flights due now: a reply is held (and, in-process, the client's work
+        done) only when it is handed over, so the server holds the replies of one step, not of every flight."""
+        flights = list(self.flights.values()) if flights is None else flights
+        waiting = [f.message_id for f in flights if f.message_id not in self._replies]
         if not waiting:
             return False
         got = list(self.grid.pull_messages(waiting))
         for m in got:
             self._replies[m.metadata.reply_to_message_id] = m
         now = time.perf_counter()
-        late = [f for f in self.flights.values()
-                if f.message_id not in self._replies and now - f.sent_at > self.reply_timeout]
+        late = [f for f in flights if f.message_id not in self._replies and now - f.sent_at > self.reply_timeout]
         for f in late:
             self._replies[f.message_id] = None
         return bool(got or late)
@@ -320,6 +322,7 @@ class Runner:
         loop(first_step, num_steps, on_step)
         if self.flights:
             log(INFO, "%d dispatched updates still in flight at the end are discarded", len(self.flights))
+        self.flights, self._replies = {}, {}  # their models and replies are not kept through the final evaluation
 
     def _run_virtual(self, first_step: int, num_steps: int, on_step: Callable[[StepLog], None]) -> None:
         for step in range(first_step, num_steps + 1):
@@ -333,7 +336,7 @@ class Runner:
             sampled = set(chosen)  # a client is sampled at most once per step
             while due := sorted((f for f in self.flights.values() if f.due_step <= step), key=lambda f: f.seq):
                 while any(f.message_id not in self._replies for f in due):
-                    if not self.poll():
+                    if not self.poll(due):
                         time.sleep(self.poll_interval)
                 for f in due:
                     if not self.hand_over(f, self._replies.pop(f.message_id), step, entry, accepted):

@@ -1,18 +1,23 @@
-"""Memory that grows with what is in the air, not with the number of clients: the end-of-run evaluation sends
-every client a model, in waves, so at most a wave of model-carrying messages exists at once."""
+"""Memory that grows with what is in the air, not with the number of clients: the models the server holds during
+training are bounded by the model versions in flight plus the strategy's own state, and the end-of-run evaluation
+sends every client a model in waves, so at most a wave of model-carrying messages exists at once."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterable
 from pathlib import Path
 
-from flwr.app import Message
+import pytest
+import torch
+from flwr.app import Array, Message
 
 from client_app.app import app as client_app
 from server_app.config import load_config
 from server_app.inprocess import InProcessGrid
 from server_app.messaging import client_evaluate
 from server_app.run import build_run
+from server_app.runtime import StepLog
 
 
 class CountingGrid(InProcessGrid):
@@ -48,3 +53,40 @@ def test_the_client_evaluation_keeps_at_most_a_wave_of_models_in_the_air(tmp_pat
         assert grid.most == min(wave, 7)
     assert sorted(results[3]) == list(range(7))
     assert results[3] == results[100]  # the same metrics for every client, whatever the wave
+
+
+def model_copies(numel: int) -> tuple[int, int]:
+    """Model-sized buffers alive in this process: (torch storages of `numel` floats, views counted once; bytes of
+    Flower ``Array`` s of that size in messages and replies, one bytes object shared by many messages counted once)."""
+    gc.collect()
+    objects = gc.get_objects()
+    storages = {o.untyped_storage().data_ptr() for o in objects if isinstance(o, torch.Tensor) and o.numel() == numel}
+    arrays = {id(o.data) for o in objects if isinstance(o, Array) and len(o.data) >= 4 * numel}
+    return len(storages), len(arrays)
+
+
+@pytest.mark.parametrize(("preset", "own"), [("fedasync-digits", 1), ("feddle-digits", 10 + 2)])
+def test_models_held_during_training_are_bounded_by_the_versions_in_flight(tmp_path: Path, preset: str,
+                                                                           own: int) -> None:
+    """σ = 4 with 120 clients: most clients are idle and ~16 updates are in the air over ~8 model versions. The
+    server holds, as tensors, one payload per version in flight, the step's accepted updates and the strategy's own
+    state (`own`: FedAsync's model; Feddle's atlas of 10 anchors, its model and its search's copy), plus a few
+    working copies; as message bytes, one record per version in flight (shared by that version's messages) and
+    no reply that is not due: nothing per message, per reply or per client."""
+    cfg = load_config({"preset": preset, "num-clients": 120, "clients-per-round": 4, "delay-sigma": 4.0,
+                       "num-rounds": 24, "eval-every": 100, "local-epochs": 1, "checkpoint-every": 0,
+                       "output-dir": str(tmp_path)})
+    r = build_run(InProcessGrid(client_app, cfg.num_clients), cfg)
+    r.runner.directory.wait_for(cfg.num_clients, 10)
+    seen: list[tuple[int, int, int, int, int]] = []  # after each step: flights, versions, accepted, copies
+
+    def on_step(entry: StepLog) -> None:
+        flights = r.runner.flights.values()
+        seen.append((len(flights), len({f.version for f in flights}), entry.accepted, *model_copies(r.pspec.numel)))
+
+    r.runner.run(cfg.num_rounds, on_step)
+    assert max(s[0] for s in seen) >= 12 and max(s[1] for s in seen) >= 4  # the bound is tested under load
+    for flights, versions, accepted, storages, arrays in seen:
+        assert storages <= versions + accepted + own + 4, (flights, versions, accepted, storages)
+        assert arrays <= versions + 1, (flights, versions, arrays)  # the dispatcher's last record may be unsent
+    assert r.runner.flights == {} and model_copies(r.pspec.numel)[0] <= own + 4  # nothing kept of the discarded
