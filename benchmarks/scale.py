@@ -152,7 +152,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     for (engine, method, steps), pts in sorted(series.items()):
         xs, ys = zip(*sorted(pts))
         ax.plot(xs, ys, marker="o", label=f"{method}, {engine}, {steps} steps")
-    ax.set(xscale="log", xlabel="clients", ylabel="peak RSS (MB)", title="Memory against clients (1.67 M CNN)")
+    ax.set(xscale="log", xlabel="clients", ylabel="peak MB (in-process: RSS; flwr run: PSS of its processes)",
+           title="Memory against clients (1.67 M CNN)")
     ax.axhline(4096, color="grey", lw=0.8, ls="--")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -163,7 +164,8 @@ def ingest(replies: int = 100, repeats: int = 5) -> str:
     """The server's update ingest beside Flower's own packing, in MB of float32 model per second (median of
     `repeats`), measured here side by side with the 1.67 M CNN:
 
-    * Flower pack / unpack: ``ArrayRecord(state_dict)`` and ``ArrayRecord.to_torch_state_dict()``.
+    * Flower pack / unpack: ``ArrayRecord(state_dict)`` and ``ArrayRecord.to_torch_state_dict()``, `replies` times
+      each (the same bytes as the ingest's, so every timing spans a similar stretch of a shared machine).
     * hybridfl ingest, per method: `replies` train replies, built as the ClientApp builds them, each decoded and
       validated (``parse_reply``: shape, finite floats), checked and received by the strategy, which steps when
       ready (FedAvg: once, over all; FedBuff: every 10; FedAsync: every reply).
@@ -200,8 +202,10 @@ def ingest(replies: int = 100, repeats: int = 5) -> str:
 
     state = model.state_dict()
     packed = ArrayRecord(state)
-    rows = [("Flower: ArrayRecord(state_dict) (pack)", mb / timed(lambda: ArrayRecord(state))),
-            ("Flower: to_torch_state_dict() (unpack)", mb / timed(packed.to_torch_state_dict))]
+    rows = [("Flower: ArrayRecord(state_dict) (pack)", replies * mb / timed(lambda: [ArrayRecord(state)
+                                                                                  for _ in range(replies)])),
+            ("Flower: to_torch_state_dict() (unpack)", replies * mb / timed(lambda: [packed.to_torch_state_dict()
+                                                                                  for _ in range(replies)]))]
     for method, options in (("fedavg", {}), ("fedbuff", {"buffer-size": 10}), ("fedasync", {})):
         strategy = build_strategy(method, options, num_clients=replies)
         strategy.initialize(spec.flatten(model), spec, model)
