@@ -56,7 +56,7 @@ from server_app.config import load_config
 from server_app.inprocess import run_inprocess
 from server_app.messaging import weighted_mean
 from strategies import build_strategy
-from strategies.base import Update
+from strategies.base import Update, deliver
 
 
 @dataclass
@@ -134,13 +134,7 @@ def run_bare(cfg: RunConfig) -> Outcome:
             dispatches[c] += 1
             updates.append(Update(c, strategy.version, pspec.flatten(local) - start, len(parts[c]), {}, metrics,
                                   sent=payload))
-        for u in updates:  # as the runtime hands them over: a step whenever the strategy is ready
-            strategy.receive(u)
-            if strategy.ready():
-                strategy.step(server)
-        strategy.close_round()
-        if strategy.ready():
-            strategy.step(server)
+        deliver(strategy, updates, server)
         weighted_mean((u.num_examples, u.metrics) for u in updates)  # the round's train metrics, as logged
         if rnd % cfg.eval_every == 0 or rnd == cfg.num_rounds:
             evals.append(test_eval(rnd))

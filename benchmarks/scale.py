@@ -183,6 +183,7 @@ def ingest(replies: int = 100, repeats: int = 5) -> str:
     from flwr.supercore.task_identity import TaskIdentity
 
     from strategies import build_strategy
+    from strategies.base import Update, deliver
 
     torch.set_num_threads(1)
     # Messages take their sender from the process's task identity, as in a ServerApp process.
@@ -215,17 +216,14 @@ def ingest(replies: int = 100, repeats: int = 5) -> str:
                                     METRICS: MetricRecord({NUM_EXAMPLES: 50, PARTITION_ID: c, BASE_VERSION: 0})}),
                         reply_to=train) for c in range(replies)]
 
+        def checked(m: Message) -> Update:
+            update = parse_reply(m, spec)
+            update.sent = sent
+            strategy.check(update)
+            return update
+
         def take_all() -> None:
-            for m in msgs:
-                update = parse_reply(m, spec)
-                update.sent = sent
-                strategy.check(update)
-                strategy.receive(update)
-                if strategy.ready():
-                    strategy.step(None)
-            strategy.close_round()
-            if strategy.ready():
-                strategy.step(None)
+            deliver(strategy, map(checked, msgs))
 
         rows.append((f"hybridfl ingest: {method} (decode, validate, aggregate)", replies * mb / timed(take_all)))
     lines = [f"Update ingest, {spec.numel / 1e6:.2f} M parameters ({mb:.1f} MB float32), {replies} replies, "

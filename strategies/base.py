@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -205,3 +206,16 @@ class Strategy(ABC):
             with torch.no_grad():
                 for n, b in buffers.items():
                     own[n].copy_(b)
+
+
+def deliver(strategy: Strategy, updates: Iterable[Update], server: Any = None) -> None:
+    """Hand one round's updates to ``strategy`` in the runtime's order (server_app/runtime.py): receive each and
+    step whenever it is ready, then close the round and step if that made it ready. For code that drives a
+    strategy without the runtime (benchmarks)."""
+    for update in updates:
+        strategy.receive(update)
+        if strategy.ready():
+            strategy.step(server)
+    strategy.close_round()
+    if strategy.ready():
+        strategy.step(server)
