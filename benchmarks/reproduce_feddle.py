@@ -130,11 +130,12 @@ ABLATION: list[tuple[str, dict[str, Any]]] = [
     ("+ fallback initialisation", {"fallback-init": True}),
     ("+ fallback regularisation (λ = 0.01)", {"fallback-lambda": 0.01}),
 ]
-# --analysis (issue 11): why Feddle-ID trails Fed+FT. Feddle with more search epochs, a larger atlas (the
-# papers' Fig. 13: a larger atlas helps in domain) or a search every step (as often as Fed+FT fine-tunes), and
-# Fed+FT taken apart into its server training (Center on Fed+FT's server schedule) and its federated part
-# (FedAvg). A row whose overrides equal its preset is the table's own run. "fedft-schedule" stands for Fed+FT's
-# server-train-lr and -epochs. Runs start in this order: the table's runs, then the cheapest and most telling.
+# --analysis (issue 11): why Feddle-ID trails Fed+FT, and why Feddle-OOD trails its fallback. Feddle with more
+# search epochs, a larger atlas (the papers' Fig. 13: a larger atlas helps in domain) or a search every step (as
+# often as Fed+FT fine-tunes), and Fed+FT taken apart into its server training (Center on Fed+FT's server
+# schedule) and its federated part (FedAvg). A row whose overrides equal its preset is the table's own run.
+# "fedft-schedule" stands for Fed+FT's server-train-lr and -epochs. Runs start in this order: the table's runs,
+# then the cheapest and most telling.
 ANALYSIS: list[tuple[str, str, dict[str, Any] | str]] = [
     ("Feddle-ID", "feddle-id", {}),
     ("Fed+FT", "fedft", {}),
@@ -142,6 +143,8 @@ ANALYSIS: list[tuple[str, str, dict[str, Any] | str]] = [
     ("Center on Fed+FT's server schedule", "center", "fedft-schedule"),
     ("FedAvg (Fed+FT without its server training)", "fedavg", {}),
     ("FedBuff (Feddle's fallback)", "fedbuff", {}),
+    ("Feddle-OOD", "feddle-ood", {}),
+    ("FedBuff at Feddle-OOD's step length (server-lr 0.05)", "fedbuff", {"server-lr": 0.05}),
     ("Feddle-ID, atlas-size 40", "feddle-id", {"atlas-size": 40}),
     ("Feddle-ID, a search every step", "feddle-id", {"search-every": "step"}),
     ("Feddle-ID, server-epochs 20", "feddle-id", {"server-epochs": 20}),
@@ -366,22 +369,37 @@ def _at(curve: Sequence[Sequence[float]], step: int) -> float | None:
     return next((a for s, a in curve if s == step), None)
 
 
+def step_size(result: dict[str, Any], atlas_size: int) -> float | None:
+    """Σ_m ĉ_m of the searches in the run's second half (mean over its evaluation windows): the found step's
+    length in units of one median-norm update. FedBuff's step c′ sums to η_g there (uniform weights), so a
+    value under η_g means the search shortened its fallback's step; None for a run without searches."""
+    end = max((e["round"] for e in result.get("series", [])), default=0)
+    late = [e["c-mean"] * atlas_size for e in result.get("series", []) if "c-mean" in e and e["round"] > end / 2]
+    return statistics.fmean(late) if late else None
+
+
 def analysis(workers: int, family: str, seeds: Sequence[int], rounds: int | None, results_dir: Path,
              run: bool = True) -> str:
     """Run (unless `run` is false) and tabulate :data:`ANALYSIS`: each row's papers' metric, its accuracy at
-    :data:`CHECKPOINTS`, and its loss on the server's data beside the validation loss (the search's and the
-    fine-tuning's fit to the 1000 samples against what generalises); ``analysis.md`` and ``analysis.png``."""
+    :data:`CHECKPOINTS`, its loss on the server's data beside the validation loss (the search's and the
+    fine-tuning's fit to the 1000 samples against what generalises) and Feddle's :func:`step_size` beside
+    its fallback's η_g; ``analysis.md`` and ``analysis.png``."""
+    from server_app.config import load_config
+
     rows = analysis_jobs(family, seeds, rounds)
     results = run_all([j for *_, j in rows] if run else [], results_dir / "runs.jsonl", workers, _one)
     steps = [s for s in CHECKPOINTS if not rounds or s <= rounds]
     lines = ["| Configuration | test % | val % | " + " | ".join(f"step {s}" for s in steps)
-             + " | server-data loss | val loss |", "|---|---|---|" + "---|" * len(steps) + "---|---|"]
+             + " | server-data loss | val loss | Σĉ, 2nd half (η_g) |",
+             "|---|---|---|" + "---|" * len(steps) + "---|---|---|"]
     curves: dict[str, list[list[list[float]]]] = {}
     for label, _, _ in ANALYSIS:
         got = [results[key] for lbl, _, (key, _) in rows if lbl == label and key in results]
         if not got:
-            lines.append(f"| {label} | not run | | " + "| " * len(steps) + "| |")
+            lines.append(f"| {label} | not run | | " + "| " * len(steps) + "| | |")
             continue
+        options = load_config(next(o for lbl, _, (_, o) in rows if lbl == label)).to_dict()
+        sizes = [v for v in (step_size(r, options.get("atlas-size", 0)) for r in got) if v is not None]
         curves[label] = [r["curve"] for r in got]
         at = [[_at(r["curve"], s) for r in got] for s in steps]
         last = [e for r in got for e in r.get("series", [])[-5:]]
@@ -391,12 +409,13 @@ def analysis(workers: int, family: str, seeds: Sequence[int], rounds: int | None
         fmt = lambda v: f"{statistics.fmean(v):.3f}" if v else "—"  # noqa: E731
         lines.append(f"| {label} | {mean_std([r['test'] for r in got])} | {mean_std([r['val'] for r in got])} | "
                      + " | ".join(f"{100 * statistics.fmean(v):.1f}" if None not in v else "—" for v in at)
-                     + f" | {fmt(server_loss)} | {fmt(val_loss)} |")
+                     + f" | {fmt(server_loss)} | {fmt(val_loss)} | "
+                     + (f"{fmt(sizes)} ({options['server-lr']:g})" if sizes else "—") + " |")
     text = "\n".join(lines)
     (results_dir / "analysis.md").write_text(text + "\n")
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    draw_curves(ax, curves, "Feddle-ID and Fed+FT taken apart, Dir(0.1), N(20)")
+    draw_curves(ax, curves, "Feddle (ID, OOD) and Fed+FT taken apart, Dir(0.1), N(20)")
     fig.tight_layout()
     fig.savefig(results_dir / "analysis.png", dpi=120)
     plt.close(fig)

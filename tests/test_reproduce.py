@@ -118,7 +118,8 @@ def test_analysis_rows_reuse_the_tables_runs_and_take_fedft_s_schedule_for_cente
     by_label = {}
     for label, seed, (key, overrides) in rows:
         by_label.setdefault(label, []).append((seed, key, overrides))
-    assert [k for _, k, _ in by_label["Feddle-ID"]] == [R.job("feddle-fmnist", "feddle-id", R.MAIN, s)[0] for s in (0, 1)]
+    assert [k for _, k, _ in by_label["Feddle-ID"]] == [R.job("feddle-fmnist", "feddle-id", R.MAIN, s)[0]
+                                                        for s in (0, 1)]
     assert by_label["Feddle-ID, atlas-size 40"][0][2]["atlas-size"] == 40
     fedft = load_config({"preset": R.preset("feddle-fmnist", "fedft", R.MAIN)})
     center = load_config({"preset": R.preset("feddle-fmnist", "center", R.MAIN),
@@ -135,3 +136,10 @@ def test_the_delivered_updates_row_counts_every_run_with_clients_and_not_center(
                R.run_key(fam, "center", R.MAIN, 0, {}): {"test": 0.8, "accepted": 100}}
     row = R.table(results, fam, [R.MAIN, n5], None).splitlines()[-1]
     assert row.split("|")[3:5] == [" — ", " 9.25 "]  # (1800 + 1900) / 2 / 200 steps; Center left out
+
+
+def test_step_size_sums_the_coefficients_over_the_atlas_in_the_runs_second_half_only():
+    result = {"series": [{"round": 0}, {"round": 50, "c-mean": 1.0}, {"round": 100, "c-mean": 0.5},
+                         {"round": 150, "c-mean": 0.002}, {"round": 200, "c-mean": 0.004}]}
+    assert R.step_size(result, 20) == pytest.approx(20 * (0.002 + 0.004) / 2)
+    assert R.step_size({"series": [{"round": 0}, {"round": 200, "server-train-loss": 0.1}]}, 20) is None
