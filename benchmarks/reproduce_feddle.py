@@ -370,9 +370,10 @@ def _at(curve: Sequence[Sequence[float]], step: int) -> float | None:
 
 
 def step_size(result: dict[str, Any], atlas_size: int) -> float | None:
-    """Σ_m ĉ_m of the searches in the run's second half (mean over its evaluation windows): the found step's
-    length in units of one median-norm update. FedBuff's step c′ sums to η_g there (uniform weights), so a
-    value under η_g means the search shortened its fallback's step; None for a run without searches."""
+    """Σ_m ĉ_m of the searches in the run's second half (mean over its evaluation windows; c-mean × the atlas
+    size, which is full by then): the found step's length in units of one median-norm update. FedBuff's step
+    c′ sums to η_g there (uniform weights), so a value under η_g means the search shortened its fallback's
+    step; None for a run without searches."""
     end = max((e["round"] for e in result.get("series", [])), default=0)
     late = [e["c-mean"] * atlas_size for e in result.get("series", []) if "c-mean" in e and e["round"] > end / 2]
     return statistics.fmean(late) if late else None

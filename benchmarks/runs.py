@@ -184,7 +184,9 @@ def run_all(jobs: Iterable[tuple[str, dict[str, Any]]], path: Path, workers: int
             one: Callable[[str, dict[str, Any]], dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Run the jobs not yet in `path` (in parallel), appending each result as it finishes. ``one(key, overrides)``
     runs a job in a worker process (a module-level function) and returns its result: ``key``, ``config``
-    (:func:`config_digest`), ``test``, ``val``, ``seconds`` and whatever the table needs."""
+    (:func:`config_digest`), ``test``, ``val``, ``seconds`` and whatever the table needs. Returns every result
+    in `path` at the end, those another process appended meanwhile included, so that a table written from it
+    misses none of a parallel lane's runs."""
     done = load_results(path)
     todo = pending(list(dict(jobs).items()), done)  # a job listed twice runs once
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -197,7 +199,7 @@ def run_all(jobs: Iterable[tuple[str, dict[str, Any]]], path: Path, workers: int
             append(path, result)
             print(f"[{n}/{len(todo)}] {result['key']}: test {result['test']:.4f} val {result['val']:.4f} "
                   f"({result['seconds']:.0f} s)", flush=True)
-    return done
+    return load_results(path)
 
 
 def mean_std(values: Sequence[float]) -> str:

@@ -7,7 +7,7 @@ import torch
 
 from common.params import ParamSpec
 from strategies import CA2FL, FedAsync, FedBuff
-from strategies.base import Update
+from strategies.base import Update, deliver
 
 SPEC = ParamSpec(("w",), ((6,),))
 
@@ -103,3 +103,33 @@ def test_state_dict_round_trip_keeps_the_global_model_and_version():
     assert other.version == 1 and torch.equal(other.params, s.params)
     s.params += 1  # a copy, not a shared tensor
     assert not torch.equal(other.params, s.params)
+
+
+class _Recorder:
+    """Ready at two pending updates, or at the round's close with any pending (FedBuff's rule, a Feddle search)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.pending, self.closed = 0, False
+
+    def receive(self, update: Update) -> None:
+        self.calls.append(f"receive {update.client}")
+        self.pending += 1
+
+    def ready(self) -> bool:
+        return self.pending >= 2 or (self.closed and self.pending > 0)
+
+    def step(self, server=None) -> None:
+        self.calls.append(f"step {server}")
+        self.pending, self.closed = 0, False
+
+    def close_round(self) -> None:
+        self.calls.append("close")
+        self.closed = True
+
+
+def test_deliver_steps_whenever_ready_then_closes_the_round_and_steps_on_what_is_left():
+    s = _Recorder()
+    deliver(s, (Update(c, 0, vec(c), 1) for c in range(5)), server="data")
+    assert s.calls == ["receive 0", "receive 1", "step data", "receive 2", "receive 3", "step data", "receive 4",
+                       "close", "step data"]

@@ -143,3 +143,16 @@ def test_step_size_sums_the_coefficients_over_the_atlas_in_the_runs_second_half_
                          {"round": 150, "c-mean": 0.002}, {"round": 200, "c-mean": 0.004}]}
     assert R.step_size(result, 20) == pytest.approx(20 * (0.002 + 0.004) / 2)
     assert R.step_size({"series": [{"round": 0}, {"round": 200, "server-train-loss": 0.1}]}, 20) is None
+
+
+def _lane_result(key, overrides):
+    """A run that, while it runs, sees another process append its own result to the same file."""
+    runs.append(overrides["path"], {"key": "other-lane", "test": 0.5})
+    return {"key": key, "test": 0.9, "val": 0.9, "seconds": 1.0}
+
+
+def test_run_all_returns_the_results_another_process_appended_while_it_ran(tmp_path):
+    path = tmp_path / "runs.jsonl"
+    got = runs.run_all([("mine", {"path": str(path)})], path, 1, _lane_result)
+    assert sorted(got) == ["mine", "other-lane"]
+    assert got["other-lane"]["test"] == 0.5
