@@ -37,7 +37,7 @@ METHODS: list[tuple[str, str]] = [("nomix", "no mixing (FedAvg, clients' data)")
 TUNE_SEED, TUNE_SETTING = 100, "classes10"
 # The paper gives none of these (spec B.3): grids around the spec's proposed defaults
 GRIDS: dict[str, list[dict[str, Any]]] = {
-    "nomix": [{"lr": lr} for lr in (0.05, 0.02, 0.1)],
+    "nomix": [{"lr": lr} for lr in (0.05, 0.02, 0.1, 0.2)],
     "parallel": [{"central-weight": a, "central-steps": j} for a in (0.5, 0.2) for j in (13, 50)],
     "example": [{"transfer-examples": k} for k in (128, 32, 512)],
     "gradient": [{"gradient-weight": w} for w in (1.0, 0.3, 3.0)],
