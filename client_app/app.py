@@ -34,7 +34,7 @@ from flwr.common.constant import ErrorCode
 import torch
 from torch import nn
 
-from common.data import ArrayDataset, DataSpec, client_partition, load_dataset
+from common.data import ArrayDataset, DataSpec, client_partition, task_data
 from common.models import build_from_config, model_config
 from common.objectives import Received, build_loss
 from common.params import ParamSpec, extras_from_record, extras_to_record
@@ -83,7 +83,7 @@ def _load(msg: Message, context: Context) -> tuple[int, DataSpec, nn.Module, Par
     if num_partitions != spec.num_partitions:
         raise ValueError(f"node has num-partitions={num_partitions} but the run splits the data into "
                          f"{spec.num_partitions} partitions (num-clients)")
-    full = load_dataset(spec.dataset, spec.data_root)
+    full = task_data(spec)
     model, initial, pspec = _model(tuple(sorted(model_config(config).items())), full.x.shape[1:], full.num_classes)
     with torch.no_grad():  # nothing from an earlier message carries over: buffers and frozen weights reset
         tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}

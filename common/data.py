@@ -136,6 +136,13 @@ def binary(data: ArrayDataset, positive: str) -> ArrayDataset:
     return replace(data, y=np.isin(data.y, ids).astype(np.int64), num_classes=2, fine=None)
 
 
+def task_data(spec: DataSpec) -> ArrayDataset:
+    """The whole dataset as the run's task sees it (``binary-positive`` applied): its sample shape and class count
+    size the model on the server and on every client."""
+    full = load_dataset(spec.dataset, spec.data_root)
+    return binary(full, spec.binary_positive) if spec.binary_positive else full
+
+
 @lru_cache(maxsize=8)
 def make_splits(spec: DataSpec) -> Splits:
     """Train / test / central / validation splits of the spec's dataset, fixed by the spec's seed.
@@ -144,9 +151,7 @@ def make_splits(spec: DataSpec) -> Splits:
     validation split leaves the central split as it was). With ``central-classes`` (a label shift) the
     central split is instead the training samples of those classes (``central-size`` of them, 0 = all),
     which the clients no longer hold; test and validation keep every class."""
-    full = load_dataset(spec.dataset, spec.data_root)
-    if spec.binary_positive:
-        full = binary(full, spec.binary_positive)
+    full = task_data(spec)
     rng = np.random.default_rng([spec.seed, 0])
     train_idx, test_idx = _stratified_split(full.y, spec.test_fraction, rng)
     shift = class_ids(spec.central_classes)

@@ -19,7 +19,7 @@ from flwr.serverapp import Grid
 from torch import nn
 
 from common.config import ConfigError, RunConfig
-from common.data import Splits, data_spec, load_dataset, make_splits
+from common.data import Splits, data_spec, make_splits, task_data
 from common.models import build_from_config, model_config
 from common.params import ParamSpec
 from common.server_data import ServerData, build_server_data
@@ -164,7 +164,7 @@ def build_run(grid: Grid, cfg: RunConfig) -> Run:
     if resumed is None:  # a named folder may hold an older run's checkpoint: it must not be resumed into this run
         (out / CHECKPOINT).unlink(missing_ok=True)
     spec = data_spec(cfg)
-    splits, full = make_splits(spec), load_dataset(cfg.dataset, cfg.data_root)
+    splits, full = make_splits(spec), task_data(spec)
     server_data = build_server_data(cfg, splits)
     model = build_from_config(cfg.to_dict(), full.x.shape[1], full.x.shape[2], full.num_classes, seed=cfg.seed)
     pspec = ParamSpec.of(model)

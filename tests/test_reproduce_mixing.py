@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from benchmarks import reproduce_mixing as M
 from server_app.config import load_config
@@ -31,6 +32,14 @@ def test_the_lacking_classes_accuracy_is_measured_on_those_test_samples_only(tmp
                          "central-classes": "3", "strategy": "fedavg", "output-dir": str(tmp_path), "run-name": "r"})
     assert M.lacking_accuracy(out, (3,)) == 0.0  # never seen: never predicted
     assert M.lacking_accuracy(out, (0, 1, 2)) > 0.5
+
+
+def test_a_binary_run_trains_a_two_class_head_on_server_and_clients(tmp_path):
+    out = run_inprocess({"dataset": "synthetic", "num-clients": 4, "clients-per-round": 4, "num-rounds": 2,
+                         "binary-positive": "1,2,3", "central-classes": "0", "strategy": "example-transfer",
+                         "transfer-examples": 4, "output-dir": str(tmp_path), "run-name": "r"})
+    assert torch.load(out / "model.pt", weights_only=True)["head.bias"].shape == (2,)
+    assert M.lacking_accuracy(out, (1,)) > 0.5  # label 1: the positives the clients hold
 
 
 def test_the_table_puts_accuracy_and_extra_bytes_side_by_side():
