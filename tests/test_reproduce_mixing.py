@@ -52,3 +52,13 @@ def test_the_table_puts_accuracy_and_extra_bytes_side_by_side():
     text = M.table(results)
     assert "| example transfer | 85.0 ± 7.1 | 80.0 ± 0.0 | 401.9 | — | — | — |" in text
     assert "| no mixing (FedAvg, clients' data) | 50.0 (1 seed) | 0.0 (1 seed) | 0.0 | — | — | — |" in text
+
+
+def test_the_cost_benchmark_times_each_variant_on_what_its_dispatch_really_carries():
+    from benchmarks import mixing_cost as C
+
+    spec = C.built("example")[2]
+    extra = {m: C.server_round(m)[1].extra_nbytes for m in C.VARIANTS.values()}
+    # 128 transferred examples of 28x28 pixels and a label; one gradient the size of the trainable parameters
+    assert extra == {"nomix": 0, "parallel": 0, "example": 4 * 128 * (28 * 28 + 1), "gradient": 4 * spec.numel}
+    C.client_run("gradient", 20)  # the ClientApp's path: the received gradient in the objective
