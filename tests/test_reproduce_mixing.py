@@ -62,3 +62,38 @@ def test_the_cost_benchmark_times_each_variant_on_what_its_dispatch_really_carri
     # 128 transferred examples of 28x28 pixels and a label; one gradient the size of the trainable parameters
     assert extra == {"nomix": 0, "parallel": 0, "example": 4 * 128 * (28 * 28 + 1), "gradient": 4 * spec.numel}
     C.client_run("gradient", 20)  # the ClientApp's path: the received gradient in the objective
+
+
+@pytest.mark.parametrize("method", ["nomix", "parallel", "example", "gradient", "oracle"])
+def test_the_celeba_presets_run_the_papers_shift_when_its_files_are_present(tmp_path, method):
+    """The paper's own experiment on LEAF CelebA files written here: the clients keep the smiling faces, the server
+    holds every unsmiling one (the oracle federates both)."""
+    import json
+
+    from test_datasets import _jpg, _leaf
+
+    from common.data import data_spec, make_splits
+
+    users = {}
+    for c in range(8):
+        names = [f"{c:02d}{i}.jpg" for i in range(8)]
+        for i, name in enumerate(names):
+            _jpg(tmp_path / "celeba" / "img_align_celeba" / name, (30 * i, 20 * c, 255 * (i % 2)), (8, 8))
+        users[f"celeb{c}"] = (names, [float(i % 2) for i in range(8)])
+    _leaf(tmp_path / "celeba" / "train" / "t.json", users)
+    run = {"preset": f"mixing-celeba/{method}", "data-root": str(tmp_path), "num-clients": 6, "clients-per-round": 2,
+           "num-rounds": 2, "validation-size": 4, "eval-every": 1, "output-dir": str(tmp_path / "out"),
+           "run-name": method}
+    cfg = load_config(run)
+    splits = make_splits(data_spec(cfg))
+    if method == "oracle":
+        assert len(splits.central) == 0 and set(splits.train.y.tolist()) == {0, 1}
+    else:  # every unsmiling training face is the server's; the clients keep the smiling ones
+        assert set(splits.central.y.tolist()) == {0} and set(splits.train.y.tolist()) == {1}
+        assert len(splits.central) + len(splits.train) + len(splits.test) + len(splits.validation) == 64
+    summary = json.loads((run_inprocess(run) / "summary.json").read_text())
+    if method == "gradient":  # one model-sized gradient
+        assert summary["extra-bytes-down-per-dispatch"] > 0
+    else:  # 20 central faces of 3x32x32 and a label; nothing for the others
+        faces = 4 * 20 * (3 * 32 * 32 + 1)
+        assert (summary["extra-bytes-down-per-dispatch"] or 0) == (faces if method == "example" else 0)
