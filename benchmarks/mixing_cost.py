@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from benchmarks.feddual_cost import medians
 from client_app.app import with_central_examples
@@ -30,7 +32,7 @@ from common.server_data import ServerData
 from common.training import LocalRecipe, train
 from server_app.config import load_config
 from strategies import build_strategy
-from strategies.base import Payload, Update
+from strategies.base import Payload, Strategy, Update
 
 VARIANTS = {"no mixing (FedAvg)": "nomix", "parallel training": "parallel", "example transfer": "example",
             "gradient transfer": "gradient"}
@@ -41,7 +43,7 @@ def fmnist_like(n: int, classes: tuple[int, ...], seed: int) -> ArrayDataset:
     return ArrayDataset(rng.random((n, 1, 28, 28), dtype=np.float32), rng.choice(classes, n), 10)
 
 
-def built(method: str, seed: int = 0):
+def built(method: str, seed: int = 0) -> tuple[Any, nn.Module, ParamSpec, Strategy]:
     """(config, model, spec, strategy) of `method`'s 10-class preset, initialised, with its central data."""
     cfg = load_config({"preset": f"mixing-fmnist/{method}-classes10", "device": "cpu"})
     model = build_from_config(cfg.to_dict(), 1, 28, 10, seed=seed)
@@ -77,8 +79,8 @@ def client_run(method: str, n: int, seed: int = 0) -> float:
     started = time.perf_counter()
     spec.load_into(model, payload.params)
     received = Received(model, [p.detach().clone() for p in model.parameters() if p.requires_grad], payload.arrays)
-    train(model, with_central_examples(data, payload.arrays), recipe, seed, loss=build_loss(recipe.objective, config,
-                                                                                             received))
+    loss = build_loss(recipe.objective, config, received)
+    train(model, with_central_examples(data, payload.arrays), recipe, seed, loss=loss)
     return time.perf_counter() - started
 
 
@@ -92,13 +94,14 @@ def main() -> None:
     server = medians({k: (lambda m=m: server_round(m)[0]) for k, m in VARIANTS.items()}, args.repeats)
     client = medians({k: (lambda m=m: client_run(m, args.client_size)) for k, m in VARIANTS.items()}, args.repeats)
     first = next(iter(VARIANTS))
-    model_bytes = server_round(VARIANTS[first])[1].nbytes
+    payloads = {k: built(m)[3].model_for(0) for k, m in VARIANTS.items()}  # what one dispatch carries
     print("| variant | server round (s) | × FedAvg | client run (s) | × FedAvg's | extra down per dispatch |\n"
           "|---|---:|---:|---:|---:|---:|")
-    for k, m in VARIANTS.items():
-        extra = server_round(m)[1].extra_nbytes
+    for k, payload in payloads.items():
+        extra, model_bytes = payload.extra_nbytes, payload.nbytes - payload.extra_nbytes
         print(f"| {k} | {server[k]:.4f} | {server[k] / server[first]:.1f} | {client[k]:.3f} | "
               f"{client[k] / client[first]:.2f} | {extra / 1e3:.1f} KB ({extra / model_bytes:.2f} × the model) |")
+
 
 if __name__ == "__main__":
     main()

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
+from PIL import Image
 
 from client_app.app import app as client_app
 from common.protocol import ARRAYS
@@ -66,3 +67,16 @@ def faulty_client_app() -> ClientApp:
     for kind in ("evaluate", "query"):
         getattr(faulty, kind)()(lambda msg, context: client_app(msg, context))
     return faulty
+
+
+def write_leaf(path: Path, users: dict[str, tuple[list, list]]) -> None:
+    """A LEAF JSON file: {user: (x, y)}."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"users": list(users), "num_samples": [len(y) for _, y in users.values()],
+                                "user_data": {u: {"x": x, "y": y} for u, (x, y) in users.items()}}))
+
+
+def write_jpg(path: Path, rgb: tuple[int, int, int], size: tuple[int, int] = (178, 218), mode: str = "RGB") -> None:
+    """A one-colour JPEG of `size`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new(mode, size, rgb if mode == "RGB" else rgb[0]).save(path)

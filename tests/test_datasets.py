@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import csv
 import gzip
-import json
 import pickle
 import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
+from helpers import write_jpg, write_leaf
 
 import common.datasets as D
 
@@ -202,12 +201,6 @@ def test_cifar100_coarse_labels_disagreeing_with_the_table_are_an_error(tmp_path
 
 
 # ----------------------------------------------------------------------------------------------------- LEAF
-def _leaf(path: Path, users: dict[str, tuple[list, list]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"users": list(users), "num_samples": [len(y) for _, y in users.values()],
-                                "user_data": {u: {"x": x, "y": y} for u, (x, y) in users.items()}}))
-
-
 def _femnist_rows(values: list[float]) -> list[list[float]]:
     rows = []
     for v in values:
@@ -219,11 +212,11 @@ def _femnist_rows(values: list[float]) -> list[list[float]]:
 
 def test_femnist_reads_leaf_json_with_writers_as_groups(tmp_path):
     base = tmp_path / "femnist"
-    _leaf(base / "train" / "b.json", {"f0000_00": (_femnist_rows([0.0, 0.5]), [61, 3])})
-    _leaf(base / "train" / "a.json", {"f0002_11": (_femnist_rows([0.1]), [39]),
+    write_leaf(base / "train" / "b.json", {"f0000_00": (_femnist_rows([0.0, 0.5]), [61, 3])})
+    write_leaf(base / "train" / "a.json", {"f0002_11": (_femnist_rows([0.1]), [39]),
                                       "f0001_05": (_femnist_rows([0.2, 0.3]), [40, 55]),
                                       "f0003_99": ([], [])})
-    _leaf(base / "test" / "a.json", {"f0002_11": (_femnist_rows([0.4]), [10])})
+    write_leaf(base / "test" / "a.json", {"f0002_11": (_femnist_rows([0.4]), [10])})
 
     d = D.femnist(tmp_path)
     # Order: train/a.json (users in file order), train/b.json, test/a.json. Groups: sorted writer names.
@@ -239,21 +232,16 @@ def test_femnist_reads_leaf_json_with_writers_as_groups(tmp_path):
     np.testing.assert_allclose(d40.x[:, 0, 14, 5], [0.1, 0.5, 0.4], atol=1e-7)
 
 
-def _jpg(path: Path, rgb: tuple[int, int, int], size: tuple[int, int] = (178, 218), mode: str = "RGB") -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.new(mode, size, rgb if mode == "RGB" else rgb[0]).save(path)
-
-
 def test_celeba_smiling_reads_leaf_json_and_resizes_the_jpegs(tmp_path, monkeypatch):
     base = tmp_path / "celeba"
     colours = {"000001.jpg": (255, 0, 0), "000002.jpg": (0, 255, 0), "000003.jpg": (0, 0, 255),
                "000004.jpg": (200, 200, 200)}
     for name, rgb in colours.items():
-        _jpg(base / "img_align_celeba" / name, rgb)
+        write_jpg(base / "img_align_celeba" / name, rgb)
     # LEAF writes the Smiling label as (attr + 1) / 2, i.e. floats.
-    _leaf(base / "train" / "t.json", {"2880": (["000001.jpg", "000002.jpg"], [1.0, 0.0]),
+    write_leaf(base / "train" / "t.json", {"2880": (["000001.jpg", "000002.jpg"], [1.0, 0.0]),
                                       "15": (["000003.jpg"], [0.0])})
-    _leaf(base / "test" / "t.json", {"2880": (["000004.jpg"], [1.0])})
+    write_leaf(base / "test" / "t.json", {"2880": (["000004.jpg"], [1.0])})
 
     d = D.celeba_smiling(tmp_path)
     assert d.x.shape == (4, 3, 32, 32) and d.x.dtype == np.float32 and d.num_classes == 2
@@ -271,7 +259,7 @@ def test_isic2019_reads_the_ground_truth_csv(tmp_path):
     header = ["image", "MEL", "NV", "BCC", "AK", "BKL", "DF", "VASC", "SCC", "UNK"]
     rows = [("ISIC_0000000", 1), ("ISIC_0000001_downsampled", 7), ("ISIC_0000002", 0)]
     for name, _ in rows:
-        _jpg(base / "ISIC_2019_Training_Input" / f"{name}.jpg", (10, 20, 30), size=(64, 48))
+        write_jpg(base / "ISIC_2019_Training_Input" / f"{name}.jpg", (10, 20, 30), size=(64, 48))
     with (base / "ISIC_2019_Training_GroundTruth.csv").open("w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(header)
@@ -282,9 +270,9 @@ def test_isic2019_reads_the_ground_truth_csv(tmp_path):
 
 def test_image_folder_classes_are_the_sorted_sub_folders(tmp_path):
     root = tmp_path / "ood"
-    _jpg(root / "dog" / "b.jpg", (0, 0, 0), size=(40, 30))
-    _jpg(root / "dog" / "a.png", (255, 255, 255), size=(40, 30))
-    _jpg(root / "cat" / "x" / "deep.png", (128, 0, 0), size=(10, 10), mode="L")  # grayscale, nested
+    write_jpg(root / "dog" / "b.jpg", (0, 0, 0), size=(40, 30))
+    write_jpg(root / "dog" / "a.png", (255, 255, 255), size=(40, 30))
+    write_jpg(root / "cat" / "x" / "deep.png", (128, 0, 0), size=(10, 10), mode="L")  # grayscale, nested
     (root / "cat" / "notes.txt").write_text("not an image")
     (root / ".cache").mkdir()
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from helpers import write_jpg, write_leaf
 
 from benchmarks import reproduce_mixing as M
 from server_app.config import load_config
@@ -68,19 +71,15 @@ def test_the_cost_benchmark_times_each_variant_on_what_its_dispatch_really_carri
 def test_the_celeba_presets_run_the_papers_shift_when_its_files_are_present(tmp_path, method):
     """The paper's own experiment on LEAF CelebA files written here: the clients keep the smiling faces, the server
     holds every unsmiling one (the oracle federates both)."""
-    import json
-
-    from test_datasets import _jpg, _leaf
-
     from common.data import data_spec, make_splits
 
     users = {}
     for c in range(8):
         names = [f"{c:02d}{i}.jpg" for i in range(8)]
         for i, name in enumerate(names):
-            _jpg(tmp_path / "celeba" / "img_align_celeba" / name, (30 * i, 20 * c, 255 * (i % 2)), (8, 8))
+            write_jpg(tmp_path / "celeba" / "img_align_celeba" / name, (30 * i, 20 * c, 255 * (i % 2)), (8, 8))
         users[f"celeb{c}"] = (names, [float(i % 2) for i in range(8)])
-    _leaf(tmp_path / "celeba" / "train" / "t.json", users)
+    write_leaf(tmp_path / "celeba" / "train" / "t.json", users)
     run = {"preset": f"mixing-celeba/{method}", "data-root": str(tmp_path), "num-clients": 6, "clients-per-round": 2,
            "num-rounds": 2, "validation-size": 4, "eval-every": 1, "output-dir": str(tmp_path / "out"),
            "run-name": method}
