@@ -258,6 +258,9 @@ class RunConfig:
                                   "groups reusing classes (code: 30 of CIFAR-100's 100); 0 = disjoint equal groups")
     label_noise: float = option(0.0, Range(0, 1), "fraction of client training labels set to a random other class "
                                 "(Feddle 000 Table 4)")
+    data_fraction: float = option(1.0, Range(0, 1, low_open=True),
+                                  "stratified, seeded share of the dataset in use, drawn before any split (fewer "
+                                  "samples per client: FedMerge's per-class counts on Fashion-MNIST); 1 = all")
     test_fraction: float = option(0.2, Range(0, 0.9, low_open=True),
                                   "stratified fraction of the data kept as the server's test split")
     binary_positive: str = option("", ClassList(), "a two-class task: these classes become label 1, every other "

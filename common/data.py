@@ -100,6 +100,7 @@ class DataSpec:
     client_validation_fraction: float = 0.0
     binary_positive: str = ""
     central_classes: str = ""
+    data_fraction: float = 1.0
 
     def to_config(self) -> dict[str, int | float | str]:
         return {f"data-{k.replace('_', '-')}": v for k, v in self.__dict__.items()}
@@ -145,13 +146,17 @@ def task_data(spec: DataSpec) -> ArrayDataset:
 
 @lru_cache(maxsize=8)
 def make_splits(spec: DataSpec) -> Splits:
-    """Train / test / central / validation splits of the spec's dataset, fixed by the spec's seed.
+    """Train / test / central / validation splits of the spec's dataset (its ``data-fraction`` of it), fixed by
+    the spec's seed.
 
     Central and validation samples are taken from the test split (central first, so adding a
     validation split leaves the central split as it was). With ``central-classes`` (a label shift) the
     central split is instead the training samples of those classes (``central-size`` of them, 0 = all),
     which the clients no longer hold; test and validation keep every class."""
     full = task_data(spec)
+    if spec.data_fraction < 1:  # its own stream: with every sample in use the splits are as before
+        full = full.subset(_stratified_split(full.partition_labels, spec.data_fraction,
+                                             np.random.default_rng([spec.seed, 7]))[1])
     rng = np.random.default_rng([spec.seed, 0])
     train_idx, test_idx = _stratified_split(full.y, spec.test_fraction, rng)
     shift = class_ids(spec.central_classes)
@@ -236,4 +241,4 @@ def data_spec(cfg) -> DataSpec:
                     cluster_classes=cfg.cluster_classes, label_noise=cfg.label_noise,
                     client_test_fraction=cfg.client_test_fraction,
                     client_validation_fraction=cfg.client_validation_fraction, binary_positive=cfg.binary_positive,
-                    central_classes=cfg.central_classes)
+                    central_classes=cfg.central_classes, data_fraction=cfg.data_fraction)

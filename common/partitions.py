@@ -10,8 +10,8 @@ Names for the ``partitioner`` config key (see :data:`PARTITIONERS` and :func:`pa
 
 Random streams: the partitioners draw from ``default_rng([seed, 1])`` (the stream the IID shuffle has
 always used), :func:`label_noise` from ``default_rng([seed, 4])``; ``[seed, 0]`` (splits),
-``[seed, 2]`` (delays), ``[seed, 3]`` (server data) and ``[seed, 5, id]`` (a client's held-out parts)
-belong to other modules.
+``[seed, 2]`` (delays), ``[seed, 3]`` (server data), ``[seed, 5, id]`` (a client's held-out parts), ``[seed, 6]``
+(the label shift's central split) and ``[seed, 7]`` (``data-fraction``) belong to other modules.
 """
 
 from __future__ import annotations

@@ -13,11 +13,14 @@ from server_app.inprocess import run_inprocess
 
 def test_every_job_resolves_to_the_protocol_with_its_method_and_setting():
     jobs = F.jobs([0, 1], [0], None)
-    assert len(jobs) == len(F.METHODS) * 2 * 2 + 3 * 2  # the table, then the d sweep without the protocol's d
+    assert len(jobs) == len(F.METHODS) * 2 * 2 + 3 * 2  # the table and the d sweep without the protocol's d
+    seeds = [int(key.split("/s")[1].split("/")[0]) for key, _ in jobs]
+    assert seeds == sorted(seeds) and ["global-models" in o for _, o in jobs].index(True) == len(F.METHODS) * 2
     for key, overrides in jobs:
         cfg = load_config(overrides)
         assert cfg.num_clients == 50 and cfg.clients_per_round == 50 and cfg.client_test_fraction > 0
         assert cfg.partitioner == ("clusters" if "-cluster/" in key else "dirichlet")
+        assert cfg.data_fraction == 0.1 and cfg.input_size == 14 and cfg.num_rounds == 200
     fixed = load_config(F.job("fedmerge-fixed", "cluster", 0)[1])
     assert fixed.options["fixed-models"] == 5 and fixed.options["global-models"] == 15
     assert load_config(F.job("fedmerge", "personal", 0)[1]).local_objective == "proximal"
