@@ -304,6 +304,9 @@ class RunConfig:
                              "are buffers and do not travel, so federated runs use `batch`)")
     cnn_width: int = option(32, COUNT, "cnn: channels of the first convolution (2× in the other two, 4× in the "
                             "hidden layer; the papers do not state widths)")
+    cnn_norm: str = option("none", OneOf(("none", "group")),
+                           "cnn: a GroupNorm after each convolution (`group`), so merges of independently "
+                           "initialised models keep their scale (FedMerge on FMNIST)")
     strategy: str = option("fedavg", None, "the method: a registered strategy (strategies/)")
     num_rounds: int = option(20, COUNT, "server rounds (steps of the runtime)")
     clients_per_round: int = option(10, COUNT, "clients sampled per step (virtual clock); arrivals per step "

@@ -162,28 +162,37 @@ def _seeded(seed: int):
 # CNN
 
 
+CNN_NORMS = ("none", "group")
+
+
 class CNN(AdaptedNet):
     """The papers' CNN: three convolutions, one pooling layer, two fully connected layers.
 
     Feddle (App. D) states only the layer counts; widths (32, 64, 64, 128) and 3x3 kernels are
     our choice (docs/methods.md). The input size is free: the flattened size follows it.
     ``input_size`` (0 = `image_size`, the data's own) is the size the CNN is built for; the adapter
-    resizes other inputs to it (Feddle: 32x32). Channels follow the data; no normalisation.
+    resizes other inputs to it (Feddle: 32x32). Channels follow the data; no input normalisation.
+    ``norm = "group"`` puts a GroupNorm (groups of 4 channels) after each convolution: scale-free layers, no
+    buffers, so a merge of independently initialised models (FedMerge) keeps its signal (docs/methods.md).
     """
 
     def __init__(self, in_channels: int, image_size: int, num_classes: int, width: int = 32,
-                 input_size: int = 0) -> None:
+                 input_size: int = 0, norm: str = "none") -> None:
         super().__init__()
+        if norm not in CNN_NORMS:
+            raise ValueError(f"cnn: norm must be one of {CNN_NORMS}, got {norm!r}")
         size = input_size or image_size
         self.adapt = InputAdapter(in_channels, size, "none")
         pooled = size // 2
+
+        def conv(c_in: int, c_out: int) -> list[nn.Module]:
+            normed = [nn.GroupNorm(max(1, c_out // 4), c_out)] if norm == "group" else []
+            return [nn.Conv2d(c_in, c_out, 3, padding=1), *normed, nn.ReLU()]
+
         self.body = nn.Sequential(
-            nn.Conv2d(in_channels, width, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(2 * width, 2 * width, 3, padding=1),
-            nn.ReLU(),
+            *conv(in_channels, width),
+            *conv(width, 2 * width),
+            *conv(2 * width, 2 * width),
             nn.MaxPool2d(2),
             nn.Flatten(),
             nn.Linear(2 * width * pooled * pooled, 4 * width),
@@ -443,23 +452,24 @@ VIT_SMALL = dict(patch_size=4, num_layers=6, num_heads=4, hidden_dim=192, mlp_di
 
 
 def _vit_b16(in_channels: int, image_size: int, num_classes: int, *, batch_norm: str = "", cnn_width: int = 0,
-             **options) -> ViT:
+             cnn_norm: str = "", **options) -> ViT:
     return ViT(in_channels, image_size, num_classes, arch=VIT_B16, default_size=224, what="vit_b_16", **options)
 
 
 def _vit_small(in_channels: int, image_size: int, num_classes: int, *, batch_norm: str = "", cnn_width: int = 0,
-               **options) -> ViT:
+               cnn_norm: str = "", **options) -> ViT:
     return ViT(in_channels, image_size, num_classes, arch=VIT_SMALL, default_size=32, what="vit-small", **options)
 
 
 def _cnn(in_channels: int, image_size: int, num_classes: int, *, seed: int, pretrained_weights: str = "",
-         input_size: int = 0, normalize: str = "", cnn_width: int = 32, **_: object) -> CNN:
+         input_size: int = 0, normalize: str = "", cnn_width: int = 32, cnn_norm: str = "none",
+         **_: object) -> CNN:
     if pretrained_weights:
         raise ValueError("model 'cnn' is trained from scratch: pretrained_weights is not supported")
     if normalize not in ("", "none"):
         raise ValueError("model 'cnn' takes its inputs unnormalised: normalize must be '' or 'none'")
     with _seeded(seed):
-        return CNN(in_channels, image_size, num_classes, width=cnn_width, input_size=input_size)
+        return CNN(in_channels, image_size, num_classes, width=cnn_width, input_size=input_size, norm=cnn_norm)
 
 
 def _lenet(in_channels: int, image_size: int, num_classes: int, *, seed: int, pretrained_weights: str = "",
@@ -482,7 +492,7 @@ MODELS: dict[str, Callable[..., AdaptedNet]] = {"cnn": _cnn, "lenet": _lenet, "r
 # options every builder accepts (models ignore the LoRA ones when they have no LoRA), with defaults
 MODEL_OPTIONS: dict[str, object] = {"pretrained_weights": "", "input_size": 0, "normalize": "",
                                     "lora_rank": 4, "lora_alpha": 8.0, "lora_targets": "q,v",
-                                    "batch_norm": "batch", "cnn_width": 32}
+                                    "batch_norm": "batch", "cnn_width": 32, "cnn_norm": "none"}
 DEFAULT_INPUT_SIZE: dict[str, int | None] = {"cnn": None, "lenet": 28, "resnet18": 224, "vit-b16": 224, "vit-small": 32}
 
 
@@ -496,7 +506,8 @@ def build_model(name: str, in_channels: int, image_size: int, num_classes: int, 
     ("" = the model's default: none for cnn, imagenet otherwise; or one of :data:`NORMALIZATIONS`),
     ``lora_rank`` (ViTs; 0 = full fine-tuning), ``lora_alpha``, ``lora_targets`` (ViTs),
     ``batch_norm`` (resnet18: "running" or "batch", see :class:`ResNet18`), ``cnn_width`` (cnn: channels
-    of the first convolution; the others have 2x, the hidden layer 4x). Options a model does
+    of the first convolution; the others have 2x, the hidden layer 4x), ``cnn_norm`` (cnn: "none" or "group",
+    see :class:`CNN`). Options a model does
     not use are ignored, except ``pretrained_weights`` and ``normalize`` for the CNN (an error).
     """
     if name not in MODELS:

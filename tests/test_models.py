@@ -332,3 +332,26 @@ def test_cnn_width_sets_the_channels_and_travels_from_the_run_config():
     assert narrow.head.in_features == 64
     wide = build_model("cnn", 1, 28, 10, seed=0)
     assert sum(p.numel() for p in narrow.parameters()) < sum(p.numel() for p in wide.parameters()) / 3
+
+
+def test_cnn_group_norm_makes_each_convolution_scale_free_and_travels_from_the_run_config():
+    from server_app.config import load_config
+    from common.config import ConfigError
+    from common.models import build_from_config
+
+    x = torch.rand(16, 1, 28, 28)
+    for norm, scale_free in (("none", False), ("group", True)):
+        model = build_from_config(load_config({"cnn-width": 8, "cnn-norm": norm}).to_dict(), 1, 28, 10, seed=0)
+        norms = [m for m in model.body if isinstance(m, torch.nn.GroupNorm)]
+        assert [(m.num_groups, m.num_channels) for m in norms] == ([] if norm == "none" else [(2, 8), (4, 16), (4, 16)])
+        with torch.no_grad():
+            before = model(x)
+            for m in model.body:
+                if isinstance(m, torch.nn.Conv2d):  # shrink every convolution, as a merge of random inits does
+                    m.weight.mul_(0.2)
+                    m.bias.mul_(0.2)
+            after = model(x)
+        kept = (after.std(0) / before.std(0)).mean().item()  # what of the input-dependent signal survives
+        assert (abs(kept - 1) < 0.05) if scale_free else (kept < 0.05), (norm, kept)
+    with pytest.raises(ConfigError, match="cnn-norm"):
+        load_config({"cnn-norm": "batch"})

@@ -20,7 +20,7 @@ def test_every_job_resolves_to_the_protocol_with_its_method_and_setting():
         cfg = load_config(overrides)
         assert cfg.num_clients == 50 and cfg.clients_per_round == 50 and cfg.client_test_fraction > 0
         assert cfg.partitioner == ("clusters" if "-cluster/" in key else "dirichlet")
-        assert cfg.data_fraction == 0.1 and cfg.input_size == 14 and cfg.num_rounds == 200
+        assert cfg.data_fraction == 0.1 and cfg.input_size == 14 and cfg.num_rounds == 200 and cfg.cnn_norm == "group"
     fixed = load_config(F.job("fedmerge-fixed", "cluster", 0)[1])
     assert fixed.options["fixed-models"] == 5 and fixed.options["global-models"] == 15
     assert load_config(F.job("fedmerge", "personal", 0)[1]).local_objective == "proximal"
