@@ -145,10 +145,10 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
 
 def jobs(seeds: Sequence[int], sweep_seeds: Sequence[int], rounds: int | None) -> list[tuple[str, dict[str, Any]]]:
     """Seed by seed, the sweep after the first seed: an interrupted table is whole for the seeds it has."""
-    table_ = [[job(m, s, seed, rounds=rounds) for m, _ in METHODS for s in SETTINGS] for seed in seeds]
+    by_seed = [[job(m, s, seed, rounds=rounds) for m, _ in METHODS for s in SETTINGS] for seed in seeds]
     sweep = [job("fedmerge", s, seed, {"global-models": d}, rounds) for d in SWEEP if d != 5
              for s in SETTINGS for seed in sweep_seeds]
-    return table_[0] + sweep + [j for rows in table_[1:] for j in rows]
+    return by_seed[0] + sweep + [j for rows in by_seed[1:] for j in rows]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

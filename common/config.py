@@ -127,6 +127,12 @@ def _models() -> Iterable[str]:
     return MODELS
 
 
+def _cnn_norms() -> Iterable[str]:
+    from common.models import CNN_NORMS
+
+    return CNN_NORMS
+
+
 def _partitioners() -> Iterable[str]:
     from common.data import PARTITIONERS
 
@@ -304,7 +310,7 @@ class RunConfig:
                              "are buffers and do not travel, so federated runs use `batch`)")
     cnn_width: int = option(32, COUNT, "cnn: channels of the first convolution (2× in the other two, 4× in the "
                             "hidden layer; the papers do not state widths)")
-    cnn_norm: str = option("none", OneOf(("none", "group")),
+    cnn_norm: str = option("none", OneOf(_cnn_norms),
                            "cnn: a GroupNorm after each convolution (`group`), so merges of independently "
                            "initialised models keep their scale (FedMerge on FMNIST)")
     strategy: str = option("fedavg", None, "the method: a registered strategy (strategies/)")

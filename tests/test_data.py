@@ -145,17 +145,17 @@ def test_validation_split_comes_from_the_test_split_and_leaves_the_central_split
 
 
 def test_data_fraction_keeps_a_stratified_seeded_share_and_every_split_comes_from_it():
-    full, whole = load_dataset("digits"), make_splits(spec(central_size=20))
-    part = make_splits(spec(data_fraction=0.25, central_size=20))
+    splits = lambda **kw: make_splits(spec(central_size=20, **kw))  # noqa: E731
+    full, whole, part = load_dataset("digits"), splits(), splits(data_fraction=0.25)
     used = np.concatenate([part.train.y, part.test.y, part.central.y])
     np.testing.assert_array_equal(np.bincount(used, minlength=10), np.round(0.25 * np.bincount(full.y)))
     rows = lambda d: {r.tobytes() for r in d.x.reshape(len(d), -1)}  # noqa: E731
     assert len(rows(part.train) - rows(whole.train) - rows(whole.test) - rows(whole.central)) == 0
     assert len(rows(part.train) & rows(part.test)) < 5  # still disjoint (digits has a few duplicate images)
-    np.testing.assert_array_equal(make_splits(spec(data_fraction=0.25, central_size=20)).train.x, part.train.x)  # seeded
-    assert not np.array_equal(make_splits(spec(data_fraction=0.25, central_size=20, seed=1)).train.y[:50], part.train.y[:50])
+    np.testing.assert_array_equal(splits(data_fraction=0.25).train.x, part.train.x)  # seeded
+    assert not np.array_equal(splits(data_fraction=0.25, seed=1).train.y[:50], part.train.y[:50])
     assert sum(len(p) for p in partition_indices(spec(data_fraction=0.25, central_size=20))) == len(part.train)
-    np.testing.assert_array_equal(make_splits(spec(data_fraction=1.0, central_size=20)).train.x, whole.train.x)  # 1 = as before
+    np.testing.assert_array_equal(splits(data_fraction=1.0).train.x, whole.train.x)  # 1 = as before
 
 
 def test_label_noise_touches_exactly_the_asked_fraction_of_client_labels_and_no_server_label():

@@ -214,8 +214,8 @@ def test_femnist_reads_leaf_json_with_writers_as_groups(tmp_path):
     base = tmp_path / "femnist"
     write_leaf(base / "train" / "b.json", {"f0000_00": (_femnist_rows([0.0, 0.5]), [61, 3])})
     write_leaf(base / "train" / "a.json", {"f0002_11": (_femnist_rows([0.1]), [39]),
-                                      "f0001_05": (_femnist_rows([0.2, 0.3]), [40, 55]),
-                                      "f0003_99": ([], [])})
+                                           "f0001_05": (_femnist_rows([0.2, 0.3]), [40, 55]),
+                                           "f0003_99": ([], [])})
     write_leaf(base / "test" / "a.json", {"f0002_11": (_femnist_rows([0.4]), [10])})
 
     d = D.femnist(tmp_path)
@@ -240,7 +240,7 @@ def test_celeba_smiling_reads_leaf_json_and_resizes_the_jpegs(tmp_path, monkeypa
         write_jpg(base / "img_align_celeba" / name, rgb)
     # LEAF writes the Smiling label as (attr + 1) / 2, i.e. floats.
     write_leaf(base / "train" / "t.json", {"2880": (["000001.jpg", "000002.jpg"], [1.0, 0.0]),
-                                      "15": (["000003.jpg"], [0.0])})
+                                           "15": (["000003.jpg"], [0.0])})
     write_leaf(base / "test" / "t.json", {"2880": (["000004.jpg"], [1.0])})
 
     d = D.celeba_smiling(tmp_path)
