@@ -12,7 +12,8 @@ each client's class set, and the mean L1 distance of weight rows within and betw
 ``--tune`` runs the clients' lr grid with FedAvg on the validation split (seed 100, cluster setting).
 
 Runs are resumable and parallel (benchmarks/runs.py); results in ``<results>/runs.jsonl``, the tables in
-``table.md``, the curves in ``personal.png``, the seed-0 FedMerge heatmap copied to ``merge-weights.png``.
+``table.md``, the curves in ``personal.png``, seed 0's FedMerge heatmaps (d > 1) copied to
+``merge-weights-<setting>-d<d>.png``.
 
     python -m benchmarks.reproduce_fedmerge --tune --jobs 2
     python -m benchmarks.reproduce_fedmerge --jobs 2
@@ -118,8 +119,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
                [r for r in _cells(results, "fedmerge", s) if d == 5] for s in SETTINGS}
         rec = got["cluster"]
         fmt = lambda k: f"{statistics.fmean([r[k] for r in rec]):.2f}" if rec and k in rec[0] else "—"  # noqa: E731
-        lines.append(f"| {d} | " + " | ".join(mean_std([r["test"] for r in got[s]]) if got[s] else "—" for s in SETTINGS)
-                     + f" | {fmt('ari')} | {fmt('within')} | {fmt('between')} |")
+        accuracy = (mean_std([r["test"] for r in got[s]]) if got[s] else "—" for s in SETTINGS)
+        lines.append(f"| {d} | " + " | ".join(accuracy) + f" | {fmt('ari')} | {fmt('within')} | {fmt('between')} |")
     return "\n".join(lines)
 
 
@@ -175,9 +176,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                       args.jobs, _one)
     (args.results / "table.md").write_text(table(results) + "\n")
     plot(results, args.results / "personal.png")
-    heat = [r for r in _cells(results, "fedmerge", "cluster") if r["key"].endswith("/s0")]
-    if heat and (Path(heat[0]["folder"]) / "merge-weights.png").is_file():
-        shutil.copy(Path(heat[0]["folder"]) / "merge-weights.png", args.results / "merge-weights.png")
+    for setting in SETTINGS:  # seed 0's heatmaps, while this machine still has the runs' folders
+        for d in SWEEP[1:]:
+            run = results.get(f"{FAMILY}/fedmerge-{setting}/s0" + ("" if d == 5 else f"/global-models={d}"))
+            heatmap = Path(run["folder"]) / "merge-weights.png" if run else None
+            if heatmap and heatmap.is_file():
+                shutil.copy(heatmap, args.results / f"merge-weights-{setting}-d{d}.png")
     print(table(results))
 
 
