@@ -12,10 +12,14 @@ from server_app.inprocess import run_inprocess
 
 
 def test_every_job_resolves_to_the_protocol_with_its_method_and_setting():
-    jobs = F.jobs([0, 1], [0], None)
-    assert len(jobs) == len(F.METHODS) * 2 * 2 + 3 * 2  # the table and the d sweep without the protocol's d
+    jobs = F.jobs([0, 1, 2], [0], None)
+    assert len(jobs) == len(F.METHODS) * 2 * 3 + 3 * 2  # the table and the d sweep without the protocol's d
     seeds = [int(key.split("/s")[1].split("/")[0]) for key, _ in jobs]
-    assert seeds == sorted(seeds) and ["global-models" in o for _, o in jobs].index(True) == len(F.METHODS) * 2
+    rows = len(F.METHODS) * 2
+    assert seeds[:rows] == [0] * rows and ["global-models" in o for _, o in jobs].index(True) == rows
+    later = [key for key, _ in jobs[rows + 6:]]  # seeds 1 and 2: every cheaper row by seed, then FedEM's four
+    assert [k.split("/s")[1] for k in later[:-4]] == ["1"] * (rows - 2) + ["2"] * (rows - 2)
+    assert all("/fedem-" in k for k in later[-4:]) and not any("/fedem-" in k for k in later[:-4])
     for key, overrides in jobs:
         cfg = load_config(overrides)
         assert cfg.num_clients == 50 and cfg.clients_per_round == 50 and cfg.client_test_fraction > 0
