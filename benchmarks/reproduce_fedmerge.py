@@ -181,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     plot(results, args.results / "personal.png")
     for setting in SETTINGS:  # seed 0's heatmaps, while this machine still has the runs' folders
         for d in SWEEP[1:]:
-            run = results.get(f"{FAMILY}/fedmerge-{setting}/s0" + ("" if d == 5 else f"/global-models={d}"))
+            run = results.get(job("fedmerge", setting, 0, None if d == 5 else {"global-models": d})[0])
             heatmap = Path(run["folder"]) / "merge-weights.png" if run else None
             if heatmap and heatmap.is_file():
                 shutil.copy(heatmap, args.results / f"merge-weights-{setting}-d{d}.png")
