@@ -59,3 +59,26 @@ def test_the_table_reports_mean_and_std_over_seeds_and_the_papers_numbers():
     assert "| FedAvg | 60.0 (1 seed) |" in text
     assert "| 10 | 70.0 (1 seed) | — | 0.50 | 0.10 | 0.90 |" in text
     assert "| 5 | 85.0 ± 5.0 |" in text  # the protocol's d is the table's own runs
+
+
+def test_report_copies_seed_0_heatmaps_by_d_and_keeps_a_copy_whose_run_folder_is_gone(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "merge-weights-cluster-d15.png").write_bytes(b"kept")  # committed from an earlier machine
+    runs = []
+    for setting, d, seed, has_png in (("cluster", 5, 0, True), ("personal", 10, 0, True), ("cluster", 15, 0, False),
+                                      ("cluster", 10, 1, True)):
+        key = F.job("fedmerge", setting, seed, None if d == 5 else {"global-models": d})[0]
+        folder = tmp_path / key.replace("/", "_")
+        folder.mkdir()
+        if has_png:
+            (folder / "merge-weights.png").write_bytes(key.encode())
+        runs.append({"key": key, "test": 0.9, "worst": 0.7, "bytes-down": 4e5, "bytes-up": 4e5,
+                     "curve": [[0, 0.1], [10, 0.9]], "folder": str(folder)})
+    (results / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    F.main(["--report", "--results", str(results)])
+    assert (results / "merge-weights-cluster-d5.png").read_bytes() == runs[0]["key"].encode()
+    assert (results / "merge-weights-personal-d10.png").read_bytes() == runs[1]["key"].encode()
+    assert (results / "merge-weights-cluster-d15.png").read_bytes() == b"kept"
+    assert not (results / "merge-weights-cluster-d10.png").exists()  # seed 1's run is not the figure's
+    assert (results / "table.md").is_file() and (results / "personal.png").is_file()
