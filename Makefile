@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install data demo test simulate deploy compose-demo compose-twin clean
+.PHONY: install data demo test simulate deploy compose-demo compose-twin compose-test clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,13 +39,20 @@ deploy: $(STAMP)
 	$(PY) -m scripts.deploy_local $(ARGS)
 
 # Docker: docker/compose.yml up (app image built), the main job run through it, outputs copied to
-# outputs/compose/. TLS=1 adds TLS + SuperNode authentication, GPU=1 the CUDA ServerApp. Needs a Docker engine.
+# outputs/compose/. TLS=1 adds TLS + SuperNode authentication, GPU=1 the CUDA ServerApp, HOST=1 host networking
+# (docker/host-network.yml). Needs a Docker engine.
 compose-demo: $(STAMP)
-	$(PY) -m scripts.compose demo $(if $(TLS),--tls) $(if $(GPU),--gpu) $(ARGS)
+	$(PY) -m scripts.compose demo $(if $(TLS),--tls) $(if $(GPU),--gpu) $(if $(HOST),--host-network) $(ARGS)
 
 # The same compose files without Docker: every service's command started natively on loopback
 compose-twin: $(STAMP)
 	$(PY) -m scripts.compose twin $(if $(TLS),--tls) $(ARGS)
+
+# docker/ on a real Docker engine of its own (root; installs docker.io, debootstrap and the Compose v2 plugin from
+# Debian's packages, builds every image offline): the main job, a SuperLink restart, TLS + node auth. Skips where
+# no engine can start; COMPOSE_TEST_ARGS=--require (CI) fails instead.
+compose-test: $(STAMP)
+	$(PY) -m scripts.compose_engine $(COMPOSE_TEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .flwr outputs .pytest_cache

@@ -1,8 +1,8 @@
 """docker/compose.yml, run: with Docker (``demo``), or natively on loopback as its "twin" (``twin``).
 
-    python -m scripts.compose demo [--tls] [--gpu] [KEY=VALUE ...]    # needs a Docker engine (make compose-demo)
+    python -m scripts.compose demo [--tls] [--gpu] [--host-network] [KEY=VALUE ...]  # needs a Docker engine
     python -m scripts.compose twin [--tls] [--workdir DIR] [KEY=VALUE ...]
-    python -m scripts.compose check [--tls] [--gpu]                   # the files' structure only
+    python -m scripts.compose check [--tls] [--gpu] [--host-network]                # the files' structure only
 
 The twin reads the compose files (``compose.yml``, plus ``with-tls.yml`` with --tls), checks their
 structure, and starts every service's exact command as a local process, in ``depends_on`` order, waiting
@@ -12,7 +12,8 @@ folder under the workdir (bind mounts: their source), and every service gets its
 container has its own HOME. SuperNodes started with ``--auth-supernode-private-key K`` are registered
 (``K.pub``) before they start, as the demo does. Then both modes run the same job with ``flwr run`` and
 check that it finished:completed: the main job on ``num-clients`` = the compose file's SuperNodes, outputs
-in the ``outputs`` volume. What the twin cannot show: image contents, the Docker network, GPU reservation.
+in the ``outputs`` volume. What the twin cannot show: image contents, the Docker network, GPU reservation,
+volume ownership: ``make compose-test`` (scripts/compose_engine.py) runs the files on a real engine.
 """
 
 from __future__ import annotations
@@ -51,9 +52,20 @@ class ComposeError(ValueError):
     """A compose file that cannot be run; the message names the service and what is wrong."""
 
 
-def compose_files(tls: bool = False, gpu: bool = False) -> list[Path]:
+def compose_files(tls: bool = False, gpu: bool = False, host: bool = False) -> list[Path]:
     return [COMPOSE_DIR / "compose.yml", *([COMPOSE_DIR / "with-tls.yml"] if tls else []),
-            *([COMPOSE_DIR / "compose.gpu.yml"] if gpu else [])]
+            *([COMPOSE_DIR / "compose.gpu.yml"] if gpu else []), *([COMPOSE_DIR / "host-network.yml"] if host else [])]
+
+
+class Reset(list):
+    """A value tagged ``!reset`` (compose ≥ 2.24): it replaces what the files before set instead of adding to it."""
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_Loader.add_constructor("!reset", lambda loader, node: Reset(loader.construct_sequence(node)))
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +74,9 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     image) is replaced."""
     out = dict(base)
     for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
+        if isinstance(value, Reset):
+            out[key] = list(value)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = _merge(out[key], value)
         elif key == "volumes" and isinstance(value, list) and isinstance(out.get(key), list):
             targets = {_volume(v)[1] for v in value}
@@ -74,16 +88,35 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def interpolate(value: Any, env: dict[str, str] | None = None) -> Any:
+    """Compose's variable interpolation, ``${NAME}`` and ``${NAME:-default}``, in every string of `value`."""
+    env = os.environ if env is None else env
+    if isinstance(value, dict):
+        return {k: interpolate(v, env) for k, v in value.items()}
+    if isinstance(value, list):
+        return [interpolate(v, env) for v in value]
+    if isinstance(value, str):
+        return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", lambda m: env.get(m[1]) or (m[2] or ""), value)
+    return value
+
+
 def load(files: list[Path]) -> dict[str, Any]:
-    """The compose files merged in order, then checked (:func:`validate`)."""
+    """The compose files merged in order, variables interpolated, then checked (:func:`validate`)."""
     merged: dict[str, Any] = {}
     for path in files:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_Loader)  # noqa: S506 - a SafeLoader that knows !reset
         if not isinstance(data, dict):
             raise ComposeError(f"{path}: not a mapping")
         merged = _merge(merged, data)
+    merged = interpolate(merged)
     validate(merged)
     return merged
+
+
+def is_setup(service: dict[str, Any]) -> bool:
+    """A one-shot setup step (its own ``entrypoint``, never restarted), such as handing the volumes to the
+    images' user. The twin skips it: its folders already belong to the user who runs it."""
+    return "entrypoint" in service and service.get("restart") == "no"
 
 
 def _volume(spec: str) -> tuple[str, str, bool]:
@@ -122,7 +155,7 @@ def validate(compose: dict[str, Any]) -> None:
             continue
         if repository.startswith("flwr/"):
             tags[name] = svc["image"].rsplit(":", 1)[1]
-        cmd = svc.get("command")
+        cmd = svc.get("entrypoint" if is_setup(svc) else "command")
         if not (isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd)):
             problems.append(f"service {name}: command must be a non-empty list of strings, got {cmd!r}")
         for port in svc.get("ports") or []:
@@ -141,13 +174,13 @@ def validate(compose: dict[str, Any]) -> None:
                 problems.append(f"service {name}: depends_on {dep!r}, which is not a service")
             elif (cond or {}).get("condition") == "service_healthy" and "healthcheck" not in services[dep]:
                 problems.append(f"service {name}: waits for {dep} to be healthy, but {dep} has no healthcheck")
-        needs_health = repository in ("flwr/superlink", "flwr/supernode")
+        needs_health = repository in ("flwr/superlink", "flwr/supernode") and not is_setup(svc)
         test = (svc.get("healthcheck") or {}).get("test")
         if needs_health and not (isinstance(test, list) and test[:1] in (["CMD"], ["CMD-SHELL"])):
             problems.append(f"service {name}: needs a healthcheck test [CMD, ...]")
     if len(set(tags.values())) > 1:
         problems.append(f"Flower images must share one version, got {tags}")
-    links = [n for n, s in services.items() if s.get("image", "").startswith("flwr/superlink:")]
+    links = [n for n, s in services.items() if s.get("image", "").startswith("flwr/superlink:") and not is_setup(s)]
     if links != [SUPERLINK]:
         problems.append(f"expected one SuperLink service named {SUPERLINK!r}, got {links}")
     if SERVERAPP not in services:
@@ -298,6 +331,8 @@ def twin(files: list[Path], jobs: list[dict[str, Any]], workdir: Path,
     with ProcessGroup(workdir / "logs", env) as procs:
         for name in start_order(compose["services"]):
             svc = compose["services"][name]
+            if is_setup(svc):
+                continue
             for dep, cond in (svc.get("depends_on") or {}).items():
                 if (cond or {}).get("condition") == "service_healthy":
                     wait_until(dep, lambda d=dep: t.healthy(d), dict(procs.procs)[dep], 90.0, 0.5)
@@ -354,10 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     parser.add_argument("--tls", action="store_true", help="add docker/with-tls.yml (TLS + SuperNode auth)")
     parser.add_argument("--gpu", action="store_true", help="add docker/compose.gpu.yml (CUDA ServerApp)")
+    parser.add_argument("--host-network", action="store_true",
+                        help="add docker/host-network.yml (no Docker network: every container on the host's)")
     parser.add_argument("--workdir", type=Path, default=PROJECT_DIR / "outputs" / "compose-twin",
                         help="twin: folder for volumes, FLWR_HOMEs and logs")
     args = parser.parse_intermixed_args(argv)
-    files = compose_files(args.tls, args.gpu)
+    files = compose_files(args.tls, args.gpu, args.host_network)
     try:
         compose = load(files)
     except ComposeError as err:

@@ -1,11 +1,14 @@
 """docker/: the compose files' structure, the translation of their commands, and their native twin end to
-end (no Docker engine here: each service's exact command runs as a local process)."""
+end (each service's exact command as a local process). The files on a real Docker engine are
+`make compose-test` (scripts/compose_engine.py); here, compose's own parser is compared with the twin's."""
 
 from __future__ import annotations
 
-import copy
 import json
+import os
 import re
+import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -13,16 +16,30 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scripts.compose import (COMPOSE_DIR, ComposeError, Twin, _merge, compose_files, job, load, main, start_order,
-                             supernodes, twin, validate)
-from server_app.inprocess import run_inprocess
 from scripts import flower
+from scripts.compose import (
+    COMPOSE_DIR,
+    ComposeError,
+    Twin,
+    _merge,
+    compose_files,
+    interpolate,
+    is_setup,
+    job,
+    load,
+    main,
+    start_order,
+    supernodes,
+    twin,
+    validate,
+)
 from scripts.flower import PROJECT_DIR
+from server_app.inprocess import run_inprocess
 
 
 def test_the_compose_files_load_and_merge_as_compose_does() -> None:
     plain, tls = load(compose_files()), load(compose_files(tls=True))
-    assert start_order(plain["services"])[0] == "superlink"
+    assert start_order(plain["services"])[:2] == ["volume-owner", "superlink"]
     assert supernodes(plain) == ["supernode-0", "supernode-1"]
     link, link_tls = plain["services"]["superlink"], tls["services"]["superlink"]
     assert "--insecure" in link["command"] and "--insecure" not in link_tls["command"]
@@ -44,7 +61,7 @@ def test_merge_replaces_a_volume_at_the_same_container_path() -> None:
 
 
 def _broken(edit) -> dict:
-    compose = copy.deepcopy(yaml.safe_load((COMPOSE_DIR / "compose.yml").read_text()))
+    compose = interpolate(yaml.safe_load((COMPOSE_DIR / "compose.yml").read_text()))
     edit(compose["services"])
     return compose
 
@@ -68,13 +85,14 @@ def test_a_broken_compose_file_is_refused_naming_the_service(edit, says) -> None
 def test_the_twin_maps_addresses_ports_and_paths(tmp_path: Path) -> None:
     t = Twin(load(compose_files(tls=True)), tmp_path)
     node = t.command("supernode-1")
-    link_port, node_port = t.port("superlink", 8000), t.port("supernode-1", 9094)
+    link_port, node_port = t.port("superlink", 8000), t.port("supernode-1", 9095)
     assert node[0] == "flower-supernode"
     assert node[node.index("--superlink") + 1] == f"127.0.0.1:{link_port}"
     assert node[node.index("--host") + 1] == "127.0.0.1" and node[node.index("--port") + 1] == str(node_port)
+    assert t.port("supernode-1", 9095) == node_port  # under host networking each SuperNode needs its own port
     assert node[node.index("--auth-supernode-private-key") + 1] == str(tmp_path / "certs" / "supernode-1")
     assert node[node.index("--node-config") + 1] == "partition-id=1 num-partitions=2"
-    assert t.port("supernode-0", 9094) not in (link_port, node_port)  # same container port, other service
+    assert t.port("supernode-0", 9094) not in (link_port, node_port)
     client = t.command("superexec-clientapp-1")
     assert client[0] == "flower-superexec" and f"127.0.0.1:{node_port}" in client
     link = t.command("superlink")
@@ -86,10 +104,70 @@ def test_the_twin_maps_addresses_ports_and_paths(tmp_path: Path) -> None:
 def test_the_app_image_matches_the_compose_flower_version() -> None:
     tags = {s["image"].rsplit(":", 1)[1] for s in load(compose_files())["services"].values()
             if s["image"].startswith("flwr/")}
-    for dockerfile in ("Dockerfile", "Dockerfile.cuda"):
-        text = (COMPOSE_DIR / dockerfile).read_text()
-        assert re.search(r"^ARG FLWR_VERSION=(\S+)$", text, re.M)[1] in tags
-        assert 'ENTRYPOINT ["flower-superexec"]' in text and "torch==2.14.1 torchvision==0.29.1" in text
+    text = (COMPOSE_DIR / "Dockerfile").read_text()
+    assert re.search(r"^ARG FLWR_VERSION=(\S+)$", text, re.MULTILINE)[1] in tags
+    assert 'ENTRYPOINT ["flower-superexec"]' in text and "torch==2.14.1 torchvision==0.29.1" in text
+    pinned = [d for d in __import__("tomllib").loads((PROJECT_DIR / "pyproject.toml").read_text())["project"]
+              ["dependencies"] if d.startswith("torch")]
+    assert sorted(pinned) == ["torch==2.14.1", "torchvision==0.29.1"]
+
+
+def test_variables_are_interpolated_as_compose_does(monkeypatch) -> None:
+    assert interpolate({"a": ["x:${V:-1.0}", "${W}"], "b": 3}, {"V": "2.0"}) == {"a": ["x:2.0", ""], "b": 3}
+    assert interpolate("${V:-1.0}", {"V": ""}) == "1.0"  # unset or empty: the default
+    monkeypatch.setenv("FLWR_VERSION", "9.9.9")
+    images = {s["image"] for s in load(compose_files())["services"].values()}
+    assert images == {"flwr/superlink:9.9.9", "flwr/supernode:9.9.9", "hybridfl/app:9.9.9"}
+
+
+def test_the_volumes_are_handed_to_the_images_user_before_the_superlink_starts() -> None:
+    services = load(compose_files())["services"]
+    setup = [n for n, s in services.items() if is_setup(s)]
+    assert setup == ["volume-owner"]
+    owner = services["volume-owner"]
+    assert owner["user"] == "root" and owner["entrypoint"][:2] == ["chown", "49999:49999"]
+    mounted = {v.split(":")[1]: v.split(":")[0] for v in owner["volumes"]}
+    assert set(owner["entrypoint"][2:]) == set(mounted) == {"/app/state", "/app/outputs"}
+    assert services["superlink"]["depends_on"]["volume-owner"] == {"condition": "service_completed_successfully"}
+    for name, volume in (("superlink", "superlink-state"), ("superexec-serverapp", "outputs")):
+        assert any(v.startswith(f"{volume}:") and v.split(":")[1] in mounted for v in services[name]["volumes"])
+
+
+def _compose_cli() -> list[str]:
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True, check=False).returncode == 0:
+        return [docker, "compose"]
+    reason = "no Docker Compose v2 plugin here (make compose-test installs it)"
+    if os.environ.get("CI"):
+        pytest.fail(reason + "; CI runs make compose-test first")
+    pytest.skip(reason)
+
+
+@pytest.mark.parametrize("tls, gpu, host", [(False, False, False), (True, False, False), (True, True, False),
+                                            (False, False, True), (True, False, True)])
+def test_the_twin_reads_the_files_as_compose_itself_does(tls, gpu, host) -> None:
+    """`docker compose config` (compose's own parser and merge, no engine needed) against the twin's load: the
+    same services, images, commands, entrypoints, container paths, dependencies and healthchecks."""
+    files = compose_files(tls, gpu, host)
+    out = subprocess.run([*_compose_cli(), *(a for f in files for a in ("-f", str(f))), "config", "--format", "json"],
+                         capture_output=True, text=True, check=True, env={**os.environ, "FLWR_VERSION": "1.42.0"})
+    theirs = json.loads(out.stdout)["services"]
+    ours = load(files)["services"]
+    assert set(theirs) == set(ours)
+    for name, svc in ours.items():
+        their = theirs[name]
+        assert their["image"] == svc["image"], name
+        assert their.get("command") == svc.get("command"), name
+        assert their.get("entrypoint") == svc.get("entrypoint"), name
+        assert sorted(v["target"] for v in their.get("volumes", [])) == sorted(v.split(":")[1]
+                                                                               for v in svc.get("volumes", [])), name
+        assert set(their.get("depends_on", {})) == set(svc.get("depends_on") or {}), name
+        assert (their.get("healthcheck") or {}).get("test") == (svc.get("healthcheck") or {}).get("test"), name
+        assert len(their.get("ports") or []) == len(svc.get("ports") or []), name  # host-network.yml's !reset
+        if host:
+            assert their["network_mode"] == "host" and not their.get("ports"), name
+            assert {"superlink=127.0.0.1", "supernode-0=127.0.0.1", "supernode-1=127.0.0.1"} <= set(
+                their["extra_hosts"]), name
 
 
 def test_a_bad_run_config_fails_before_any_service_starts(tmp_path: Path, capsys) -> None:

@@ -1,0 +1,487 @@
+"""``make compose-test``: docker/'s compose files on a real Docker engine, the way an operator runs them.
+
+    python -m scripts.compose_engine [--require] [--workdir DIR] [--keep-engine]
+
+1. Tools, from the package registries: Debian's ``docker.io`` (engine, containerd, runc, the CLI with BuildKit)
+   and ``debootstrap``; the Compose v2 plugin from Debian trixie's ``docker-compose`` package (bookworm only has
+   Compose v1, which rejects the files; trixie's is Debian's own build, signed by the archive key this machine
+   already trusts, and needs nothing newer than bookworm's libc), fetched with a private apt list so nothing
+   else on the machine moves to trixie.
+2. A private engine: ``dockerd --bridge=none --iptables=false ...`` with its own socket, data root and exec root
+   in a temporary folder, stopped by PID at the end (with its containerd) and the folder removed. No Docker
+   network is ever created: every container uses the host's network (docker/host-network.yml), on loopback.
+3. Images, with no image registry and no network inside the builds (``docker build --network none``): Flower's
+   official ``flwr/*`` images when Docker Hub answers, otherwise stand-ins (docker/Dockerfile.flower) on a Debian
+   base made by debootstrap with python3 baked in; the app image from docker/Dockerfile. Python wheels come from
+   a wheelhouse made on the host (docker/wheels/, from pip's own sources). The log says which images it used.
+4. Through ``docker compose`` itself: (a) the main job end to end, its summary.json copied out; (b) the SuperLink
+   container killed mid-run and started again: the run completes (its state is in SQLite on its volume);
+   (c) with-tls.yml: the registered SuperNodes train, an unregistered key is refused by the SuperLink, a
+   plain-HTTP SuperNode is refused. compose.gpu.yml is validated by ``docker compose config``.
+
+Where no engine can start here (not root, no overlay or cgroups), it says why and skips (exit 0), or fails with
+--require (CI). Outputs: <workdir>/ (default outputs/compose-test/): the runs, each service's log, timings.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from scripts.compose import COMPOSE_DIR, CONNECTION, IMAGE_UID, SERVERAPP, SUPERLINK, auth_key, job, load, supernodes
+from scripts.flower import (
+    PROJECT_DIR,
+    alive,
+    check_completed,
+    flower_env,
+    flwr_run,
+    process_tree,
+    register_supernode,
+    write_connection,
+)
+from scripts.pki import make_pki, node_key
+
+CACHE = Path(os.environ.get("HYBRIDFL_COMPOSE_CACHE", "/var/cache/hybridfl-compose"))  # kept between runs
+WHEELS = COMPOSE_DIR / "wheels"  # in the build context; git-ignored but for its README
+BASE_IMAGE = "local/debian:bookworm-python"
+DOCKER = "/usr/bin/docker"  # the CLI of Debian's docker.io: the engine's version, BuildKit built in
+DOCKERD_FLAGS = ["--bridge=none", "--iptables=false", "--ip6tables=false", "--ip-forward=false", "--ip-masq=false",
+                 "--storage-driver=overlay2", "--exec-opt", "native.cgroupdriver=cgroupfs"]
+HOST_PORTS = (8000, 9094, 9095)  # the SuperLink's and the SuperNodes' ports, on the host's network
+TRIXIE = "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie main"
+
+
+class Skip(Exception):
+    """No Docker engine can run on this machine; the message says why."""
+
+
+def log(msg: str) -> None:
+    print(f"[compose-test {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sh(cmd: Sequence[str], env: dict[str, str] | None = None, timeout: float = 900, check: bool = True,
+       quiet: bool = False, cwd: Path = PROJECT_DIR) -> subprocess.CompletedProcess:
+    """Run `cmd` (logged unless `quiet`); raise with its output's tail when it fails and `check`."""
+    if not quiet:
+        log("$ " + " ".join(cmd))
+    out = subprocess.run(list(cmd), env=env, timeout=timeout, text=True, capture_output=True, cwd=cwd, check=False)
+    if check and out.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited with {out.returncode}:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+    return out
+
+
+# -- 1. tools ---------------------------------------------------------------------------------------------------
+
+def ensure_tools() -> None:
+    """docker.io, debootstrap and the Compose v2 plugin, installed from Debian's packages where missing."""
+    if os.geteuid() != 0:
+        raise Skip("not root: dockerd, debootstrap and apt-get need root")
+    if not shutil.which("apt-get") and not (Path(DOCKER).exists() and shutil.which("dockerd")):
+        raise Skip("no apt-get to install Debian's docker.io and debootstrap")
+    missing = [pkg for pkg, tool in (("docker.io", "dockerd"), ("debootstrap", "debootstrap")) if not shutil.which(tool)]
+    if missing or not Path(DOCKER).exists():
+        apt = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *(missing or ["docker.io"])]
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        if sh(apt, env=env, check=False).returncode != 0:
+            sh(["apt-get", "update", "-q"], env=env)
+            sh(apt, env=env)
+    if sh([DOCKER, "compose", "version"], check=False, quiet=True).returncode == 0:
+        return
+    apt_dir = CACHE / "apt-trixie"
+    (apt_dir / "lists" / "partial").mkdir(parents=True, exist_ok=True)
+    (apt_dir / "sources.list").write_text(TRIXIE + "\n")
+    opts = ["-o", f"Dir::Etc::SourceList={apt_dir / 'sources.list'}", "-o", "Dir::Etc::SourceParts=/dev/null",
+            "-o", f"Dir::State::Lists={apt_dir / 'lists'}", "-o", f"Dir::Cache::Archives={apt_dir}"]
+    sh(["apt-get", *opts, "update", "-q"])
+    for old in apt_dir.glob("docker-compose_*.deb"):
+        old.unlink()
+    sh(["apt-get", *opts, "download", "docker-compose"], cwd=apt_dir)
+    sh(["dpkg", "-i", str(next(apt_dir.glob("docker-compose_*.deb")))])
+    sh([DOCKER, "compose", "version"])
+
+
+# -- 2. the engine ----------------------------------------------------------------------------------------------
+
+class Engine:
+    """A dockerd of this script's own: socket, data root and exec root in `root`, no bridge, no iptables.
+    ``stop()`` ends it by PID (its containerd and shims with it) and removes `root`."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.proc = root, None
+        self.env = {**os.environ, "DOCKER_HOST": f"unix://{root / 'docker.sock'}", "DOCKER_BUILDKIT": "1",
+                    "DOCKER_CONFIG": str(root / "client")}
+
+    def start(self, timeout: float = 60.0) -> None:
+        log_file = open(self.root / "dockerd.log", "w")  # noqa: SIM115 - closed with the process
+        cmd = ["dockerd", *DOCKERD_FLAGS, "--data-root", str(self.root / "data"), "--exec-root",
+               str(self.root / "exec"), "--pidfile", str(self.root / "dockerd.pid"), "-H", self.env["DOCKER_HOST"]]
+        log("$ " + " ".join(cmd))
+        self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = (self.root / "dockerd.log").read_text()[-2000:]
+                raise Skip(f"dockerd exited with code {self.proc.returncode}:\n{tail}")
+            if self.docker("version", check=False, quiet=True).returncode == 0:
+                log(f"dockerd ready (PID {self.proc.pid}) in {timeout - (deadline - time.monotonic()):.1f} s")
+                return
+            time.sleep(0.5)
+        raise Skip(f"dockerd did not answer within {timeout:.0f} s")
+
+    def docker(self, *args: str, **kw: Any) -> subprocess.CompletedProcess:
+        return sh([DOCKER, *args], env=self.env, **kw)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            tree = process_tree([self.proc.pid])  # containerd and its shims are dockerd's children
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+            for pid in alive(tree):
+                os.kill(pid, signal.SIGKILL)
+            self.proc.wait()
+            log(f"dockerd (PID {self.proc.pid}) and its {len(tree) - 1} child processes stopped")
+        mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
+                  if line.split()[1].startswith(str(self.root))]
+        for mount in sorted(mounts, key=len, reverse=True):
+            subprocess.run(["umount", "-l", mount], check=False)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+# -- 3. images --------------------------------------------------------------------------------------------------
+
+def wheelhouse() -> None:
+    """docker/wheels/: the wheels of Flower and of the project's dependencies (and hatchling, its build
+    backend), through this machine's pip configuration; hard links to a copy kept in the cache."""
+    import tomllib
+
+    wanted = [*tomllib.loads((PROJECT_DIR / "pyproject.toml").read_text())["project"]["dependencies"], "hatchling"]
+    cached = CACHE / "wheels"
+    cached.mkdir(parents=True, exist_ok=True)
+    stamp = cached / "requirements.txt"  # what the wheels were downloaded for: the same list needs no pip run
+    if not stamp.exists() or stamp.read_text().splitlines() != wanted:
+        stamp.unlink(missing_ok=True)
+        sh([sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--dest", str(cached),
+            *wanted], timeout=1800)
+        stamp.write_text("\n".join(wanted) + "\n")
+    WHEELS.mkdir(exist_ok=True)
+    for wheel in cached.glob("*.whl"):
+        if not (WHEELS / wheel.name).exists():
+            try:
+                os.link(wheel, WHEELS / wheel.name)
+            except OSError:
+                shutil.copy2(wheel, WHEELS / wheel.name)
+
+
+def flower_version() -> str:
+    """The Flower version of the wheelhouse (= the one this venv's `flwr` CLI runs)."""
+    names = [w.name for w in WHEELS.glob("flwr-*.whl")]
+    if len(names) != 1:
+        raise RuntimeError(f"expected one flwr wheel in {WHEELS}, found {names}")
+    return names[0].split("-")[1]
+
+
+def debian_base(engine: Engine) -> None:
+    """local/debian:bookworm-python: debootstrap's minbase with python3 and venv, imported (tarball cached)."""
+    tarball = CACHE / "debian-bookworm-python.tar"
+    if not tarball.exists():
+        with tempfile.TemporaryDirectory(dir=CACHE) as rootfs:
+            sh(["debootstrap", "--variant=minbase", "--include=python3,python3-venv", "bookworm", rootfs,
+                "http://deb.debian.org/debian"], timeout=1200)
+            sh(["tar", "-C", rootfs, "-cf", f"{tarball}.part", "."])
+        Path(f"{tarball}.part").rename(tarball)
+    engine.docker("import", str(tarball), BASE_IMAGE)
+
+
+def build_images(engine: Engine, version: str) -> dict[str, str]:
+    """Every image the compose files name, built offline; returns image -> where it came from."""
+    used: dict[str, str] = {}
+    if engine.docker("pull", f"flwr/superlink:{version}", check=False, timeout=120).returncode == 0:
+        for role in ("supernode", "superexec"):
+            engine.docker("pull", f"flwr/{role}:{version}", timeout=900)
+        used.update({f"flwr/{r}:{version}": "Docker Hub (official)" for r in ("superlink", "supernode", "superexec")})
+    else:
+        log("Docker Hub cannot be reached: building stand-ins for Flower's images (docker/Dockerfile.flower)")
+        debian_base(engine)
+        for role in ("superlink", "supernode", "superexec"):
+            engine.docker("build", "--network", "none", "-f", "docker/Dockerfile.flower", "--target", role,
+                          "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "--build-arg", f"FLWR_VERSION={version}",
+                          "-t", f"flwr/{role}:{version}", ".", timeout=1200)
+            used[f"flwr/{role}:{version}"] = f"stand-in: Debian bookworm (debootstrap) + flwr {version} wheel"
+    engine.docker("build", "--network", "none", "-f", "docker/Dockerfile", "--build-arg", f"FLWR_VERSION={version}",
+                  "--build-arg", "PIP_OPTIONS=--no-index --find-links /wheels", "-t", f"hybridfl/app:{version}",
+                  ".", timeout=1800)
+    used[f"hybridfl/app:{version}"] = "docker/Dockerfile, offline from docker/wheels"
+    return used
+
+
+# -- 4. the deployments -----------------------------------------------------------------------------------------
+
+class Deployment:
+    """docker/'s compose files (+ with-tls.yml, + host-network.yml) copied into <workdir>/docker, so that their
+    relative paths (certificates, ../data) land in `workdir`, brought up with ``docker compose``."""
+
+    def __init__(self, engine: Engine, workdir: Path, version: str, tls: bool) -> None:
+        self.dir, self.tls = workdir / "docker", tls
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for name in ("compose.yml", "with-tls.yml", "host-network.yml", "compose.gpu.yml"):
+            shutil.copy2(COMPOSE_DIR / name, self.dir / name)
+        names = ["compose.yml", *(["with-tls.yml"] if tls else []), "host-network.yml"]
+        self.compose_argv = [DOCKER, "compose", *(a for n in names for a in ("-f", str(self.dir / n)))]
+        self.env = {**engine.env, "FLWR_VERSION": version}
+        self.spec = load([COMPOSE_DIR / n for n in names])
+        self.flwr_home = workdir / "flwr-home"
+        self.cli_env = flower_env(self.flwr_home)
+        self.ca = make_pki(self.certs, nodes=len(supernodes(self.spec))) / "ca.crt" if tls else None
+        write_connection(self.flwr_home, CONNECTION, 8000, self.ca)
+
+    @property
+    def certs(self) -> Path:
+        return self.dir / "certs"
+
+    def compose(self, *args: str, **kw: Any) -> subprocess.CompletedProcess:
+        return sh([*self.compose_argv, *args], env=self.env, **kw)
+
+    def up(self) -> float:
+        """Every service up and healthy (with TLS: the SuperLink first, then the SuperNodes' keys registered);
+        returns the seconds it took."""
+        start = time.monotonic()
+        if self.tls:
+            for f in self.certs.iterdir():  # the images' user reads its certificate and keys
+                os.chown(f, IMAGE_UID, IMAGE_UID)
+            self.compose("up", "-d", "--no-build", "--pull", "never", "--wait", SUPERLINK, timeout=300)
+            for node in supernodes(self.spec):
+                key = auth_key(self.spec["services"][node]["command"])
+                register_supernode(self.cli_env, CONNECTION, self.certs / f"{Path(key).name}.pub")
+        self.compose("up", "-d", "--no-build", "--pull", "never", "--wait", timeout=300)
+        return time.monotonic() - start
+
+    def run(self, overrides: dict[str, Any], out: Path) -> tuple[Path, float]:
+        """One job through the deployment (scripts.compose's job: the main job unless `overrides` say else),
+        its outputs copied from the ServerApp's outputs volume to `out`; returns the run folder and seconds."""
+        run_config = job(self.spec, overrides)
+        start = time.monotonic()
+        run_id, status = flwr_run(self.cli_env, CONNECTION, run_config, timeout=900)
+        seconds = time.monotonic() - start
+        out.mkdir(parents=True, exist_ok=True)
+        self.compose("cp", f"{SERVERAPP}:{run_config['output-dir']}/{run_config['run-name']}", str(out))
+        check_completed(run_id, status, out / run_config["run-name"])
+        return out / run_config["run-name"], seconds
+
+    def volume(self, name: str) -> Path:
+        project = self.spec.get("name", "hybridfl")
+        mount = sh([DOCKER, "volume", "inspect", "-f", "{{.Mountpoint}}", f"{project}_{name}"], env=self.env,
+                   quiet=True).stdout.strip()
+        return Path(mount)
+
+    def container(self, service: str) -> str:
+        return self.compose("ps", "-q", "-a", service, quiet=True).stdout.strip()
+
+    def logs(self, service: str) -> str:
+        return self.compose("logs", "--no-color", service, quiet=True).stdout
+
+    def down(self, logs_to: Path) -> None:
+        """Every service's log saved to `logs_to`, then containers and volumes removed."""
+        logs_to.mkdir(parents=True, exist_ok=True)
+        for service in self.spec["services"]:
+            (logs_to / f"{service}.log").write_text(self.logs(service))
+        self.compose("down", "--volumes", "--remove-orphans", "--timeout", "20", timeout=300)
+
+
+def restart_superlink_when(dep: Deployment, ready: Callable[[], bool], record: dict[str, float]) -> threading.Thread:
+    """A watcher that, once `ready()`, kills the SuperLink's container (SIGKILL, as a crash) and starts it again
+    with ``docker compose start``, recording when and how long until it was healthy again."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not ready():
+            time.sleep(0.5)
+        if not ready():
+            return
+        container = dep.container(SUPERLINK)
+        start = time.monotonic()
+        sh([DOCKER, "kill", container], env=dep.env)
+        time.sleep(2)
+        dep.compose("start", SUPERLINK)
+        while "healthy" not in sh([DOCKER, "inspect", "-f", "{{.State.Health.Status}}", container], env=dep.env,
+                                  quiet=True).stdout:
+            time.sleep(0.5)
+        record["superlink-down-s"] = time.monotonic() - start
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def summary(run: Path) -> dict[str, Any]:
+    return json.loads((run / "summary.json").read_text())
+
+
+def check(condition: bool, what: str) -> None:
+    if not condition:
+        raise AssertionError(what)
+    log(f"ok: {what}")
+
+
+def plain_deployment(engine: Engine, workdir: Path, version: str, timings: dict[str, Any]) -> None:
+    """(a) the main job end to end; (b) a FedAvg job through a SuperLink crash and restart."""
+    dep = Deployment(engine, workdir / "plain", version, tls=False)
+    try:
+        timings["time-to-healthy-s"] = dep.up()
+        owner = sh(["stat", "-c", "%u", str(dep.volume("superlink-state")), str(dep.volume("outputs"))],
+                   quiet=True).stdout.split()
+        check(owner == [str(IMAGE_UID)] * 2, f"both volumes belong to the images' user {IMAGE_UID}: {owner}")
+        run, timings["main-job-s"] = dep.run({"run-name": "compose-main"}, workdir / "runs")
+        main = summary(run)
+        timings["main-job-accuracy"] = main["final-test-accuracy"]
+        check(main["strategy"]["strategy"] == "feddle" and main["final-version"] >= 1,
+              f"(a) the main job completed: Feddle-ID, {main['final-version']} versions, "
+              f"test accuracy {main['final-test-accuracy']:.4f}, summary.json copied to {run}")
+        check(main["final-test-accuracy"] > 0.8, "(a) the main job learned (test accuracy > 0.8)")
+
+        metrics = dep.volume("outputs") / "compose-restart" / "metrics.jsonl"
+        record: dict[str, float] = {}
+        watcher = restart_superlink_when(
+            dep, lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, record)
+        run, timings["restart-job-s"] = dep.run({"preset": "fedavg-digits", "num-rounds": 3,
+                                                 "run-name": "compose-restart"}, workdir / "runs")
+        watcher.join(60)
+        check("superlink-down-s" in record, "(b) the SuperLink container was killed and started again mid-run, "
+              f"healthy again after {record.get('superlink-down-s', float('nan')):.1f} s")
+        timings["superlink-down-s"] = record["superlink-down-s"]
+        restarted = summary(run)
+        rounds = [json.loads(line)["round"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        check(restarted["final-version"] == 3 and restarted["total-accepted"] == 6 and rounds == [0, 1, 2, 3],
+              "(b) the run completed through the restart: 3 rounds, all 6 updates, every round evaluated")
+    finally:
+        dep.down(workdir / "plain" / "logs")
+
+
+def tls_deployment(engine: Engine, workdir: Path, version: str, timings: dict[str, Any]) -> None:
+    """(c) TLS + SuperNode authentication: the registered SuperNodes train; an unregistered key and a
+    plain-HTTP SuperNode are refused."""
+    dep = Deployment(engine, workdir / "tls", version, tls=True)
+    try:
+        timings["tls-time-to-healthy-s"] = dep.up()
+        run, timings["tls-job-s"] = dep.run({"num-rounds": 5, "run-name": "compose-tls"}, workdir / "runs")
+        activated = set(re.findall(r"Activated node_id=(\d+)", dep.logs(SUPERLINK)))
+        check(summary(run)["total-accepted"] >= 2 and len(activated) == 2,
+              f"(c) the two registered SuperNodes were admitted ({sorted(activated)}) and trained "
+              f"({summary(run)['total-accepted']} updates accepted)")
+
+        template = dep.spec["services"]["supernode-1"]["command"]
+        node_cmd = [a for a in template]
+        node_cmd[node_cmd.index("--port") + 1] = "9096"
+        key = node_key(dep.certs, "supernode-unregistered")
+        os.chown(key, IMAGE_UID, IMAGE_UID)
+        node_cmd[node_cmd.index("--auth-supernode-private-key") + 1] = "/app/certs/supernode-unregistered"
+        rogue = dep.compose("run", "--rm", "--no-deps", "-v", f"{key}:/app/certs/supernode-unregistered:ro",
+                            "supernode-1", "--max-retries", "1", "--max-wait-time", "20", *node_cmd, check=False,
+                            timeout=120)
+        check(rogue.returncode != 0 and "No SuperNode found with the given public key" in dep.logs(SUPERLINK),
+              "(c) an unregistered key is refused: the SuperLink says 'No SuperNode found with the given public key'")
+
+        plain_cmd = ["--insecure", "--superlink", "superlink:8000", "--max-retries", "1", "--max-wait-time", "20",
+                     "--isolation", "process", "--host", "0.0.0.0", "--port", "9097",
+                     "--node-config", "partition-id=1 num-partitions=2"]
+        plain = dep.compose("run", "--rm", "--no-deps", "supernode-1", *plain_cmd, check=False, timeout=120)
+        output = plain.stdout + plain.stderr
+        after = set(re.findall(r"Activated node_id=(\d+)", dep.logs(SUPERLINK)))
+        check(plain.returncode != 0 and "Exit Code: 305" in output and after == activated,
+              "(c) a plain-HTTP SuperNode is refused (exit code 305, "
+              f"{'disconnected' if 'disconnected' in output else 'no connection'}); no node was admitted")
+    finally:
+        dep.down(workdir / "tls" / "logs")
+
+
+def gpu_config(engine: Engine, version: str) -> None:
+    """compose.gpu.yml: validated by compose; it builds the same Dockerfile with PyPI's (CUDA) torch."""
+    argv = [DOCKER, "compose", *(a for n in ("compose.yml", "with-tls.yml", "compose.gpu.yml")
+                                  for a in ("-f", str(COMPOSE_DIR / n))), "config", "--format", "json"]
+    config = json.loads(sh(argv, env={**engine.env, "FLWR_VERSION": version}).stdout)
+    server = config["services"][SERVERAPP]
+    devices = server["deploy"]["resources"]["reservations"]["devices"]
+    check(server["build"]["args"]["TORCH_INDEX"] == "https://pypi.org/simple" and devices[0]["driver"] == "nvidia",
+          "compose.gpu.yml validates: the ServerApp's image with PyPI's CUDA torch and one NVIDIA GPU reserved")
+    cuda = engine.docker("run", "--rm", "--network", "host", "--entrypoint", "python", f"hybridfl/app:{version}",
+                         "-c", "import torch; print(torch.__version__, torch.version.cuda)").stdout.split()
+    check(cuda[1] != "None", f"the app image's torch {cuda[0]} is a CUDA build (CUDA {cuda[1]}): the GPU image's "
+          "content; it was not run on a GPU (none here)")
+
+
+# -- main -------------------------------------------------------------------------------------------------------
+
+def ports_free() -> None:
+    import socket
+
+    for port in HOST_PORTS:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                raise RuntimeError(f"port {port} on 127.0.0.1 is in use; the compose files need it under host "
+                                   f"networking (ports {HOST_PORTS})")
+
+
+def compose_test(workdir: Path, keep_engine: bool = False) -> dict[str, Any]:
+    """Everything above, in order; returns the timings (also written to <workdir>/timings.json)."""
+    start = time.monotonic()
+    ensure_tools()
+    ports_free()
+    CACHE.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    engine = Engine(Path(tempfile.mkdtemp(prefix="hybridfl-engine-")))
+    timings: dict[str, Any] = {}
+    try:
+        engine.start()
+        t = time.monotonic()
+        wheelhouse()
+        version = flower_version()
+        timings["images"] = build_images(engine, version)
+        timings["build-s"] = time.monotonic() - t
+        for image, source in timings["images"].items():
+            log(f"image {image}: {source}")
+        gpu_config(engine, version)
+        plain_deployment(engine, workdir, version, timings)
+        tls_deployment(engine, workdir, version, timings)
+    finally:
+        if not keep_engine:
+            engine.stop()
+        timings["total-s"] = time.monotonic() - start
+        (workdir / "timings.json").write_text(json.dumps(timings, indent=2) + "\n")
+    return timings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--require", action="store_true", help="fail (exit 1) instead of skipping without an engine")
+    parser.add_argument("--workdir", type=Path, default=PROJECT_DIR / "outputs" / "compose-test")
+    parser.add_argument("--keep-engine", action="store_true", help="leave dockerd running (debugging)")
+    args = parser.parse_args(argv)
+    try:
+        timings = compose_test(args.workdir.resolve(), args.keep_engine)
+    except Skip as why:
+        log(f"SKIPPED: no Docker engine can run here: {why}")
+        return 1 if args.require else 0
+    except (AssertionError, RuntimeError, subprocess.TimeoutExpired) as err:
+        log(f"FAILED: {err}")
+        return 1
+    log(f"passed in {timings['total-s']:.0f} s: " + json.dumps({k: v for k, v in timings.items() if k != "images"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
