@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from benchmarks.feddual_cost import medians
-from client_app.app import with_central_examples
+from client_app.work import with_central_examples
 from common.datasets import ArrayDataset
 from common.models import build_from_config
 from common.objectives import Received, build_loss

@@ -3,7 +3,8 @@
 The node's partition comes from ``node_config`` (``partition-id``, ``num-partitions``), set by
 the simulation engine, by ``flower-supernode --node-config`` in deployment, or by the in-process
 engine. An optional ``latency-s`` in ``node_config`` delays every train reply (a slow device);
-an optional ``data-root`` says where this node keeps the datasets' files.
+an optional ``data-root`` says where this node keeps the datasets' files, ``cache-dir`` where it keeps its
+partition for the run (client_app/node_cache.py).
 Everything else (data spec, model, local recipe, seed) travels in the message config, so a node
 needs no run configuration of its own.
 
@@ -19,30 +20,24 @@ An exception inside a handler becomes an error reply (``CLIENT_APP_RAISED_EXCEPT
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import json
+import os
 import time
 import traceback
 from collections.abc import Callable
-from logging import ERROR
+from logging import ERROR, INFO
 
-import numpy as np
 from flwr.app import Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.common.constant import ErrorCode
-import torch
-from torch import nn
 
-from common.data import ArrayDataset, DataSpec, client_partition, task_data
-from common.models import build_from_config, model_config
-from common.objectives import Received, build_loss
-from common.params import ParamSpec, extras_from_record, extras_to_record
-from common.protocol import (ARRAYS, BASE_VERSION, CANDIDATE, CANDIDATES, CENTRAL_X, CENTRAL_Y, COMPONENT_DELTAS,
-                             COMPONENTS, CONFIG, EXTRAS, FINETUNE_EPOCHS, LOSS_GRADIENT, METRICS, MIXTURE, NUM_EXAMPLES,
-                             PARTITION_ID, TRAIN_SEED, VERSION)
-from common.training import (EVAL_STREAM, LocalRecipe, accuracy_of, derive_seed, evaluate, evaluate_mixture,
-                             loss_gradient, train, train_mixture)
+from common.protocol import METRICS, PARTITION_ID
+
+# When Flower's process handed over to this module (the imports above are Flower's own, already loaded), and
+# whether this process has handled a message yet (deployment: one process per message; simulation: reused).
+_LOADED_AT, _HANDLED = time.time(), [0]
 
 app = ClientApp()
 
@@ -73,135 +68,53 @@ def node_partition(context: Context) -> tuple[int, int]:
     return int(cfg["partition-id"]), int(cfg["num-partitions"])
 
 
-def _load(msg: Message, context: Context) -> tuple[int, DataSpec, nn.Module, ParamSpec]:
-    """This node's partition id, the run's data spec, and the model with the message's parameters loaded."""
-    config = msg.content[CONFIG]
-    spec = DataSpec.from_config(config)
-    if "data-root" in context.node_config:  # the node keeps its data where its operator put it
-        spec = dataclasses.replace(spec, data_root=str(context.node_config["data-root"]))
-    pid, num_partitions = node_partition(context)
-    if num_partitions != spec.num_partitions:
-        raise ValueError(f"node has num-partitions={num_partitions} but the run splits the data into "
-                         f"{spec.num_partitions} partitions (num-clients)")
-    full = task_data(spec)
-    model, initial, pspec = _model(tuple(sorted(model_config(config).items())), full.x.shape[1:], full.num_classes)
-    with torch.no_grad():  # nothing from an earlier message carries over: buffers and frozen weights reset
-        tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        for name, value in initial.items():
-            tensors[name].copy_(value)
-    pspec.load_into(model, pspec.from_record(msg.content[ARRAYS]))
-    return pid, spec, model, pspec
+def _process_started() -> float | None:
+    """This process's start (epoch seconds) from /proc (Linux); None elsewhere."""
+    try:
+        fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()  # noqa: SIM115
+        boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))  # noqa: SIM115
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
 
 
-@functools.lru_cache(maxsize=2)
-def _model(options: tuple, shape: tuple[int, ...], num_classes: int) -> tuple[nn.Module, dict, ParamSpec]:
-    """The model built once per process (simulation workers and the in-process engine reuse it), with
-    its initial buffers and frozen weights. Frozen weights come from the pretrained file or a fixed seed, so seed 0
-    rebuilds the server's model; every message then loads its own trainable parameters."""
-    model = build_from_config(dict(options), shape[0], shape[1], num_classes, seed=0)
-    initial = {n: t.detach().clone() for n, t in [*model.named_buffers(),
-                                                   *((n, p) for n, p in model.named_parameters() if not p.requires_grad)]}
-    return model, initial, ParamSpec.of(model)
-
-
-def choose_candidate(model: nn.Module, pspec: ParamSpec, extras: dict[str, torch.Tensor], data: ArrayDataset,
-                     seed: int) -> int:
-    """With ``candidates`` in the payload (IFCA), load the model of lowest loss on `data` — the message's own
-    (index 0) or one of the candidates (1, 2, …) — and return its index; without, keep the model (0)."""
-    if CANDIDATES not in extras:
-        return 0
-    models = [pspec.flatten(model), *extras[CANDIDATES].reshape(-1, pspec.numel)]
-    losses = []
-    for params in models:
-        pspec.load_into(model, params)
-        losses.append(evaluate(model, data, seed=seed)["loss"])
-    best = min(range(len(models)), key=losses.__getitem__)  # ties: the lowest index
-    pspec.load_into(model, models[best])
-    return best
-
-
-def with_central_examples(data: ArrayDataset, extras: dict[str, torch.Tensor]) -> ArrayDataset:
-    """The client's data plus the central examples of the payload (example transfer), for this round only."""
-    if CENTRAL_X not in extras:
-        return data
-    x, y = extras[CENTRAL_X].numpy(), extras[CENTRAL_Y].round().long().numpy()
-    if x.shape[1:] != data.x.shape[1:] or len(x) != len(y) or (len(y) and (y.min() < 0 or y.max() >= data.num_classes)):
-        raise ValueError(f"central examples of shape {x.shape} with labels in [{y.min()}, {y.max()}] do not fit this "
-                         f"client's data {data.x.shape[1:]} with {data.num_classes} classes")
-    return ArrayDataset(np.concatenate([data.x, x]), np.concatenate([data.y, y]), data.num_classes)
-
-
-def components_of(pspec: ParamSpec, start: torch.Tensor, extras: dict[str, torch.Tensor]) -> torch.Tensor:
-    """FedEM's M components (M × P): the message's model, then the payload's ``components``."""
-    return torch.cat([start[None], extras[COMPONENTS].reshape(-1, pspec.numel)])
+def _timing(kind: str, started: float, imported: float, timings: dict[str, float]) -> None:
+    """One log line per message: where this device's time went (BENCHMARKS "Seconds per update in deployment").
+    ``flower-s``: the process's start until this module loaded (a new process per message in deployment; 0
+    where processes are reused), ``import-s``: importing the local work (torch), then the work's own parts."""
+    born = _process_started()
+    _HANDLED[0] += 1
+    line = {"message": kind, "flower-s": round(_LOADED_AT - born, 3) if born and _HANDLED[0] == 1 else 0.0,
+            "import-s": round(imported - started, 3), **{k: round(v, 3) for k, v in timings.items()},
+            "handler-s": round(time.time() - started, 3)}
+    log(INFO, "device timing %s", json.dumps(line))
 
 
 @app.train()
 @error_replies
 def train_handler(msg: Message, context: Context) -> Message:
-    """Local training from the received global model; replies with the parameter delta."""
-    config = msg.content[CONFIG]
-    pid, spec, model, pspec = _load(msg, context)
-    data = client_partition(spec, pid)
-    time.sleep(float(context.node_config.get("latency-s", 0.0)))  # a slow device, for demos and tests
-    recipe = LocalRecipe.from_config(config)
-    extras = extras_from_record(msg.content[EXTRAS]) if EXTRAS in msg.content.array_records else {}
-    chosen = choose_candidate(model, pspec, extras, data, spec.seed)
-    start = pspec.flatten(model)
-    received = Received(model, [p.detach().clone() for p in model.parameters() if p.requires_grad], extras,
-                        accuracy=accuracy_of(model, data))
-    if MIXTURE in extras:  # FedEM: every component, weighted by the E-step's responsibilities
-        components = components_of(pspec, start, extras)
-        trained, pi, metrics = train_mixture(model, pspec, components, extras[MIXTURE], data, recipe,
-                                             int(config[TRAIN_SEED]))
-        delta = trained[0] - start
-        received.reply.update({COMPONENT_DELTAS: (trained[1:] - components[1:]).reshape(-1), MIXTURE: pi})
-    else:
-        loss = build_loss(recipe.objective, dict(config), received)
-        metrics = train(model, with_central_examples(data, extras), recipe, seed=int(config[TRAIN_SEED]), loss=loss)
-        delta = pspec.flatten(model) - start
-    if arrays := int(config.get(LOSS_GRADIENT, 0)):
-        received.reply[LOSS_GRADIENT] = loss_gradient(model, data, arrays)
-    reply = MetricRecord({NUM_EXAMPLES: len(data), PARTITION_ID: pid, BASE_VERSION: int(config[VERSION]), **metrics,
-                          **received.metrics})
-    if CANDIDATES in extras:
-        reply[CANDIDATE] = chosen
-    content = RecordDict({ARRAYS: pspec.to_record(delta), METRICS: reply})
-    if received.reply:
-        content[EXTRAS] = extras_to_record(received.reply)
-    return Message(content, reply_to=msg)
+    """Local training from the received global model; replies with the parameter delta (client_app/work.py)."""
+    started = time.time()
+    from client_app import work  # torch: only the messages that do local work import it
+
+    imported, timings = time.time(), {}
+    reply = work.train_reply(msg, context, *node_partition(context),
+                             float(context.node_config.get("latency-s", 0.0)), timings)
+    _timing("train", started, imported, timings)
+    return reply
 
 
 @app.evaluate()
 @error_replies
 def evaluate_handler(msg: Message, context: Context) -> Message:
-    """Loss and accuracy of the received model on this node's own test split (``eval-*``) and validation split
-    (``val-*``) when the run holds them out (``client-test-fraction``), else on its whole partition. The model
-    is what the client would train: IFCA's best candidate, FedAvg+'s fine-tuned model (``finetune-epochs``),
-    FedEM's mixture."""
-    config = msg.content[CONFIG]
-    pid, spec, model, pspec = _load(msg, context)
-    extras = extras_from_record(msg.content[EXTRAS]) if EXTRAS in msg.content.array_records else {}
-    own = client_partition(spec, pid)  # the client's training data: IFCA's choice, FedAvg+'s fine-tuning
-    choose_candidate(model, pspec, extras, own, spec.seed)
-    if epochs := int(config.get(FINETUNE_EPOCHS, 0)):
-        recipe = dataclasses.replace(LocalRecipe.from_config(config), epochs=epochs, objective="cross-entropy",
-                                     objective_options=())
-        train(model, own, recipe, seed=derive_seed(spec.seed, EVAL_STREAM, pid, int(config[VERSION])))
-    if MIXTURE in extras:
-        components = components_of(pspec, pspec.flatten(model), extras)
-        assess = lambda d: evaluate_mixture(model, pspec, components, extras[MIXTURE], d, spec.seed)  # noqa: E731
-    else:
-        assess = lambda d: evaluate(model, d, seed=spec.seed)  # noqa: E731
-    held_out = spec.client_test_fraction > 0
-    data = client_partition(spec, pid, "test" if held_out else "train")
-    result = assess(data)
-    metrics = MetricRecord({NUM_EXAMPLES: len(data), PARTITION_ID: pid,
-                            "eval-loss": result["loss"], "eval-accuracy": result["accuracy"]})
-    if held_out and spec.client_validation_fraction > 0:
-        val = assess(client_partition(spec, pid, "validation"))
-        metrics["val-loss"], metrics["val-accuracy"] = val["loss"], val["accuracy"]
-    return Message(RecordDict({METRICS: metrics}), reply_to=msg)
+    """The received model on this node's own held-out splits, or its partition (client_app/work.py)."""
+    started = time.time()
+    from client_app import work  # as in train_handler
+
+    imported, timings = time.time(), {}
+    reply = work.evaluate_reply(msg, context, *node_partition(context), timings)
+    _timing("evaluate", started, imported, timings)
+    return reply
 
 
 @app.query()

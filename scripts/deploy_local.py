@@ -21,16 +21,26 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError
-from server_app.config import load_config
-from scripts.flower import (PROJECT_DIR, ProcessGroup, check_completed, flower_env, flwr_run, free_port,
-                            register_supernode, run_and_report, wait_healthy, write_connection)
+from scripts.flower import (
+    PROJECT_DIR,
+    ProcessGroup,
+    check_completed,
+    flower_env,
+    flwr_run,
+    free_port,
+    register_supernode,
+    run_and_report,
+    wait_healthy,
+    write_connection,
+)
 from scripts.pki import make_pki
 from scripts.simulate import parse_overrides, prepare
+from server_app.config import load_config
 
 CONNECTION = "hybridfl-local"
 
@@ -38,24 +48,26 @@ CONNECTION = "hybridfl-local"
 def deploy(overrides: dict[str, Any], flwr_home: Path, supernodes: int | None = None,
            latency: dict[int, float] | None = None,
            on_started: Callable[[ProcessGroup, Path], None] | None = None,
-           tls: bool = False, auth: bool = False) -> tuple[Path, set[int]]:
+           tls: bool = False, auth: bool = False, node_config: str = "") -> tuple[Path, set[int]]:
     """Run one job on a fresh deployment; return its run folder and the PIDs started (all stopped by now).
 
     `latency` slows SuperNode i's train replies by that many seconds (node config ``latency-s``);
     `on_started(processes, run_folder)` is called once every process is up, before the run starts
-    (tests use it to stop a SuperNode mid-run). `tls` and `auth` as ``--tls`` and ``--auth``. Raises
+    (tests use it to stop a SuperNode mid-run). `tls` and `auth` as ``--tls`` and ``--auth``; `node_config`
+    is added to every SuperNode's ``--node-config``. Raises
     ConfigError for a bad config and RuntimeError with the reason when the run fails.
     """
-    paths, pids = deploy_runs([overrides], flwr_home, supernodes, latency, on_started, tls, auth)
+    paths, pids = deploy_runs([overrides], flwr_home, supernodes, latency, on_started, tls, auth, node_config)
     return paths[0], pids
 
 
 def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | None = None,
                 latency: dict[int, float] | None = None,
                 on_started: Callable[[ProcessGroup, Path], None] | None = None,
-                tls: bool = False, auth: bool = False) -> tuple[list[Path], set[int]]:
+                tls: bool = False, auth: bool = False, node_config: str = "") -> tuple[list[Path], set[int]]:
     """Run several jobs one after the other on the same SuperLink and SuperNodes (all must agree on
-    num-clients); see :func:`deploy`. `on_started` gets the first run's folder."""
+    num-clients); see :func:`deploy`. `on_started` gets the first run's folder; `node_config` is added to
+    every SuperNode's ``--node-config`` (e.g. ``cache-dir=""``)."""
     if auth and not tls:
         raise ConfigError("--auth", True, "--auth together with --tls (SuperNode authentication needs TLS)")
     if supernodes is not None:
@@ -81,15 +93,16 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
         wait_healthy(port, link, ca=ca)
         write_connection(flwr_home, CONNECTION, port, ca)
         for i, node_port in enumerate(sorted(node_ports)):
-            node_config = f"partition-id={i} num-partitions={n}"
+            node_config_i = f"partition-id={i} num-partitions={n}"
             if (latency or {}).get(i):
-                node_config += f" latency-s={float(latency[i])}"
+                node_config_i += f" latency-s={float(latency[i])}"
+            node_config_i += f" {node_config}" if node_config else ""
             security = ["--insecure"] if ca is None else ["--root-certificates", str(ca)]
             if auth:
                 register_supernode(env, CONNECTION, pki / f"supernode-{i}.pub")
                 security += ["--auth-supernode-private-key", str(pki / f"supernode-{i}")]
             procs.start(f"supernode-{i}", ["flower-supernode", *security, "--superlink", f"127.0.0.1:{port}",
-                                           "--port", str(node_port), "--node-config", node_config])
+                                           "--port", str(node_port), "--node-config", node_config_i])
         if on_started:
             on_started(procs, prepared[0][1])
         outcomes = [(flwr_run(env, CONNECTION, o), path) for o, path in prepared]

@@ -32,10 +32,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Flower's one knob on a message's way to a ClientApp process: how often a SuperExec looks for new tasks (Flower's
+# default 1 s; BENCHMARKS "Seconds per update in deployment"). docker/compose.yml sets the same value.
+SUPEREXEC_POLL = ("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.2")
+
+
 def flower_env(flwr_home: Path) -> dict[str, str]:
-    """Environment for Flower processes: private FLWR_HOME, no telemetry, no runtime installs,
-    and this interpreter's bin/ first on PATH (SuperLink/SuperNode start flower-superexec by name)."""
+    """Environment for Flower processes: private FLWR_HOME, no telemetry, no runtime installs, the SuperExec's
+    task poll interval (unless the environment sets it), and this interpreter's bin/ first on PATH
+    (SuperLink/SuperNode start flower-superexec by name)."""
     env = dict(os.environ)
+    env.setdefault(*SUPEREXEC_POLL)
     env.update({
         "FLWR_HOME": str(flwr_home),
         "FLWR_TELEMETRY_ENABLED": "0",
@@ -283,3 +290,14 @@ def check_completed(run_id: int, status: str, run_path: Path) -> None:
         raise RuntimeError(f"run {run_id} ended as {status!r}; logs in {run_path / 'flower-logs'}")
     if not (run_path / "summary.json").is_file():
         raise RuntimeError(f"run {run_id} completed but wrote no {run_path / 'summary.json'}")
+
+
+DEVICE_TIMING = re.compile(r"device timing (\{.*\})")
+
+
+def device_timings(logs: list[Path]) -> list[dict[str, Any]]:
+    """The ClientApp's ``device timing`` lines (client_app/app.py: where a device's time went per message) found
+    in the log files `logs`, in order."""
+    return [json.loads(m[1]) for path in logs for line in path.read_text(errors="replace").splitlines()
+            if (m := DEVICE_TIMING.search(line))]
+

@@ -15,9 +15,8 @@ from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common.constant import ErrorCode
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.serverapp import Grid, ServerApp
-from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -49,7 +48,9 @@ class InProcessGrid(Grid):
         ids = random.Random(run_id).sample(range(1, 2**31), num_nodes)
         self.contexts = {
             node: Context(run_id=run_id, node_id=node,
-                          node_config={"partition-id": i, "num-partitions": num_nodes, **(node_config or {})},
+                          node_config={"partition-id": i, "num-partitions": num_nodes,
+                                       "cache-dir": "",  # this process keeps every partition in memory
+                                       **(node_config or {})},
                           state=RecordDict(), run_config={})
             for i, node in enumerate(ids)
         }

@@ -259,3 +259,14 @@ def test_the_final_status_outlives_a_superlink_restart_but_not_its_end(monkeypat
     monkeypatch.setattr(flower.time, "sleep", link.sleep)
     monkeypatch.setattr(flower.time, "monotonic", lambda: link.now)
     assert flower.final_status({}, "c", 1) == expected
+
+
+def test_the_engine_test_skips_where_no_engine_can_start_and_fails_so_under_require(monkeypatch, tmp_path, capsys) -> None:
+    """`make compose-test` on a machine that cannot run dockerd says why and skips; CI's --require fails."""
+    from scripts import compose_engine
+
+    monkeypatch.setattr(compose_engine.os, "geteuid", lambda: 1000)
+    assert compose_engine.main(["--workdir", str(tmp_path / "ct")]) == 0
+    assert "SKIPPED: no Docker engine can run here: not root" in capsys.readouterr().out
+    assert compose_engine.main(["--workdir", str(tmp_path / "ct"), "--require"]) == 1
+    assert not (tmp_path / "ct").exists()  # nothing was started or written

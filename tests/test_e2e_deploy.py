@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from scripts.deploy_local import deploy, main
-from scripts.flower import free_port
+from scripts.flower import device_timings, free_port
 from scripts.pki import node_key
 
 
@@ -47,7 +47,8 @@ def test_local_deployment_with_tls_and_auth_runs_refuses_intruders_and_stops_its
             proc.wait(timeout=120)
             refused[name] = (proc.returncode, (run_path / "flower-logs" / f"{name}.log").read_text())
 
-    run_path, pids = deploy(overrides, home, supernodes=2, on_started=start_intruders, tls=True, auth=True)
+    run_path, pids = deploy(overrides, home, supernodes=2, on_started=start_intruders, tls=True, auth=True,
+                            node_config=f'cache-dir="{tmp_path / "cache"}"')
 
     assert run_path == tmp_path / "out" / "e2e"
     summary = json.loads((run_path / "summary.json").read_text())
@@ -61,6 +62,13 @@ def test_local_deployment_with_tls_and_auth_runs_refuses_intruders_and_stops_its
     assert "No SuperNode found with the given public key" in (run_path / "flower-logs" / "superlink.log").read_text()
     code, log = refused["plain-http"]
     assert code != 0 and "Server disconnected without sending a response" in log
+    # One ClientApp process per message: each logs where its time went, and each node's partition was built
+    # once for the run and kept in its cache-dir (client_app/node_cache.py).
+    for i in range(2):
+        lines = device_timings([run_path / "flower-logs" / f"supernode-{i}.log"])
+        assert [d["message"] for d in lines].count("train") == 2
+        assert all(d["flower-s"] > 0 and d["import-s"] > 0 for d in lines)  # a fresh process every time
+    assert len(list((tmp_path / "cache").glob("run-*/partition-[01]-*.npz"))) == 2
     # superlink + 2 supernodes + 2 intruders, plus the flower-superexec each of them starts
     assert len(pids) >= 10
     assert [pid for pid in pids if running(pid)] == []

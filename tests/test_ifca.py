@@ -11,7 +11,7 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from client_app.app import app as client_app
-from client_app.app import choose_candidate
+from client_app.work import choose_candidate
 from common.data import ArrayDataset
 from common.params import ParamSpec
 from common.protocol import CANDIDATE, CANDIDATES, METRICS

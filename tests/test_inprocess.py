@@ -155,7 +155,7 @@ def test_lora_fedavg_sends_only_adapters_and_head_and_learns(tmp_path):
 
 def test_client_model_cache_carries_nothing_between_messages():
     """The ClientApp reuses one model per process; buffers and frozen weights are reset per message."""
-    from client_app.app import _model
+    from client_app.work import _model
 
     from common.models import build_from_config, model_config
 

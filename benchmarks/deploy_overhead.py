@@ -1,0 +1,96 @@
+"""Seconds per update in deployment: where a device's time goes besides its training, before and after.
+
+    python -m benchmarks.deploy_overhead [--rounds 4] [--compose outputs/compose-test]
+
+In deployment Flower starts one ``flwr-clientapp`` process per message. This runs FedAvg on digits with one
+SuperNode on a local deployment (scripts/deploy_local.py: SuperLink + SuperNode, subprocess isolation) twice,
+side by side in one run:
+
+- before: the ClientApp rebuilds its partition in every message (``cache-dir=""``) and the SuperExec polls for
+  tasks every 1 s (Flower's default);
+- after: the node keeps its partition for the run (client_app/node_cache.py) and the SuperExec polls every 0.2 s
+  (scripts.flower.SUPEREXEC_POLL, as docker/compose.yml).
+
+Per update (a train message; rounds after the first) it splits the step's wall time (dispatch to reply, on the
+server) into the device's own log line (client_app/app.py ``device timing``: Flower's process start until our module loaded,
+our imports (torch), the data, the model, the work) and the rest, which is Flower's: the SuperNode's and the
+SuperExec's polls, moving the messages, starting the process. With --compose it also prints what the compose
+test measured on the real engine (scripts/compose_engine.py: the main job's train messages, split the same way).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from scripts.deploy_local import deploy_runs
+from scripts.flower import SUPEREXEC_POLL, device_timings
+
+PARTS = ("flower-s", "import-s", "data-s", "model-s", "work-s")
+
+
+def round_seconds(run: Path) -> list[float]:
+    return [row["seconds"] for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if row.get("round", 0) > 0]
+
+
+def breakdown(trains: list[dict[str, Any]], steps: list[float]) -> dict[str, float]:
+    """Mean seconds per update of each part, the first round left out (the run's first data load);
+    ``flower-rest`` = the step's wall time (dispatch to reply, server side) − the device's own line."""
+    pairs = list(zip(trains, steps, strict=True))[1:]
+    out = {part: statistics.mean(d.get(part, 0.0) for d, _ in pairs) for part in PARTS}
+    out["update"] = statistics.mean(step for _, step in pairs)
+    out["flower-rest"] = out["update"] - statistics.mean(d["flower-s"] + d["handler-s"] for d, _ in pairs)
+    out["outside-work"] = out["update"] - out["work-s"]
+    return out
+
+
+def measure(rounds: int, cache: bool, poll: str, workdir: Path) -> dict[str, float]:
+    os.environ[SUPEREXEC_POLL[0]] = poll  # flower_env keeps a value that the environment already has
+    run = {"preset": "fedavg-digits", "num-clients": 1, "clients-per-round": 1, "num-rounds": rounds,
+           "output-dir": str(workdir / "runs"), "run-name": f"cache-{cache}-poll-{poll}"}
+    (path,), _ = deploy_runs([run], workdir / f"home-{cache}", node_config="" if cache else 'cache-dir=""')
+    trains = [d for d in device_timings(sorted((path / "flower-logs").glob("supernode-*.log"))) if d["message"] == "train"]
+    return breakdown(trains, round_seconds(path))
+
+
+def table(columns: dict[str, dict[str, float]]) -> str:
+    names = {"flower-s": "Flower: process start until our module loads", "flower-rest":
+             "Flower: polls, moving messages, process spawn", "import-s": "ours: imports (torch)",
+             "data-s": "ours: the node's data", "model-s": "ours: model build and load",
+             "outside-work": "**outside the training**", "work-s": "the training", "update": "the update, dispatch to reply"}
+    head = "| seconds per update (one train message) | " + " | ".join(columns) + " |"
+    rows = [head, "|---|" + "---:|" * len(columns)]
+    for key, name in names.items():
+        rows.append(f"| {name} | " + " | ".join(f"{c[key]:.2f}" for c in columns.values()) + " |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--compose", type=Path, default=None,
+                        help="a compose test's workdir (outputs/compose-test): print its timings.json")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        before = measure(args.rounds, cache=False, poll="1.0", workdir=Path(tmp))
+        after = measure(args.rounds, cache=True, poll=SUPEREXEC_POLL[1], workdir=Path(tmp))
+    print(table({"before": before, "after": after}))
+    print(f"\noutside the work: {after['outside-work']:.2f} s / {before['outside-work']:.2f} s = "
+          f"{after['outside-work'] / before['outside-work']:.2f}; ours (imports + data + model): "
+          f"{sum(after[k] for k in ('import-s', 'data-s', 'model-s')):.2f} s / "
+          f"{sum(before[k] for k in ('import-s', 'data-s', 'model-s')):.2f} s")
+    if args.compose:
+        timings = json.loads((args.compose / "timings.json").read_text())
+        print("\ncompose test:", json.dumps({k: v for k, v in timings.items() if k != "images"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
