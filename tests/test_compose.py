@@ -270,3 +270,11 @@ def test_the_engine_test_skips_where_no_engine_can_start_and_fails_so_under_requ
     assert "SKIPPED: no Docker engine can run here: not root" in capsys.readouterr().out
     assert compose_engine.main(["--workdir", str(tmp_path / "ct"), "--require"]) == 1
     assert not (tmp_path / "ct").exists()  # nothing was started or written
+
+
+def test_flower_processes_get_the_superexec_poll_unless_the_environment_sets_one(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", raising=False)
+    assert flower.flower_env(tmp_path)["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "0.2"
+    assert load(compose_files())["services"]["superexec-clientapp-0"]["environment"] == dict([flower.SUPEREXEC_POLL])
+    monkeypatch.setenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "1.0")
+    assert flower.flower_env(tmp_path)["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "1.0"
