@@ -150,6 +150,21 @@ ANALYSIS: list[tuple[str, str, dict[str, Any] | str]] = [
     ("Feddle-ID, server-epochs 20", "feddle-id", {"server-epochs": 20}),
     ("Feddle-ID, atlas-size 100", "feddle-id", {"atlas-size": 100}),
 ]
+# --select (issue 36): Feddle at its best, settled on validation. Stage 1 runs each method's candidates on
+# Dir(0.1)/N(20) with TUNE_SEED, simplest and cheapest first; the one-standard-error rule (:func:`chosen`) takes
+# the first within one standard error of the best validation score. Stage 2 runs the chosen configuration on
+# the reported seeds and settings (a choice of {} is the table's own runs). Candidates: the open --analysis
+# rows (atlas-size 100, a search every step, server-epochs 20) and their combinations; Feddle then Fed+FT's
+# fine-tuning (server-finetune-epochs, not in the papers); Feddle-OOD's step length: the papers' pull λ toward
+# c′, then a step rescaled to c′'s length (step-length = fallback, not in the papers).
+SELECT: dict[str, list[dict[str, Any]]] = {
+    "feddle-id": [{}, {"server-finetune-epochs": 1}, {"atlas-size": 40}, {"server-epochs": 20},
+                  {"search-every": "step"}, {"atlas-size": 100}, {"atlas-size": 40, "server-finetune-epochs": 1},
+                  {"atlas-size": 100, "server-finetune-epochs": 1}, {"atlas-size": 100, "search-every": "step"}],
+    "feddle-ood": [{}, {"fallback-lambda": 1.0}, {"fallback-lambda": 10.0}, {"fallback-lambda": 100.0},
+                   {"step-length": "fallback"}],
+}
+SELECT_BASELINES = ("fedft", "fedbuff")  # at TUNE_SEED beside the candidates: each Feddle's rival and fallback
 CHECKPOINTS = (10, 20, 50, 100, 150, 200)  # steps at which --analysis tabulates the accuracy curves
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -188,13 +203,20 @@ def series(rows: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
     return out
 
 
+def hardware() -> str:
+    """Where a run's training ran: the GPU's name, or "cpu" (results made on either sit in one table)."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
 def _one(key: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """One run in this worker process (one torch thread); its summary numbers, test-accuracy curve and
     per-evaluation :func:`series`."""
     _, summary, rows = finished_run(overrides)
     return {"key": key, "config": config_digest(overrides), "test": summary["max-last-5-evals"],
             "val": summary["val-max-last-5-evals"], "seconds": summary["wall-seconds"],
-            "accepted": summary["total-accepted"],
+            "accepted": summary["total-accepted"], "hardware": hardware(),
             "curve": [[r["round"], r["test-accuracy"]] for r in rows if "test-accuracy" in r],
             "val-curve": [[r["round"], r["val-accuracy"]] for r in rows if "val-accuracy" in r],
             "series": series(rows)}
@@ -423,6 +445,74 @@ def analysis(workers: int, family: str, seeds: Sequence[int], rounds: int | None
     return text
 
 
+def chosen(results: dict[str, dict[str, Any]], family: str, method: str, rounds: int | None
+           ) -> tuple[dict[str, Any] | None, list[tuple[str, float | None, float | None]]]:
+    """The one-standard-error rule over ``SELECT[method]`` at TUNE_SEED: the first candidate (simplest and
+    cheapest first) whose validation score is within one standard error of the best, the standard error of an
+    accuracy p on the validation split's n samples, √(p(1 − p)/n); None until every candidate has run. Also
+    each candidate's (label, val, test)."""
+    from server_app.config import load_config
+
+    rows, scores = [], []
+    for extra in SELECT[method]:
+        key, overrides = job(family, method, MAIN, TUNE_SEED, extra, rounds)
+        r = results.get(key)
+        done = r is not None and r.get("config") == config_digest(overrides)
+        label = ", ".join(f"{k} {v}" for k, v in extra.items()) or "preset"
+        rows.append((label, r["val"] if done else None, r["test"] if done else None))
+        scores.append(r["val"] if done else None)
+    if None in scores:
+        return None, rows
+    best = max(scores)
+    n = load_config({"preset": preset(family, method, MAIN)}).validation_size
+    return SELECT[method][next(i for i, v in enumerate(scores) if v >= best - (best * (1 - best) / n) ** 0.5)], rows
+
+
+def select_jobs(family: str, seeds: Sequence[int], other_seeds: Sequence[int], rounds: int | None,
+                choice: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Stage 2 of --select: `choice`'s extra overrides of one method ({method: extra}) on the reported seeds of
+    Dir(0.1)/N(20) and the other settings' seeds."""
+    return [job(family, method, st, seed, extra, rounds) for method, extra in choice.items() for st in SETTINGS
+            for seed in (seeds if st == MAIN else other_seeds)]
+
+
+def select(workers: int, family: str, seeds: Sequence[int], other_seeds: Sequence[int], rounds: int | None,
+           results_dir: Path, run: bool = True) -> str:
+    """Stage 1 (candidates and baselines at TUNE_SEED, ``tuning.jsonl``), the choice, stage 2 (``runs.jsonl``);
+    ``select.md``: each candidate's validation and test score, the choice, and the chosen runs' table cells."""
+    stage1 = [job(family, m, MAIN, TUNE_SEED, extra, rounds) for m, grid in SELECT.items() for extra in grid]
+    stage1 += [job(family, m, MAIN, TUNE_SEED, {}, rounds) for m in SELECT_BASELINES]
+    tuning = run_all(stage1 if run else [], results_dir / "tuning.jsonl", workers, _one)
+    choice = {m: c for m in SELECT if (c := chosen(tuning, family, m, rounds)[0]) is not None}
+    results = run_all(select_jobs(family, seeds, other_seeds, rounds, choice) if run else [],
+                      results_dir / "runs.jsonl", workers, _one)
+    lines = ["| method | candidate (seed 100, Dir(0.1)/N(20)) | val % | test % |", "|---|---|---:|---:|"]
+    for method in [*SELECT, *SELECT_BASELINES]:
+        if method in SELECT:
+            rows = chosen(tuning, family, method, rounds)[1]
+        else:
+            r = tuning.get(job(family, method, MAIN, TUNE_SEED, {}, rounds)[0])
+            rows = [("preset", r["val"] if r else None, r["test"] if r else None)]
+        pick = choice.get(method)
+        for i, (label, val, test) in enumerate(rows):
+            mark = " *" if method in SELECT and pick is not None and SELECT[method][i] == pick else ""
+            fmt = lambda v: f"{100 * v:.1f}" if v is not None else "not run"  # noqa: E731
+            lines.append(f"| {method if i == 0 else ''} | {label}{mark} | {fmt(val)} | {fmt(test)} |")
+    lines += ["", "| chosen | " + " | ".join(f"Dir({a:g}),N({s})" for a, s in SETTINGS) + " |",
+              "|---|" + "---|" * len(SETTINGS)]
+    for method, extra in choice.items():
+        cells = []
+        for st in SETTINGS:
+            got = [results[k]["test"] for k, _ in (job(family, method, st, seed, extra, rounds)
+                                                  for seed in (seeds if st == MAIN else other_seeds)) if k in results]
+            cells.append(mean_std(got) if got else "—")
+        label = ", ".join(f"{k} {v}" for k, v in extra.items()) or "preset"
+        lines.append(f"| {method} ({label}) | " + " | ".join(cells) + " |")
+    text = "\n".join(lines)
+    (results_dir / "select.md").write_text(text + "\n")
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--family", default="feddle-animal", choices=sorted(FAMILIES), help="preset family")
@@ -436,6 +526,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--ablation", action="store_true", help="run the component ablation (Dir(0.1)/N(20), --seeds)")
     ap.add_argument("--analysis", action="store_true",
                     help="Feddle-ID vs Fed+FT taken apart (Dir(0.1)/N(20), --seeds; with --report: tabulate only)")
+    ap.add_argument("--select", action="store_true",
+                    help="issue 36: Feddle's candidates at seed 100, chosen on validation, then on --seeds and "
+                    "--other-seeds (with --report: tabulate only)")
     ap.add_argument("--report", action="store_true", help="run nothing: tabulate and plot the results so far")
     ap.add_argument("--results", type=Path, default=None, help=f"results folder (default: {RESULTS}/<family>)")
     args = ap.parse_args(argv)
@@ -451,6 +544,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.analysis:
         print(analysis(args.jobs, args.family, [int(x) for x in args.seeds.split(",")], args.rounds, results_dir,
                        run=not args.report))
+        return
+    if args.select:
+        print(select(args.jobs, args.family, [int(x) for x in args.seeds.split(",")],
+                     [int(x) for x in args.other_seeds.split(",")], args.rounds, results_dir, run=not args.report))
         return
     if args.ablation:
         print(ablation(args.jobs, args.family, [int(s) for s in args.seeds.split(",")], args.rounds, results_dir))

@@ -12,6 +12,7 @@ import argparse
 import fcntl
 import hashlib
 import json
+import multiprocessing
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -191,7 +192,8 @@ def run_all(jobs: Iterable[tuple[str, dict[str, Any]]], path: Path, workers: int
     todo = pending(list(dict(jobs).items()), done)  # a job listed twice runs once
     path.parent.mkdir(parents=True, exist_ok=True)
     print(f"{len(todo)} runs to do ({len(done)} already in {path})", flush=True)
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    # spawned, not forked: a worker that trains on a GPU needs its own CUDA context
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {pool.submit(one, k, o): k for k, o in todo}
         for n, fut in enumerate(as_completed(futures), 1):
             result = fut.result()

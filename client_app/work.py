@@ -17,6 +17,7 @@ from torch import nn
 
 from client_app.node_cache import cache_dir, client_parts
 from common.data import ArrayDataset, DataSpec
+from common.devices import resolve_device
 from common.models import build_from_config, model_config
 from common.objectives import Received, build_loss
 from common.params import ParamSpec, extras_from_record, extras_to_record
@@ -69,6 +70,7 @@ def _load(msg: Message, context: Context, pid: int, num_partitions: int, timings
     loaded = time.time()
     own = parts["train"]
     model, initial, pspec = _model(tuple(sorted(model_config(config).items())), own.x.shape[1:], own.num_classes)
+    model.to(node_device(context))
     with torch.no_grad():  # nothing from an earlier message carries over: buffers and frozen weights reset
         tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         for name, value in initial.items():
@@ -76,6 +78,18 @@ def _load(msg: Message, context: Context, pid: int, num_partitions: int, timings
     pspec.load_into(model, pspec.from_record(msg.content[ARRAYS]))
     timings.update({"data-s": loaded - started, "model-s": time.time() - loaded})
     return spec, parts, model, pspec
+
+
+def node_device(context: Context) -> torch.device:
+    """The node's ``device`` setting (``auto``: its CUDA or MPS accelerator when present, else its CPU)."""
+    return resolve_device(str(context.node_config.get("device", "auto")))
+
+
+def received_extras(msg: Message, device: torch.device) -> dict[str, torch.Tensor]:
+    """The message's extra arrays (a method's payload beside the model), on the model's device."""
+    if EXTRAS not in msg.content.array_records:
+        return {}
+    return {k: v.to(device) for k, v in extras_from_record(msg.content[EXTRAS]).items()}
 
 
 @functools.lru_cache(maxsize=2)
@@ -109,7 +123,7 @@ def with_central_examples(data: ArrayDataset, extras: dict[str, torch.Tensor]) -
     """The client's data plus the central examples of the payload (example transfer), for this round only."""
     if CENTRAL_X not in extras:
         return data
-    x, y = extras[CENTRAL_X].numpy(), extras[CENTRAL_Y].round().long().numpy()
+    x, y = extras[CENTRAL_X].cpu().numpy(), extras[CENTRAL_Y].round().long().cpu().numpy()
     if x.shape[1:] != data.x.shape[1:] or len(x) != len(y) or (len(y) and (y.min() < 0 or y.max() >= data.num_classes)):
         raise ValueError(f"central examples of shape {x.shape} with labels in [{y.min()}, {y.max()}] do not fit this "
                          f"client's data {data.x.shape[1:]} with {data.num_classes} classes")
@@ -131,7 +145,8 @@ def train_reply(msg: Message, context: Context, pid: int, num_partitions: int, l
     data = parts["train"]
     time.sleep(latency_s)  # a slow device, for demos and tests
     recipe = LocalRecipe.from_config(config)
-    extras = extras_from_record(msg.content[EXTRAS]) if EXTRAS in msg.content.array_records else {}
+    device = next(model.parameters()).device
+    extras = received_extras(msg, device)
     chosen = choose_candidate(model, pspec, extras, data, spec.seed)
     start = pspec.flatten(model)
     received = Received(model, [p.detach().clone() for p in model.parameters() if p.requires_grad], extras,
@@ -144,7 +159,8 @@ def train_reply(msg: Message, context: Context, pid: int, num_partitions: int, l
         received.reply.update({COMPONENT_DELTAS: (trained[1:] - components[1:]).reshape(-1), MIXTURE: pi})
     else:
         loss = build_loss(recipe.objective, dict(config), received)
-        metrics = train(model, with_central_examples(data, extras), recipe, seed=int(config[TRAIN_SEED]), loss=loss)
+        metrics = train(model, with_central_examples(data, extras), recipe, seed=int(config[TRAIN_SEED]), loss=loss,
+                        device=device)
         delta = pspec.flatten(model) - start
     if arrays := int(config.get(LOSS_GRADIENT, 0)):
         received.reply[LOSS_GRADIENT] = loss_gradient(model, data, arrays)
@@ -168,13 +184,14 @@ def evaluate_reply(msg: Message, context: Context, pid: int, num_partitions: int
     config = msg.content[CONFIG]
     spec, parts, model, pspec = _load(msg, context, pid, num_partitions, timings)
     started = time.time()
-    extras = extras_from_record(msg.content[EXTRAS]) if EXTRAS in msg.content.array_records else {}
+    extras = received_extras(msg, next(model.parameters()).device)
     own = parts["train"]  # the client's training data: IFCA's choice, FedAvg+'s fine-tuning
     choose_candidate(model, pspec, extras, own, spec.seed)
     if epochs := int(config.get(FINETUNE_EPOCHS, 0)):
         recipe = dataclasses.replace(LocalRecipe.from_config(config), epochs=epochs, objective="cross-entropy",
                                      objective_options=())
-        train(model, own, recipe, seed=derive_seed(spec.seed, EVAL_STREAM, pid, int(config[VERSION])))
+        train(model, own, recipe, seed=derive_seed(spec.seed, EVAL_STREAM, pid, int(config[VERSION])),
+              device=next(model.parameters()).device)
     if MIXTURE in extras:
         components = components_of(pspec, pspec.flatten(model), extras)
         assess = lambda d: evaluate_mixture(model, pspec, components, extras[MIXTURE], d, spec.seed)

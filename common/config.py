@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from common.datasets import class_ids
+from common.devices import DEVICES
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -291,8 +292,9 @@ class RunConfig:
                                       "(a seeded sample; 0 = all)")
     data_root: str = option("data", None, "folder with the datasets' files (a SuperNode may set its own with "
                             "`--node-config 'data-root=\"/path\"'`)", "path")
-    device: str = option("auto", OneOf(("auto", "cpu", "cuda")),
-                         "where server-side training runs (`auto`: CUDA when there is one)")
+    device: str = option("auto", OneOf(DEVICES),
+                         "where server-side training runs (`auto`: CUDA, else MPS, when there is one; the clients "
+                         "choose their own with the node setting `device`)")
     model: str = option("cnn", OneOf(_models), "see [Models](#models)")
     pretrained_weights: str = option("", None, "resnet18 / vit-b16: a local torchvision-format `state_dict` "
                                      "(present on every node); `\"\"` = random init", "path")

@@ -15,15 +15,7 @@ import numpy as np
 import torch
 
 from common.data import ArrayDataset, Splits, load_dataset
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` -> CUDA when there is one, else CPU; ``cpu``/``cuda`` as asked."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device 'cuda' asked for, but torch sees no CUDA device; use device=\"auto\"")
-    return torch.device(name)
+from common.devices import resolve_device
 
 
 @dataclass

@@ -148,7 +148,7 @@ def loss_gradient(model: nn.Module, data: ArrayDataset, arrays: int, batch_size:
     `arrays` trainable parameter arrays, flat, in eval mode (FedDUAL's code: the server steps its last layers
     along the barycenter of these gradients, taken at each client's trained model)."""
     params = [p for p in model.parameters() if p.requires_grad][-arrays:]
-    x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
+    x, y = on_model_device(model, data)
     model.eval()
     grads = [torch.zeros_like(p) for p in params]
     for idx in torch.arange(len(y)).split(batch_size):  # the sum is additive over batches
@@ -204,13 +204,18 @@ def accuracy_of(model: nn.Module, data: ArrayDataset) -> Callable[[], float]:
     return lambda: evaluate(model, data)["accuracy"]
 
 
+def on_model_device(model: nn.Module, data: ArrayDataset) -> tuple[torch.Tensor, torch.Tensor]:
+    """`data`'s (x, y) as tensors on the device of `model`'s parameters (a client's accelerator, the server's GPU)."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return torch.from_numpy(data.x).to(device), torch.from_numpy(data.y).to(device)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, data: ArrayDataset, batch_size: int = 1024, seed: int = 0) -> dict[str, float]:
     """Mean cross-entropy and accuracy of `model` on `data` (batches in :func:`eval_order`)."""
     if len(data) == 0:
         return {"loss": 0.0, "accuracy": 0.0}
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    x, y = torch.from_numpy(data.x).to(device), torch.from_numpy(data.y).to(device)
+    x, y = on_model_device(model, data)
     logits = predict(model, x, batch_size, seed)
     return {"loss": float(F.cross_entropy(logits, y, reduction="sum")) / len(y),
             "accuracy": int((logits.argmax(1) == y).sum()) / len(y)}
@@ -238,7 +243,7 @@ def train_mixture(model: nn.Module, spec: ParamSpec, components: torch.Tensor, p
     received components, the M-step π_m = (1/n) Σ_i q(z_i = m), then each component trained for the recipe's
     epochs on Σ_i q(z_i = m) ℓ(h_θm(x_i), y_i) (batch means). Returns the trained components (M × P), the new π
     and the mixture's negative log-likelihood on the data before training (``train-loss``)."""
-    x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
+    x, y = on_model_device(model, data)
     losses = _per_sample_losses(model, spec, components, x, y, seed)
     log_joint = pi.log()[:, None] - losses  # π_m = 0: log 0 = −inf, q = 0
     q = torch.softmax(log_joint, 0)  # E-step
@@ -260,7 +265,7 @@ def evaluate_mixture(model: nn.Module, spec: ParamSpec, components: torch.Tensor
     """Loss −log Σ_m π_m p_m(y | x) and accuracy of the mixture's prediction argmax_y Σ_m π_m p_m(y | x)."""
     if len(data) == 0:
         return {"loss": 0.0, "accuracy": 0.0}
-    x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)
+    x, y = on_model_device(model, data)
     probs = torch.zeros(())
     for pi_m, theta_m in zip(pi, components):
         spec.load_into(model, theta_m)

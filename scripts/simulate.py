@@ -57,6 +57,14 @@ def prepare(overrides: dict[str, Any]) -> tuple[dict[str, Any], Path]:
     return {**overrides, "output-dir": str(out_root), "run-name": name}, out_root / name
 
 
+def client_gpus() -> float:
+    """Each simulated client's share of a GPU for Ray: as many clients at once as there are CPUs share one GPU
+    (every client's ``device`` is ``auto``, so it trains on the GPU); 0 where torch sees none."""
+    import torch
+
+    return round(1 / max(1, os.cpu_count() or 1), 4) if torch.cuda.is_available() else 0.0
+
+
 def simulate(overrides: dict[str, Any], flwr_home: Path) -> Path:
     """Run the simulation; return the run folder, or raise with the reason it failed."""
     overrides, run_path = prepare(overrides)
@@ -69,7 +77,7 @@ def simulate(overrides: dict[str, Any], flwr_home: Path) -> Path:
         wait_healthy(port, link)
         write_connection(flwr_home, CONNECTION, port)
         federation = (f"num-supernodes={cfg.num_clients} client-resources-num-cpus=1 "
-                      f"init-args-num-cpus={max(2, os.cpu_count() or 2)}")
+                      f"client-resources-num-gpus={client_gpus()} init-args-num-cpus={max(2, os.cpu_count() or 2)}")
         run_id, status = flwr_run(env, CONNECTION, overrides, federation_config=federation)
     check_completed(run_id, status, run_path)
     return run_path

@@ -27,6 +27,7 @@ would step, and c′ is FedBuff's step over those K anchors. With ``server-epoch
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -36,9 +37,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from common.config import COUNT, POSITIVE, ConfigError, OneOf, Range, option
-from common.training import run_epochs, server_seed
+from common.server_data import require_in_domain
+from common.training import derive_seed, run_epochs, server_seed, train_on_server
 from strategies.base import Strategy, Update
 from strategies.fedbuff import FedBuffConfig, buffer_weights
+from strategies.hybrid_baselines import SERVER_TRAIN_LR
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,13 @@ class FeddleConfig(FedBuffConfig):
     head_epochs: int = option(5, Range(0), "out of domain: epochs of the head θ's fit before each search "
                               "(warm-started)")
     head_lr: float = option(1e-2, POSITIVE, "out of domain: Adam learning rate of the head θ's fit")
+    server_finetune_epochs: int = option(0, Range(0), "after each search, epochs of Fed+FT's fine-tuning of the "
+                                         "merged model on the (in-domain) server data at server-train-lr, with the "
+                                         "clients' optimizer and batch size; 0 = off (not in the papers)")
+    server_train_lr: float = SERVER_TRAIN_LR.field()
+    step_length: str = option("searched", OneOf(("searched", "fallback")), "`fallback`: the found ĉ rescaled so that "
+                              "Σĉ = Σc′, the length of FedBuff's step, keeping the search's direction (not in the "
+                              "papers; c′ itself where Σĉ ≤ 0)")
     search_every: str = option("buffer", OneOf(("buffer", "step")), "when to search: `buffer` = when FedBuff "
                                "would step (buffer-size arrivals; c′ = its step), `step` = at the end of every "
                                "server step with a new update (c′ = FedBuff's weights over that step's arrivals)")
@@ -99,6 +109,12 @@ class Feddle(Strategy):
         self.arrivals = 0
         self.closed = False  # the runner closed a step that brought updates (search-every = step)
         self.theta: nn.Linear | None = None  # the OOD head, kept across searches
+
+    def attach(self, server: Any) -> None:
+        """As every strategy; fine-tuning (``server-finetune-epochs``) needs in-domain server data: fail at start."""
+        if self.config.server_finetune_epochs:
+            require_in_domain(server, "Feddle with server-finetune-epochs > 0")
+        super().attach(server)
 
     # -- atlas ------------------------------------------------------------------------------
     def receive(self, update: Update) -> None:
@@ -151,7 +167,12 @@ class Feddle(Strategy):
             if self.model is None:
                 raise RuntimeError("Feddle needs the model (initialize(..., model)) to search on server data")
             c, stats = self.search(bar, c, c_prime, server)
+        if self.config.step_length == "fallback":
+            total = float(c.sum())
+            c = c * (float(c_prime.sum()) / total) if total > 0 else c_prime.clone()
         self.params = self.params + c @ bar  # Eq. 7
+        if self.config.server_finetune_epochs:
+            stats.update(self.finetune(server))
         self.scores = c.abs().tolist()
         self.fresh = [None] * len(self.anchors)
         self.closed = False
@@ -187,6 +208,15 @@ class Feddle(Strategy):
             stats["loss-after"] = self.loss_at(omega + c.detach() @ bar, x, y, ood)
         self.spec.load_into(self.model, self.params.to(device))
         return c.detach().cpu(), stats
+
+    def finetune(self, server: Any) -> dict[str, float]:
+        """Fed+FT's server pass on ω after Eq. 7: ``server-finetune-epochs`` of the clients' recipe at
+        ``server-train-lr`` on the in-domain server data, seeded apart from the search."""
+        recipe = dataclasses.replace(self.recipe, epochs=self.config.server_finetune_epochs,
+                                     lr=self.config.server_train_lr)
+        self.params, trained = train_on_server(self.model, self.spec, self.params, server, recipe,
+                                               derive_seed(server_seed(self.seed, self.version), 1))
+        return {"server-train-loss": trained["train-loss"], "server-train-accuracy": trained["train-accuracy"]}
 
     def _loss(self, merged: torch.Tensor, x: torch.Tensor, y: torch.Tensor, ood: bool) -> torch.Tensor:
         self.spec.load_into(self.model, merged)

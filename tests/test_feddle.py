@@ -220,3 +220,55 @@ def test_feddle_run_in_process_logs_and_plots_its_searches(small_run):
                for r in rows)
     assert (out / "search.png").read_bytes()[:4] == b"\x89PNG"
     assert summary["server-data"].startswith("40 in-domain samples")
+
+
+def test_fine_tuning_after_the_search_is_fedft_server_pass_on_the_merged_model():
+    """server-finetune-epochs: ω after Eq. 7, then the clients' recipe for E epochs at server-train-lr on the server
+    data (train_on_server, seeded apart from the search); the step's model is exactly that, and it differs from
+    the search alone."""
+    import dataclasses
+
+    from common.training import LocalRecipe, derive_seed, server_seed, train_on_server
+
+    model, spec, anchors, x, y = cnn_setup()
+    recipe = LocalRecipe(epochs=5, batch_size=16, lr=0.5, optimizer="adam")
+    keys = {"server_epochs": 1, "search_batch_size": 20, "search_lr": 0.05}
+    plain = feddle_with(model, spec, anchors, **keys)
+    plain.step(server(x, y))
+    tuned = feddle_with(model, spec, anchors, **keys, server_finetune_epochs=2, server_train_lr=1e-3)
+    tuned.recipe = recipe
+    metrics = tuned.step(server(x, y))
+    expected, _ = train_on_server(model, spec, plain.params, server(x, y),
+                                  dataclasses.replace(recipe, epochs=2, lr=1e-3), derive_seed(server_seed(0, 0), 1))
+    torch.testing.assert_close(tuned.params, expected, rtol=0, atol=0)
+    assert not torch.equal(tuned.params, plain.params) and "server-train-loss" in metrics
+
+
+def test_fine_tuning_refuses_out_of_domain_server_data_at_start():
+    model, spec, anchors, x, y = cnn_setup()
+    s = feddle_with(model, spec, anchors, server_finetune_epochs=1)
+    with pytest.raises(ValueError, match="needs in-domain server data"):
+        s.attach(server(x, y, in_domain=False))
+    feddle_with(model, spec, anchors).attach(server(x, y, in_domain=False))  # the search alone takes OOD data
+
+
+def test_step_length_fallback_keeps_the_searched_direction_at_fedbuffs_length():
+    """step-length = fallback: ĉ rescaled so that Σĉ = Σc′; the direction is the search's (a multiple of the
+    searched ĉ); with Σĉ ≤ 0 the step is c′ itself."""
+    model, spec, anchors, x, y = cnn_setup()
+    keys = {"server_epochs": 2, "search_batch_size": 20, "search_lr": 0.05, "server_lr": 0.3}
+    searched = feddle_with(model, spec, anchors, **keys)
+    start = searched.params.clone()
+    searched.step(server(x, y))
+    rescaled = feddle_with(model, spec, anchors, **keys, step_length="fallback")
+    rescaled.step(server(x, y))
+    bar, norms = median_normalize(torch.stack(anchors))
+    c_prime = feddle_with(model, spec, anchors, **keys).fallback(norms)  # before a step empties the buffer
+    c_hat = torch.linalg.lstsq(bar.T, searched.params - start).solution
+    c_new = torch.linalg.lstsq(bar.T, rescaled.params - start).solution
+    torch.testing.assert_close(c_new.sum(), c_prime.sum(), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(c_new, c_hat * (c_prime.sum() / c_hat.sum()), rtol=1e-3, atol=1e-6)
+    negative = feddle_with(model, spec, anchors, **keys, step_length="fallback")
+    negative.search = lambda bar, c, c_prime, srv: (-c_prime.abs() - 1, {})
+    negative.step(server(x, y))
+    torch.testing.assert_close(negative.params, start + c_prime @ bar, rtol=1e-5, atol=1e-7)

@@ -156,3 +156,27 @@ def test_run_all_returns_the_results_another_process_appended_while_it_ran(tmp_p
     got = runs.run_all([("mine", {"path": str(path)})], path, 1, _lane_result)
     assert sorted(got) == ["mine", "other-lane"]
     assert got["other-lane"]["test"] == 0.5
+
+
+def test_select_takes_the_first_candidate_within_one_standard_error_of_the_best_validation_score():
+    """The one-standard-error rule on seed 100's validation split (1000 samples: SE ≈ 1.3 points at 80 %):
+    the simplest candidate within it wins over a better but costlier one; test scores never matter; nothing is
+    chosen while a candidate is missing; the chosen configuration runs on the reported seeds and settings."""
+    family, method = "feddle-fmnist", "feddle-id"
+    grid = R.SELECT[method]
+    vals = [0.70, 0.799, 0.80, 0.81] + [0.5] * (len(grid) - 4)  # best 0.81, SE 1.24 points: 0.799 is within
+    results = {}
+    for extra, val in zip(grid, vals):
+        key, overrides = R.job(family, method, R.MAIN, R.TUNE_SEED, extra)
+        results[key] = {"key": key, "config": runs.config_digest(overrides), "val": val, "test": 1 - val}
+    pick, rows = R.chosen(results, family, method, None)
+    assert pick == grid[1] and [r[1] for r in rows] == vals
+    results[key]["val"] = 0.95  # the last candidate far ahead: only it is within one SE
+    assert R.chosen(results, family, method, None)[0] == grid[-1]
+    del results[key]
+    assert R.chosen(results, family, method, None)[0] is None
+    jobs = dict(R.select_jobs(family, [0, 1, 2], [0], None, {method: grid[1]}))
+    assert len(jobs) == 6 and all(o["server-finetune-epochs"] == 1 for o in jobs.values())
+    assert sorted(o["seed"] for o in jobs.values() if o["preset"] == R.preset(family, method, R.MAIN)) == [0, 1, 2]
+    for options in jobs.values():
+        load_config(options)  # every chosen run is a valid configuration
