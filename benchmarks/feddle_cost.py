@@ -57,7 +57,7 @@ def build(variant: str, shape: dict[str, Any], epochs: int, seed: int = 0):
                        "server-epochs": epochs, "server-train-epochs": epochs, "search-batch-size": 32,
                        "batch-size": 32, "clients-per-round": shape["atlas"], "num-clients": shape["atlas"],
                        **shape["overrides"], **overrides})
-    model = build_from_config(cfg.to_dict(), shape["channels"], shape["size"], 10, seed=seed)
+    model = build_from_config(cfg.to_dict(), (shape["channels"], shape["size"], shape["size"]), 10, seed=seed)
     spec = ParamSpec.of(model)
     strategy = build_strategy(cfg.strategy, cfg.options, seed=cfg.seed, recipe=LocalRecipe.from_config(cfg.to_dict()))
     strategy.initialize(spec.flatten(model), spec, model)

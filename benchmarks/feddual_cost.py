@@ -40,7 +40,7 @@ SERVER = {"FedAvg": "fedavg-code", "FedDUAL (paper)": "feddual-code", "FedDUAL (
 
 def server_round(preset: str, seed: int = 0) -> float:
     cfg = load_config({"preset": f"feddual-fmnist/{preset}"})
-    model = build_from_config(cfg.to_dict(), 1, 28, 10, seed=seed)
+    model = build_from_config(cfg.to_dict(), (1, 28, 28), 10, seed=seed)
     spec = ParamSpec.of(model)
     strategy = build_strategy(cfg.strategy, cfg.options, seed=seed, num_clients=cfg.num_clients)
     strategy.initialize(spec.flatten(model), spec, model)
@@ -77,7 +77,7 @@ def client_run(preset: str, n: int, seed: int = 0) -> float:
     """Seconds of one client's local work under `preset`: training with its objective, and the loss gradient
     when its server asks for one."""
     cfg = load_config({"preset": f"feddual-fmnist/{preset}"})
-    model = build_from_config(cfg.to_dict(), 1, 28, 10, seed=seed)
+    model = build_from_config(cfg.to_dict(), (1, 28, 28), 10, seed=seed)
     rng = np.random.default_rng(seed)
     data = ArrayDataset(rng.random((n, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, n), 10)
     recipe = LocalRecipe.from_config(cfg.to_dict())

@@ -31,7 +31,7 @@ def server_round(name: str, d: int, seed: int = 0) -> tuple[float, int]:
     """Seconds of one server round (payloads for all m clients, their updates, the step) and the bytes one
     client downloads."""
     cfg = load_config({"preset": f"fedmerge-fmnist/{name}-cluster", "global-models": d})
-    model = build_from_config(cfg.to_dict(), 1, 28, 10, seed=seed)
+    model = build_from_config(cfg.to_dict(), (1, 28, 28), 10, seed=seed)
     spec = ParamSpec.of(model)
     strategy = build_strategy(cfg.strategy, cfg.options, seed=seed, num_clients=cfg.num_clients)
     strategy.initialize(spec.flatten(model), spec, model)

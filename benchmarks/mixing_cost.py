@@ -46,7 +46,7 @@ def fmnist_like(n: int, classes: tuple[int, ...], seed: int) -> ArrayDataset:
 def built(method: str, seed: int = 0) -> tuple[Any, nn.Module, ParamSpec, Strategy]:
     """(config, model, spec, strategy) of `method`'s 10-class preset, initialised, with its central data."""
     cfg = load_config({"preset": f"mixing-fmnist/{method}-classes10", "device": "cpu"})
-    model = build_from_config(cfg.to_dict(), 1, 28, 10, seed=seed)
+    model = build_from_config(cfg.to_dict(), (1, 28, 28), 10, seed=seed)
     spec = ParamSpec.of(model)
     strategy = build_strategy(cfg.strategy, cfg.options, seed=seed, num_clients=cfg.num_clients,
                               recipe=LocalRecipe.from_config(cfg.to_dict()))

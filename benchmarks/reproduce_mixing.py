@@ -73,7 +73,7 @@ def lacking_accuracy(out: Path, lacking: Sequence[int]) -> float:
 
     cfg = load_config(read_config(out))
     test = make_splits(data_spec(cfg)).test
-    model = build_from_config(cfg.to_dict(), test.x.shape[1], test.x.shape[2], test.num_classes, seed=cfg.seed)
+    model = build_from_config(cfg.to_dict(), test.x.shape[1:], test.num_classes, seed=cfg.seed)
     model.load_state_dict(torch.load(out / "model.pt", weights_only=True))
     return evaluate(model, test.subset(np.flatnonzero(np.isin(test.y, lacking))))["accuracy"]
 

@@ -69,7 +69,8 @@ def _load(msg: Message, context: Context, pid: int, num_partitions: int, timings
     parts = client_parts(spec, pid, context.run_id, cache_dir(context.node_config))
     loaded = time.time()
     own = parts["train"]
-    model, initial, pspec = _model(tuple(sorted(model_config(config).items())), own.x.shape[1:], own.num_classes)
+    model, initial, pspec = _model(tuple(sorted(model_config(config).items())), own.x.shape[1:], own.num_classes,
+                                   spec.seed)
     model.to(node_device(context))
     with torch.no_grad():  # nothing from an earlier message carries over: buffers and frozen weights reset
         tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -93,11 +94,12 @@ def received_extras(msg: Message, device: torch.device) -> dict[str, torch.Tenso
 
 
 @functools.lru_cache(maxsize=2)
-def _model(options: tuple, shape: tuple[int, ...], num_classes: int) -> tuple[nn.Module, dict, ParamSpec]:
+def _model(options: tuple, shape: tuple[int, ...], num_classes: int, seed: int) -> tuple[nn.Module, dict, ParamSpec]:
     """The model built once per process (simulation workers and the in-process engine reuse it), with
-    its initial buffers and frozen weights. Frozen weights come from the pretrained file or a fixed seed, so seed 0
-    rebuilds the server's model; every message then loads its own trainable parameters."""
-    model = build_from_config(dict(options), shape[0], shape[1], num_classes, seed=0)
+    its initial buffers and frozen weights. Built from the run's `seed` as on the server, so a user's model's frozen
+    weights are the server's (the built-in models' come from their pretrained file or a fixed seed); every message
+    then loads its own trainable parameters."""
+    model = build_from_config(dict(options), shape, num_classes, seed=seed)
     initial = {n: t.detach().clone() for n, t in [*model.named_buffers(),
                                                    *((n, p) for n, p in model.named_parameters() if not p.requires_grad)]}
     return model, initial, ParamSpec.of(model)

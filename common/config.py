@@ -118,8 +118,27 @@ class DatasetName(OneOf):
 
         return is_dataset(v) or (v == "" and "" in set(self.allowed()))
 
+    def describe(self) -> str:
+        return super().describe() + ", or your own loader 'module:function'"
+
     def short(self) -> str:
         return "see [Data](#data)"
+
+
+@dataclass(frozen=True)
+class ModelName(OneOf):
+    """A built-in model, or a user's model factory ``module:function``."""
+
+    def ok(self, v: str) -> bool:
+        from common.user_code import is_import_path
+
+        return v in set(self.allowed()) or is_import_path(v)
+
+    def describe(self) -> str:
+        return super().describe() + ", or your own model factory 'module:function'"
+
+    def short(self) -> str:
+        return super().short() + ", or `module:function` (your own)"
 
 
 def _models() -> Iterable[str]:
@@ -143,6 +162,32 @@ def _partitioners() -> Iterable[str]:
 def _presets() -> Iterable[str]:
     """Preset names: paths under configs/ without ``.yaml`` (``feddle-animal/feddle-id-dir0.1-n20``)."""
     return sorted(p.relative_to(CONFIG_DIR).with_suffix("").as_posix() for p in CONFIG_DIR.rglob("*.yaml"))
+
+
+def preset_path(name: str) -> Path | None:
+    """The YAML file of preset `name`: ``configs/<name>.yaml``, or for ``package:path`` (a user's own preset)
+    ``<path>.yaml`` inside that installed package; None for a package that cannot be imported."""
+    if ":" not in name:
+        return CONFIG_DIR / f"{name}.yaml"
+    import importlib.resources
+
+    package, _, rel = name.partition(":")
+    try:
+        return Path(str(importlib.resources.files(package) / f"{rel}.yaml"))
+    except (ModuleNotFoundError, TypeError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class PresetName(OneOf):
+    """A preset under configs/, or a user's ``package:path`` (``mytask:presets/fedavg``)."""
+
+    def ok(self, v: str) -> bool:
+        path = preset_path(v)
+        return path is not None and path.is_file() and ".." not in Path(v.partition(":")[2] or v).parts
+
+    def describe(self) -> str:
+        return super().describe() + ", or your own 'package:path' (a YAML file inside an installed package)"
 
 
 Check = Range | OneOf | ClassList | None
@@ -249,8 +294,9 @@ COUNT = Range(1)
 class RunConfig:
     """The run-level keys (see README "Configuration"), plus ``options``: every method option's value."""
 
-    preset: str = option("fedavg-digits", OneOf(_presets), "YAML preset applied before overrides",
-                         "a file in `configs/`, without `.yaml` (`feddle-animal/fedbuff-dir0.1-n20`)")
+    preset: str = option("fedavg-digits", PresetName(_presets), "YAML preset applied before overrides",
+                         "a file in `configs/`, without `.yaml` (`feddle-animal/fedbuff-dir0.1-n20`), or "
+                         "`package:path` in your own package")
     seed: int = option(0, Range(0), "fixes partitions, sampling, delays, initialisation and local shuffling")
     dataset: str = option("digits", DatasetName(_datasets), "the clients' dataset")
     partitioner: str = option("dirichlet", OneOf(_partitioners), "how client data is split (common/partitions.py)")
@@ -295,7 +341,8 @@ class RunConfig:
     device: str = option("auto", OneOf(DEVICES),
                          "where server-side training runs (`auto`: CUDA, else MPS, when there is one; the clients "
                          "choose their own with the node setting `device`)")
-    model: str = option("cnn", OneOf(_models), "see [Models](#models)")
+    model: str = option("cnn", ModelName(_models), "see [Models](#models); `module:function`: your own model factory "
+                        "(see [Your own model and data](#your-own-model-and-data))")
     pretrained_weights: str = option("", None, "resnet18 / vit-b16: a local torchvision-format `state_dict` "
                                      "(present on every node); `\"\"` = random init", "path")
     input_size: int = option(0, Range(0), "model input size; 0 = the model's default (cnn: the data's own, "
@@ -364,9 +411,10 @@ def read_preset(name: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
     (in order, each with its own bases), then the file's own keys. So a family of presets shares one
     protocol file and each member states only what differs.
     """
-    path = CONFIG_DIR / f"{name}.yaml"
-    if not path.is_file() or ".." in Path(name).parts:
-        raise ConfigError("preset", name, OneOf(_presets).describe())
+    check = PresetName(_presets)
+    if not check.ok(name):
+        raise ConfigError("preset", name, check.describe())
+    path = preset_path(name)
     if name in _seen:
         raise ConfigError("base", name, f"a preset that does not include itself (cycle {' -> '.join(_seen + (name,))})")
     data = yaml.safe_load(path.read_text()) or {}

@@ -26,6 +26,7 @@ import numpy as np
 from common import datasets as _ds
 from common import partitions
 from common.datasets import ArrayDataset, class_ids
+from common.user_code import is_import_path, load_user_dataset
 
 
 def _digits(root: Path) -> ArrayDataset:
@@ -61,7 +62,10 @@ IMAGEFOLDER = "imagefolder:"
 
 
 def is_dataset(name: str) -> bool:
-    return name in DATASETS or (name.startswith(IMAGEFOLDER) and len(name) > len(IMAGEFOLDER))
+    """A registered dataset, ``imagefolder:<folder>``, or a user's loader ``module:function`` (common/user_code.py)."""
+    if name.startswith(IMAGEFOLDER):
+        return len(name) > len(IMAGEFOLDER)
+    return name in DATASETS or is_import_path(name)
 
 
 PARTITIONERS = tuple(partitions.PARTITIONERS)
@@ -72,9 +76,12 @@ def load_dataset(name: str, root: str = "data") -> ArrayDataset:
     """The whole dataset `name` (files below `root`), cached per process."""
     if name.startswith(IMAGEFOLDER):
         return _ds.imagefolder(name.removeprefix(IMAGEFOLDER))(Path(root).expanduser())
-    if name not in DATASETS:
-        raise KeyError(f"unknown dataset {name!r}; known: {sorted(DATASETS)} or '{IMAGEFOLDER}<folder>'")
-    return DATASETS[name](Path(root).expanduser())
+    if name in DATASETS:
+        return DATASETS[name](Path(root).expanduser())
+    if is_import_path(name):
+        return load_user_dataset(name, root)
+    raise KeyError(f"unknown dataset {name!r}; known: {sorted(DATASETS)}, '{IMAGEFOLDER}<folder>' or your own "
+                   "'module:function'")
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from common.config import ConfigError
 from common.protocol import MODEL
+from common.user_code import build_user_model, is_import_path
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -528,9 +530,17 @@ def model_config(config: Mapping[str, object]) -> dict[str, object]:
     return {MODEL: config[MODEL], **options}
 
 
-def build_from_config(config: Mapping[str, object], in_channels: int, image_size: int, num_classes: int,
-                      seed: int) -> AdaptedNet:
-    """:func:`build_model` with the name and options of :func:`model_config` — what server and nodes both call."""
+def build_from_config(config: Mapping[str, object], input_shape: tuple[int, ...], num_classes: int,
+                      seed: int) -> nn.Module:
+    """The run's model for samples of `input_shape` — what server and nodes both call: a user's factory
+    (``model = "module:function"``, common/user_code.py), or :func:`build_model` with the name and options of
+    :func:`model_config` (images ``(C, H, W)`` only)."""
     chosen = model_config(config)
-    return build_model(str(chosen.pop(MODEL)), in_channels, image_size, num_classes, seed,
+    name = str(chosen.pop(MODEL))
+    if is_import_path(name):
+        return build_user_model(name, input_shape, num_classes, seed)
+    if len(input_shape) != 3:
+        raise ConfigError(MODEL, name, f"your own model factory 'module:function' for inputs of shape "
+                          f"{tuple(input_shape)}: the built-in models take images (C, H, W)")
+    return build_model(name, input_shape[0], input_shape[1], num_classes, seed,
                        **{k.replace("-", "_"): v for k, v in chosen.items()})

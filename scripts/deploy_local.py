@@ -48,23 +48,26 @@ CONNECTION = "hybridfl-local"
 def deploy(overrides: dict[str, Any], flwr_home: Path, supernodes: int | None = None,
            latency: dict[int, float] | None = None,
            on_started: Callable[[ProcessGroup, Path], None] | None = None,
-           tls: bool = False, auth: bool = False, node_config: str = "") -> tuple[Path, set[int]]:
+           tls: bool = False, auth: bool = False, node_config: str = "",
+           app_dir: Path = PROJECT_DIR) -> tuple[Path, set[int]]:
     """Run one job on a fresh deployment; return its run folder and the PIDs started (all stopped by now).
 
     `latency` slows SuperNode i's train replies by that many seconds (node config ``latency-s``);
     `on_started(processes, run_folder)` is called once every process is up, before the run starts
     (tests use it to stop a SuperNode mid-run). `tls` and `auth` as ``--tls`` and ``--auth``; `node_config`
-    is added to every SuperNode's ``--node-config``. Raises
+    is added to every SuperNode's ``--node-config``; `app_dir` is the Flower app to run (default: this project;
+    a user's project that runs hybridfl's apps, such as examples/tabular). Raises
     ConfigError for a bad config and RuntimeError with the reason when the run fails.
     """
-    paths, pids = deploy_runs([overrides], flwr_home, supernodes, latency, on_started, tls, auth, node_config)
+    paths, pids = deploy_runs([overrides], flwr_home, supernodes, latency, on_started, tls, auth, node_config, app_dir)
     return paths[0], pids
 
 
 def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | None = None,
                 latency: dict[int, float] | None = None,
                 on_started: Callable[[ProcessGroup, Path], None] | None = None,
-                tls: bool = False, auth: bool = False, node_config: str = "") -> tuple[list[Path], set[int]]:
+                tls: bool = False, auth: bool = False, node_config: str = "",
+                app_dir: Path = PROJECT_DIR) -> tuple[list[Path], set[int]]:
     """Run several jobs one after the other on the same SuperLink and SuperNodes (all must agree on
     num-clients); see :func:`deploy`. `on_started` gets the first run's folder; `node_config` is added to
     every SuperNode's ``--node-config`` (e.g. ``cache-dir=""``)."""
@@ -105,7 +108,7 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
                                            "--port", str(node_port), "--node-config", node_config_i])
         if on_started:
             on_started(procs, prepared[0][1])
-        outcomes = [(flwr_run(env, CONNECTION, o), path) for o, path in prepared]
+        outcomes = [(flwr_run(env, CONNECTION, o, app_dir=app_dir), path) for o, path in prepared]
     for (run_id, status), path in outcomes:
         check_completed(run_id, status, path)
     return [path for _, path in outcomes], procs.pids

@@ -205,8 +205,10 @@ def register_supernode(env: dict[str, str], connection: str, public_key: Path) -
 
 
 def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
-             federation_config: str | None = None, timeout: float = 3600.0) -> tuple[int, str]:
-    """``flwr run . <connection> --stream``; returns (run id, its final status text).
+             federation_config: str | None = None, timeout: float = 3600.0,
+             app_dir: Path = PROJECT_DIR) -> tuple[int, str]:
+    """``flwr run . <connection> --stream`` in `app_dir` (this project, or a user's Flower app that runs hybridfl's
+    apps: examples/tabular); returns (run id, its final status text).
 
     Output is streamed to this process's stdout as it comes.
     """
@@ -216,7 +218,7 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
     if federation_config:
         cmd += ["--federation-config", federation_config]
     print("$", shlex.join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, env=env, cwd=PROJECT_DIR, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, env=env, cwd=app_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     watchdog = threading.Timer(timeout, proc.kill)  # the output loop below blocks; this bounds it
     watchdog.start()

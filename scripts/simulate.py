@@ -65,8 +65,9 @@ def client_gpus() -> float:
     return round(1 / max(1, os.cpu_count() or 1), 4) if torch.cuda.is_available() else 0.0
 
 
-def simulate(overrides: dict[str, Any], flwr_home: Path) -> Path:
-    """Run the simulation; return the run folder, or raise with the reason it failed."""
+def simulate(overrides: dict[str, Any], flwr_home: Path, app_dir: Path = PROJECT_DIR) -> Path:
+    """Run the simulation of the Flower app in `app_dir` (default: this project); return the run folder, or raise
+    with the reason it failed."""
     overrides, run_path = prepare(overrides)
     cfg = load_config(overrides)
     env = flower_env(flwr_home)
@@ -78,7 +79,7 @@ def simulate(overrides: dict[str, Any], flwr_home: Path) -> Path:
         write_connection(flwr_home, CONNECTION, port)
         federation = (f"num-supernodes={cfg.num_clients} client-resources-num-cpus=1 "
                       f"client-resources-num-gpus={client_gpus()} init-args-num-cpus={max(2, os.cpu_count() or 2)}")
-        run_id, status = flwr_run(env, CONNECTION, overrides, federation_config=federation)
+        run_id, status = flwr_run(env, CONNECTION, overrides, federation_config=federation, app_dir=app_dir)
     check_completed(run_id, status, run_path)
     return run_path
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from common.config import ConfigError, OneOf, OptionSpec, RunConfig, read_preset, specs_of, validate
 from common.objectives import OBJECTIVES
+from common.user_code import is_import_path, resolve
 from server_app.checkpoint import read_config
 from strategies import STRATEGIES
 
@@ -68,6 +69,11 @@ def make_config(values: Mapping[str, Any]) -> RunConfig:
     for key in REGISTRY_CHECKS.keys() - values.keys():  # defaults must name registered methods too
         validate(run[key], run[key].default, REGISTRY_CHECKS[key])
     cfg = RunConfig(**given_run, options=given_options)
+    for key, value, what in (("model", cfg.model, "a model factory 'module:function'"),
+                             ("dataset", cfg.dataset, "a data loader 'module:function'"),
+                             ("server-dataset", cfg.server_dataset, "a data loader 'module:function'")):
+        if is_import_path(value):
+            resolve(key, value, what)  # importable here, at start: else the error says why
     if cfg.clients_per_round > cfg.num_clients:
         raise ConfigError("clients-per-round", cfg.clients_per_round, f"at most num-clients = {cfg.num_clients}")
     if cfg.loop == "flower" and (cfg.delay_sigma > 0 or cfg.clock != "virtual"):

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from logging import INFO
 from pathlib import Path
+from typing import Any
 
 import torch
 from flwr.common import log
@@ -157,6 +158,14 @@ class Run:
         return self.out
 
 
+def client_config(cfg: RunConfig) -> dict[str, Any]:
+    """What every message to hybridfl's ClientApp carries: the data spec (a node rebuilds its partition from it),
+    the model and the local recipe. A Flower user's own ServerApp passes it as ``train_config`` to
+    ``FlowerStrategy.start`` (examples/tabular)."""
+    return {**data_spec(cfg).to_config(), **model_config(cfg.to_dict()),
+            **LocalRecipe.from_config(cfg.to_dict()).to_config()}
+
+
 def build_run(grid: Grid, cfg: RunConfig) -> Run:
     """Everything a run needs, from its configuration; with ``resume``, restored from the run's checkpoint."""
     resumed = read_checkpoint(Path(cfg.resume)) if cfg.resume else None
@@ -166,13 +175,13 @@ def build_run(grid: Grid, cfg: RunConfig) -> Run:
     spec = data_spec(cfg)
     splits, full = make_splits(spec), task_data(spec)
     server_data = build_server_data(cfg, splits)
-    model = build_from_config(cfg.to_dict(), full.x.shape[1], full.x.shape[2], full.num_classes, seed=cfg.seed)
+    model = build_from_config(cfg.to_dict(), full.x.shape[1:], full.num_classes, seed=cfg.seed)
     pspec = ParamSpec.of(model)
     recipe = LocalRecipe.from_config(cfg.to_dict())
     strategy = build_strategy(cfg.strategy, cfg.options, seed=cfg.seed, num_clients=cfg.num_clients, recipe=recipe)
     check_server_data(cfg, strategy, server_data)
     strategy.initialize(pspec.flatten(model), pspec, copy.deepcopy(model))
-    runner = Runner(grid, strategy, {**spec.to_config(), **model_config(cfg.to_dict()), **recipe.to_config()},
+    runner = Runner(grid, strategy, client_config(cfg),
                     clients_per_round=cfg.clients_per_round, clock=cfg.clock, delay_sigma=cfg.delay_sigma,
                     concurrency=cfg.concurrency, reply_timeout=cfg.reply_timeout_s, poll_interval=cfg.poll_interval_s,
                     wait_nodes=cfg.wait_nodes_s, seed=cfg.seed, server_data=server_data)

@@ -186,7 +186,7 @@ def test_ood_digits_feed_a_model_built_for_animal_mnist_clients():
     assert clients.x.shape[1:] == (1, 28, 28) and len(clients) == 10_000
     server = build_server_data(cfg, splits)
     assert not server.in_domain and len(server) == 100 and server.data.x.shape[1:] == (1, 8, 8)
-    model = build_from_config(cfg.to_dict(), 1, 28, 10, seed=0)
+    model = build_from_config(cfg.to_dict(), (1, 28, 28), 10, seed=0)
     x, _ = server.tensors()
     assert model(x).shape == (100, 10) and model.features(x).shape[0] == 100
 

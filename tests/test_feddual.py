@@ -274,7 +274,7 @@ def test_a_reference_run_keeps_the_final_layer_at_its_initialisation(tmp_path):
     assert all(r["client-beta"] == 0.5 for r in rows)
     final = torch.load(out / "model.pt", weights_only=True)
     full = load_dataset("synthetic", "data")
-    first = build_from_config(load_config(TINY).to_dict(), full.x.shape[1], full.x.shape[2], full.num_classes,
+    first = build_from_config(load_config(TINY).to_dict(), full.x.shape[1:], full.num_classes,
                               seed=0).state_dict()
     assert all(torch.equal(final[k], first[k]) for k in ("head.weight", "head.bias"))
     assert not torch.equal(final["body.0.weight"], first["body.0.weight"])

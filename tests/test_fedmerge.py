@@ -189,7 +189,7 @@ def test_every_client_is_evaluated_on_its_own_split_with_its_own_merged_model(tm
     state = read_checkpoint(out)["strategy"]
     last = json.loads((out / "clients.jsonl").read_text().splitlines()[-1])
     assert last["round"] == 4 and last["clients"] == list(range(6))
-    model = build_from_config(cfg.to_dict(), 1, 8, 4, seed=0)
+    model = build_from_config(cfg.to_dict(), (1, 8, 8), 4, seed=0)
     spec = ParamSpec.of(model)
     for c in range(6):
         spec.load_into(model, torch.softmax(state["logits"][c], 0) @ state["theta"])
@@ -228,7 +228,7 @@ def test_payload_bytes_fedmerge_one_model_whatever_d_ifca_and_fedem_d_models(tmp
     job = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 3, "num-rounds": 2, "local-epochs": 1,
            "batch-size": 16, "global-models": d, "output-dir": str(tmp_path)}
     cfg = load_config(job)
-    P = ParamSpec.of(build_from_config(cfg.to_dict(), 1, 8, 4, seed=0)).numel
+    P = ParamSpec.of(build_from_config(cfg.to_dict(), (1, 8, 8), 4, seed=0)).numel
     expected = {"fedavg": (P, P), "fedmerge": (P, P), "ifca": (d * P, P), "fedem": (d * (P + 1), d * (P + 1))}
     for name, (down, up) in expected.items():
         out = run_inprocess({**job, "strategy": name, "run-name": f"{name}-{d}"})

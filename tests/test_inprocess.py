@@ -163,7 +163,7 @@ def test_client_model_cache_carries_nothing_between_messages():
     cfg = load_config({"dataset": "synthetic", "num-clients": 2, "clients-per-round": 2, "model": "resnet18",
                        "input-size": 32, "batch-norm": "running", "batch-size": 16, "local-epochs": 1})
     spec, full = data_spec(cfg), load_dataset("synthetic")
-    model = build_from_config(cfg.to_dict(), 1, 8, full.num_classes, seed=0)
+    model = build_from_config(cfg.to_dict(), (1, 8, 8), full.num_classes, seed=0)
     pspec = ParamSpec.of(model)
     recipe = LocalRecipe.from_config(cfg.to_dict()).to_config()
     config = ConfigRecord({**spec.to_config(), **model_config(cfg.to_dict()), **recipe, "version": 0, TRAIN_SEED: 1})

@@ -37,7 +37,7 @@ def gen(seed: int) -> torch.Generator:
 def built(cls, **options):
     """`cls` on the synthetic data's CNN, with 40 central samples attached (as the runner attaches them)."""
     cfg = load_config({**TINY})
-    model = build_from_config(cfg.to_dict(), 1, 8, 4, seed=0)
+    model = build_from_config(cfg.to_dict(), (1, 8, 8), 4, seed=0)
     spec = ParamSpec.of(model)
     s = cls(recipe=RECIPE, seed=3, **options)
     s.initialize(spec.flatten(model), spec, model)
@@ -154,7 +154,7 @@ def test_only_the_transferred_examples_teach_the_class_the_clients_lack(tmp_path
     recall = {}
     for name, extra in (("fedavg", {}), ("example-transfer", {"transfer-examples": 16})):
         out = run_inprocess({**common, "strategy": name, **extra, "run-name": name})
-        model = build_from_config(load_config(common).to_dict(), 1, 8, 4, seed=0)
+        model = build_from_config(load_config(common).to_dict(), (1, 8, 8), 4, seed=0)
         model.load_state_dict(torch.load(out / "model.pt", weights_only=True))
         recall[name] = evaluate(model, lacking)["accuracy"]
     assert recall["fedavg"] == 0.0 and recall["example-transfer"] > 0.8
@@ -182,7 +182,7 @@ def test_payload_counters_match_the_bytes_actually_pushed(tmp_path):
     assert sum(r["bytes-extra-down"] for r in steps) == sum(e for _, e in pushed) == len(pushed) * 4 * 5 * (64 + 1)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["extra-bytes-down-per-dispatch"] == 4 * 5 * (64 + 1)
-    model = ParamSpec.of(build_from_config(load_config(TINY).to_dict(), 1, 8, 4, seed=0)).numel
+    model = ParamSpec.of(build_from_config(load_config(TINY).to_dict(), (1, 8, 8), 4, seed=0)).numel
     assert summary["bytes-up-per-update"] == 4 * model  # the uplink is unchanged: one delta
 
 

@@ -327,7 +327,7 @@ def test_cnn_width_sets_the_channels_and_travels_from_the_run_config():
     from server_app.config import load_config
     from common.models import build_from_config
 
-    narrow = build_from_config(load_config({"cnn-width": 16}).to_dict(), 1, 28, 10, seed=0)
+    narrow = build_from_config(load_config({"cnn-width": 16}).to_dict(), (1, 28, 28), 10, seed=0)
     assert [m.out_channels for m in narrow.body if isinstance(m, torch.nn.Conv2d)] == [16, 32, 32]
     assert narrow.head.in_features == 64
     wide = build_model("cnn", 1, 28, 10, seed=0)
@@ -341,7 +341,7 @@ def test_cnn_group_norm_makes_each_convolution_scale_free_and_travels_from_the_r
 
     x = torch.rand(16, 1, 28, 28)
     for norm, scale_free in (("none", False), ("group", True)):
-        model = build_from_config(load_config({"cnn-width": 8, "cnn-norm": norm}).to_dict(), 1, 28, 10, seed=0)
+        model = build_from_config(load_config({"cnn-width": 8, "cnn-norm": norm}).to_dict(), (1, 28, 28), 10, seed=0)
         norms = [m for m in model.body if isinstance(m, torch.nn.GroupNorm)]
         assert [(m.num_groups, m.num_channels) for m in norms] == ([] if norm == "none" else [(2, 8), (4, 16), (4, 16)])
         with torch.no_grad():

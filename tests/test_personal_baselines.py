@@ -42,7 +42,7 @@ def test_local_keeps_each_clients_own_model_and_shares_nothing():
 
 def clients_and_model(out, job):
     cfg = load_config(job)
-    model = build_from_config(cfg.to_dict(), 1, 8, 4, seed=0)
+    model = build_from_config(cfg.to_dict(), (1, 8, 8), 4, seed=0)
     return cfg, model, ParamSpec.of(model), json.loads((out / "clients.jsonl").read_text().splitlines()[-1])
 
 

@@ -79,7 +79,7 @@ def test_the_client_trains_with_the_objective_its_message_names():
     cfg = load_config({"dataset": "synthetic", "num-clients": 2, "clients-per-round": 2, "local-epochs": 3,
                        "lr": 0.1})
     spec, full = data_spec(cfg), load_dataset("synthetic")
-    model = build_from_config(cfg.to_dict(), 1, 8, full.num_classes, seed=0)
+    model = build_from_config(cfg.to_dict(), (1, 8, 8), full.num_classes, seed=0)
     pspec = ParamSpec.of(model)
     grid = InProcessGrid(client_app, num_nodes=2)
     node = next(iter(grid.get_node_ids()))

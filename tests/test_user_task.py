@@ -1,0 +1,138 @@
+"""A user's own model and data by import path, and examples/tabular, the project that uses hybridfl as a library."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Context, RecordDict
+
+from common.config import ConfigError
+from common.data import load_dataset
+from common.models import build_from_config
+from scripts.flower import PROJECT_DIR
+from server_app.config import load_config
+from server_app.inprocess import InProcessGrid, run_inprocess
+
+EXAMPLE = PROJECT_DIR / "examples" / "tabular"
+
+
+@pytest.fixture(autouse=True)
+def example_on_path(monkeypatch):
+    """The example's package importable, as it is where its Flower app runs (and a test module for bad code)."""
+    monkeypatch.syspath_prepend(str(EXAMPLE))
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+
+
+# What a user might get wrong, for the error tests (imported as tests/test_user_task.py's own module).
+def not_a_module(input_shape, num_classes):
+    return "a string"
+
+
+def frozen_only(input_shape, num_classes):
+    return torch.nn.Linear(input_shape[0], num_classes).requires_grad_(False)
+
+
+def three_things(root):
+    return np.zeros((4, 2), np.float32), np.zeros(4, np.int64), 2
+
+
+def float_labels(root):
+    return np.zeros((4, 2), np.float32), np.zeros(4, np.float32)
+
+
+def test_a_user_loader_and_factory_give_the_data_and_model_the_contract_says():
+    data = load_dataset("tabular_task.task:breast_cancer")
+    assert data.x.shape == (569, 30) and data.x.dtype == np.float32 and data.num_classes == 2
+    cfg = load_config({"preset": "tabular_task:presets/fedavg"})
+    a = build_from_config(cfg.to_dict(), data.x.shape[1:], 2, seed=3)
+    b = build_from_config(cfg.to_dict(), data.x.shape[1:], 2, seed=3)
+    c = build_from_config(cfg.to_dict(), data.x.shape[1:], 2, seed=4)
+    assert a(torch.from_numpy(data.x[:5])).shape == (5, 2)  # tabular inputs as they are: no image adapter
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))  # the run's seed fixes it
+    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
+    assert [n for n, _ in a.named_parameters()][-2:] == ["head.weight", "head.bias"]
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("model", "no_such_package.nets:make", r"'model' = 'no_such_package.nets:make'.*importable as 'no_such_package"
+                                          r".nets' .*must be installed where the run's ServerApp and ClientApps run"),
+    ("model", "tabular_task.task:missing", r"module 'tabular_task.task' has no 'missing'"),
+    ("model", "tabular_task.task:np", r"a callable; 'tabular_task.task:np' is a module"),
+    ("dataset", "no_such_package:load", r"'dataset' = 'no_such_package:load'.*a data loader 'module:function'"),
+    ("model", "not a path", r"'model' = 'not a path' is not allowed: expected one of 'cnn'.*or your own model"),
+    ("preset", "tabular_task:presets/none", r"'preset' = 'tabular_task:presets/none'.*your own 'package:path'"),
+])
+def test_an_import_path_that_does_not_resolve_fails_at_start_naming_key_value_and_why(key, value, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config({"preset": "tabular_task:presets/fedavg", key: value})
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("model", "test_user_task:not_a_module", "returning a torch.nn.Module; it returned a str"),
+    ("model", "test_user_task:frozen_only", "a module with trainable parameters"),
+    ("dataset", "test_user_task:three_things", "returning an ArrayDataset or \\(x, y\\) arrays; it returned a tuple"),
+    ("dataset", "test_user_task:float_labels", "integer labels 0..K-1; got float32"),
+    ("model", "cnn", r"'model' = 'cnn'.*for inputs of shape \(30,\): the built-in models take images"),
+])
+def test_a_factory_or_loader_that_returns_the_wrong_thing_fails_naming_what_was_expected(tmp_path, key, value,
+                                                                                         message):
+    with pytest.raises(ConfigError, match=message):
+        run_inprocess({"preset": "tabular_task:presets/fedavg", key: value, "output-dir": str(tmp_path)})
+
+
+@pytest.mark.parametrize("preset,floor", [("fedavg", 0.9), ("fedbuff", 0.9), ("feddle-id", 0.9), ("fedmerge", 0.9)])
+def test_the_example_projects_presets_learn_in_process(tmp_path, preset, floor):
+    out = run_inprocess({"preset": f"tabular_task:presets/{preset}", "output-dir": str(tmp_path), "run-name": preset})
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["dataset"] == "tabular_task.task:breast_cancer"
+    assert summary["total-failures"] == 0 and summary["best-test-accuracy"] >= floor
+
+
+def test_a_users_own_serverapp_trains_with_a_hybridfl_strategy_through_flower_start():
+    from client_app.app import app as client_app
+    from tabular_task.own_server import app
+
+    grid = InProcessGrid(client_app, 10)
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
+    app(grid, context)
+    result = context.state["result"]
+    assert result["rounds"] == 30 and result["accuracy"] >= 0.9
+
+
+def test_the_apps_own_config_table_counts_and_hybridfls_defaults_do_not():
+    from server_app.app import user_keys
+
+    defaults = {"lr": 0.05, "num-rounds": 20}  # hybridfl's defaults: its own pyproject lists every key so
+    assert user_keys(defaults, {}) == {}
+    assert user_keys({**defaults, "preset": "tabular_task:presets/fedmerge"}, {"lr": 0.1}) == {
+        "preset": "tabular_task:presets/fedmerge", "lr": 0.1}
+
+
+@pytest.mark.e2e
+def test_the_example_project_runs_under_flwr_run_with_its_own_preset(tmp_path):
+    """`flwr run .` in examples/tabular: hybridfl's apps, the user's package imported by the simulated nodes, and
+    the preset from the app's own config table (Feddle-ID)."""
+    from scripts import simulate
+
+    out = simulate.simulate({"output-dir": str(tmp_path), "run-name": "example", "num-rounds": 10},
+                            tmp_path / "flwr-home", app_dir=EXAMPLE)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["strategy"] == "feddle" and summary["config"]["model"] == "tabular_task.task:mlp"
+    assert summary["total-accepted"] > 0 and summary["total-failures"] == 0
+
+
+@pytest.mark.e2e
+def test_the_example_project_runs_on_a_local_deployment(tmp_path):
+    """SuperLink, SuperNodes and SuperExec processes that import the user's package from the app's files."""
+    from scripts import deploy_local
+
+    out, _ = deploy_local.deploy({"preset": "tabular_task:presets/fedbuff", "output-dir": str(tmp_path),
+                                  "run-name": "deployed", "num-rounds": 6, "clients-per-round": 3},
+                                 tmp_path / "flwr-home", supernodes=4, app_dir=EXAMPLE)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["dataset"] == "tabular_task.task:breast_cancer" and summary["total-accepted"] > 0
+    assert summary["total-failures"] == 0
