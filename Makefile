@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install data demo test simulate deploy compose-demo compose-twin compose-test clean
+.PHONY: install data demo test lint simulate deploy compose-demo compose-twin compose-test clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ demo: $(STAMP)
 	$(PY) -m scripts.simulate $(ARGS)
 
 # (2) the whole test suite (unit + end-to-end); PYTEST_ARGS='-m "not e2e"' for the fast part only
+# ruff, configured in pyproject.toml ([tool.ruff]); CI runs it before the tests.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 

@@ -12,7 +12,8 @@ side by side in one run:
   (scripts.flower.SUPEREXEC_POLL, as docker/compose.yml).
 
 Per update (a train message; rounds after the first) it splits the step's wall time (dispatch to reply, on the
-server) into the device's own log line (client_app/app.py ``device timing``: Flower's process start until our module loaded,
+server) into the device's own log line (client_app/app.py ``device timing``: Flower's process start until our module
+loaded,
 our imports (torch), the data, the model, the work) and the rest, which is Flower's: the SuperNode's and the
 SuperExec's polls, moving the messages, starting the process. With --compose it also prints what the compose
 test measured on the real engine (scripts/compose_engine.py: the main job's train messages, split the same way).
@@ -56,7 +57,8 @@ def measure(rounds: int, cache: bool, poll: str, workdir: Path) -> dict[str, flo
     run = {"preset": "fedavg-digits", "num-clients": 1, "clients-per-round": 1, "num-rounds": rounds,
            "output-dir": str(workdir / "runs"), "run-name": f"cache-{cache}-poll-{poll}"}
     (path,), _ = deploy_runs([run], workdir / f"home-{cache}", node_config="" if cache else 'cache-dir=""')
-    trains = [d for d in device_timings(sorted((path / "flower-logs").glob("supernode-*.log"))) if d["message"] == "train"]
+    logs = sorted((path / "flower-logs").glob("supernode-*.log"))
+    trains = [d for d in device_timings(logs) if d["message"] == "train"]
     return breakdown(trains, round_seconds(path))
 
 
@@ -64,7 +66,8 @@ def table(columns: dict[str, dict[str, float]]) -> str:
     names = {"flower-s": "Flower: process start until our module loads", "flower-rest":
              "Flower: polls, moving messages, process spawn", "import-s": "ours: imports (torch)",
              "data-s": "ours: the node's data", "model-s": "ours: model build and load",
-             "outside-work": "**outside the training**", "work-s": "the training", "update": "the update, dispatch to reply"}
+             "outside-work": "**outside the training**", "work-s": "the training",
+             "update": "the update, dispatch to reply"}
     head = "| seconds per update (one train message) | " + " | ".join(columns) + " |"
     rows = [head, "|---|" + "---:|" * len(columns)]
     for key, name in names.items():

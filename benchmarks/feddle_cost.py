@@ -26,12 +26,12 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from server_app.config import load_config
 from common.data import ArrayDataset
 from common.models import build_from_config
 from common.params import ParamSpec
 from common.server_data import ServerData
 from common.training import LocalRecipe
+from server_app.config import load_config
 from strategies import build_strategy
 from strategies.base import Update
 

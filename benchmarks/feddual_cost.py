@@ -28,12 +28,11 @@ from common.datasets import ArrayDataset
 from common.models import build_from_config
 from common.objectives import Received, build_loss
 from common.params import ParamSpec
-from common.protocol import LOSS_GRADIENT
-from common.training import LocalRecipe, accuracy_of, loss_gradient, train
+from common.training import LocalRecipe, accuracy_of, train
 from server_app.config import load_config
 from strategies import build_strategy
 from strategies.base import Update
-from strategies.feddual import w1
+from strategies.feddual import LOSS_GRADIENT, loss_gradient, w1
 
 SERVER = {"FedAvg": "fedavg-code", "FedDUAL (paper)": "feddual-code", "FedDUAL (code)": "feddual-reference-code"}
 

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from benchmarks.feddual_cost import medians
-from client_app.work import with_central_examples
 from common.datasets import ArrayDataset
 from common.models import build_from_config
 from common.objectives import Received, build_loss
@@ -33,6 +32,7 @@ from common.training import LocalRecipe, train
 from server_app.config import load_config
 from strategies import build_strategy
 from strategies.base import Payload, Strategy, Update
+from strategies.mixing import with_central_examples
 
 VARIANTS = {"no mixing (FedAvg)": "nomix", "parallel training": "parallel", "example transfer": "example",
             "gradient transfer": "gradient"}

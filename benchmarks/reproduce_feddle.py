@@ -429,7 +429,7 @@ def analysis(workers: int, family: str, seeds: Sequence[int], rounds: int | None
         server_loss = [e.get("loss-after", e.get("server-train-loss")) for e in last]
         server_loss = [v for v in server_loss if v is not None]
         val_loss = [e["val-loss"] for e in last if "val-loss" in e]
-        fmt = lambda v: f"{statistics.fmean(v):.3f}" if v else "—"  # noqa: E731
+        fmt = lambda v: f"{statistics.fmean(v):.3f}" if v else "—"
         lines.append(f"| {label} | {mean_std([r['test'] for r in got])} | {mean_std([r['val'] for r in got])} | "
                      + " | ".join(f"{100 * statistics.fmean(v):.1f}" if None not in v else "—" for v in at)
                      + f" | {fmt(server_loss)} | {fmt(val_loss)} | "
@@ -496,7 +496,7 @@ def select(workers: int, family: str, seeds: Sequence[int], other_seeds: Sequenc
         pick = choice.get(method)
         for i, (label, val, test) in enumerate(rows):
             mark = " *" if method in SELECT and pick is not None and SELECT[method][i] == pick else ""
-            fmt = lambda v: f"{100 * v:.1f}" if v is not None else "not run"  # noqa: E731
+            fmt = lambda v: f"{100 * v:.1f}" if v is not None else "not run"
             lines.append(f"| {method if i == 0 else ''} | {label}{mark} | {fmt(val)} | {fmt(test)} |")
     lines += ["", "| chosen | " + " | ".join(f"Dir({a:g}),N({s})" for a, s in SETTINGS) + " |",
               "|---|" + "---|" * len(SETTINGS)]

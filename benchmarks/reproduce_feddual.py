@@ -29,8 +29,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.runs import (add_run_options, config_digest, finished_run, mean_curves, mean_std, preset_job, pyplot,
-                            seeded, tune_or_run)
+from benchmarks.runs import (
+    add_run_options,
+    config_digest,
+    finished_run,
+    mean_curves,
+    mean_std,
+    preset_job,
+    pyplot,
+    seeded,
+    tune_or_run,
+)
 
 FAMILY = "feddual-fmnist"
 PARTITIONS = ("code", "dirichlet")
@@ -63,7 +72,7 @@ def _one(key: str, overrides: dict[str, Any]) -> dict[str, Any]:
     the barycenter's underflows."""
     _, summary, rows = finished_run(overrides)
     steps = [r for r in rows if r["round"] > 0]
-    mean = lambda k: statistics.fmean([r[k] for r in steps if k in r]) if any(k in r for r in steps) else None  # noqa: E731
+    mean = lambda k: statistics.fmean([r[k] for r in steps if k in r]) if any(k in r for r in steps) else None
     return {"key": key, "config": config_digest(overrides), "test": summary["max-last-5-evals"],
             "val": summary["val-max-last-5-evals"], "final": summary["final-test-accuracy"],
             "seconds": summary["wall-seconds"], "accepted": summary["total-accepted"],
@@ -78,7 +87,7 @@ def cells(results: dict[str, dict[str, Any]], method: str, partition: str) -> li
 def table(results: dict[str, dict[str, Any]]) -> str:
     lines = ["| Method | code's partition | final round | standard Dirichlet | mean β | underflowed arrays per "
              "round | largest barycenter weight | paper (FMNIST) |", "|---|---|---|---|---|---|---|---|"]
-    fmt = lambda rs, k: f"{statistics.fmean([r[k] for r in rs]):.3f}" if rs and rs[0].get(k) is not None else "—"  # noqa: E731
+    fmt = lambda rs, k: f"{statistics.fmean([r[k] for r in rs]):.3f}" if rs and rs[0].get(k) is not None else "—"
     for method, label, paper in METHODS:
         code, other = cells(results, method, "code"), cells(results, method, "dirichlet")
         lines.append(f"| {label} | {mean_std([r['test'] for r in code]) if code else '—'} | "

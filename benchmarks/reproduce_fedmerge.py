@@ -2,14 +2,16 @@
 
 Two settings, ``cluster`` (5 clusters of clients, 3 classes each as the code draws them) and ``personal``
 (Dirichlet 0.1); 50 clients, all in every round. Rows: FedMerge, the Fixed (k/15) ablation, FedAvg,
-FedAvg+, Local, IFCA and FedEM, at the protocol's d (``global-models``) with ``--seeds`` (3 for the table),
+FedAvg+, Local, IFCA, FedEM and Ditto (not in the paper: hybridfl's worked example of a method with client
+state), at the protocol's d (``global-models``) with ``--seeds`` (3 for the table),
 and FedMerge's d sweep ({1, 5, 10, 15}, ``--sweep-seeds``). Metric: the mean over clients of each client's
 accuracy on its own test split at the evaluation with the lowest mean validation loss (the paper's model
 selection; ``personal-selected-accuracy``). For FedMerge on the cluster split the table also says whether
 the learned weights found the ground-truth clusters: the adjusted Rand index of the rows' argmax against
 each client's class set, and the mean L1 distance of weight rows within and between true clusters.
 
-``--tune`` runs the clients' lr grid with FedAvg on the validation split (seed 100, cluster setting).
+``--tune`` runs the tuning grids on the validation split (seed 100, cluster setting): the clients' lr with FedAvg,
+then Ditto's λ (at the tuned lr).
 
 Runs are resumable and parallel (benchmarks/runs.py); results in ``<results>/runs.jsonl``, the tables in
 ``table.md``, the curves in ``personal.png``, seed 0's FedMerge heatmaps (d > 1) copied to
@@ -38,10 +40,11 @@ SETTINGS = ("cluster", "personal")
 # client work) last
 METHODS: list[tuple[str, str]] = [("fedmerge", "FedMerge"), ("fedavg", "FedAvg"), ("ifca", "IFCA"),
                                   ("fedmerge-fixed", "Fixed (5/15)"), ("fedavg-plus", "FedAvg+"), ("local", "Local"),
-                                  ("fedem", "FedEM")]
+                                  ("fedem", "FedEM"), ("ditto", "Ditto")]
 SWEEP = (1, 5, 10, 15)
 TUNE_SEED = 100
-TUNE_GRID = [{"lr": lr} for lr in (0.1, 0.3, 0.03)]
+TUNE_GRIDS: dict[str, list[dict[str, Any]]] = {"fedavg": [{"lr": lr} for lr in (0.1, 0.3, 0.03)],
+                                               "ditto": [{"ditto-lambda": lam} for lam in (0.01, 0.1, 1.0)]}
 # The paper's Table 2 (CIFAR-100, d = 15): the only numbers it prints for this experiment
 PAPER_TABLE_2 = {"cluster": {"fedavg": "30.29", "fedmerge-fixed": "32.52 (5/15)", "fedmerge": "53.27"},
                  "personal": {"fedavg": "29.20", "fedmerge-fixed": "44.70 (5/15)", "fedmerge": "51.18"}}
@@ -118,7 +121,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         got = {s: _cells(results, "fedmerge", s, f"global-models={d}") or
                [r for r in _cells(results, "fedmerge", s) if d == 5] for s in SETTINGS}
         rec = got["cluster"]
-        fmt = lambda k: f"{statistics.fmean([r[k] for r in rec]):.2f}" if rec and k in rec[0] else "—"  # noqa: E731
+        fmt = lambda k: f"{statistics.fmean([r[k] for r in rec]):.2f}" if rec and k in rec[0] else "—"
         accuracy = (mean_std([r["test"] for r in got[s]]) if got[s] else "—" for s in SETTINGS)
         lines.append(f"| {d} | " + " | ".join(accuracy) + f" | {fmt('ari')} | {fmt('within')} | {fmt('between')} |")
     return "\n".join(lines)
@@ -169,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     sweep = [int(s) for s in args.sweep_seeds.split(",")]
     args.results.mkdir(parents=True, exist_ok=True)
     if args.tune:
-        grid = [job("fedavg", "cluster", TUNE_SEED, extra, args.rounds) for extra in TUNE_GRID]
+        grid = [job(m, "cluster", TUNE_SEED, extra, args.rounds)
+                for m, extras in TUNE_GRIDS.items() for extra in extras]
         done = run_all([] if args.report else grid, args.results / "tuning.jsonl", args.jobs, _one)
         for key, _ in grid:
             r = done.get(key)

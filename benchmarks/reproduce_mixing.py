@@ -26,8 +26,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.runs import (add_run_options, config_digest, finished_run, mean_curves, mean_std, preset_job, pyplot,
-                             seeded, tune_or_run)
+from benchmarks.runs import (
+    add_run_options,
+    config_digest,
+    finished_run,
+    mean_curves,
+    mean_std,
+    preset_job,
+    pyplot,
+    seeded,
+    tune_or_run,
+)
 
 FAMILY = "mixing-fmnist"
 SETTINGS = ("binary", "classes10")

@@ -174,14 +174,13 @@ def ingest(replies: int = 100, repeats: int = 5) -> str:
 
     import torch
     from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.supercore.task_identity import TaskIdentity
 
     from common.models import build_model
     from common.params import ParamSpec
     from common.protocol import ARRAYS, BASE_VERSION, METRICS, NUM_EXAMPLES, PARTITION_ID
     from server_app.messaging import Dispatcher, parse_reply
-    from flwr.common.constant import SUPERLINK_NODE_ID
-    from flwr.supercore.task_identity import TaskIdentity
-
     from strategies import build_strategy
     from strategies.base import Update, deliver
 

@@ -30,16 +30,9 @@ import yaml
 
 from common.datasets import class_ids
 from common.devices import DEVICES
+from common.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot be used; the message names key, value and what is allowed."""
-
-    def __init__(self, key: str, value: Any, allowed: str, message: str = "") -> None:
-        self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(message or f"config key '{key}' = {value!r} is not allowed: expected {allowed}")
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ class ArrayDataset:
         return len(self.y)
 
     def subset(self, idx: np.ndarray) -> ArrayDataset:
-        pick = lambda a: None if a is None else a[idx]  # noqa: E731
+        pick = lambda a: None if a is None else a[idx]
         return ArrayDataset(self.x[idx], self.y[idx], self.num_classes, pick(self.groups), pick(self.fine))
 
     @property
@@ -154,7 +154,7 @@ _ISIC = _Source("ISIC 2019", "ISIC_2019_Training_Input/<image>.jpg and ISIC_2019
 
 def _dataset(x: np.ndarray, y: np.ndarray, num_classes: int, groups: np.ndarray | None = None,
              fine: np.ndarray | None = None) -> ArrayDataset:
-    as_int = lambda a: None if a is None else np.asarray(a, dtype=np.int64)  # noqa: E731
+    as_int = lambda a: None if a is None else np.asarray(a, dtype=np.int64)
     return ArrayDataset(np.ascontiguousarray(x, dtype=np.float32), as_int(y), num_classes, as_int(groups),
                         as_int(fine))
 
@@ -368,7 +368,7 @@ def _read_leaf(base: Path, source: _Source,
 
 def femnist(root: Path) -> ArrayDataset:
     """LEAF FEMNIST, 62 classes, ``groups`` = writer. Pixels as LEAF stores them (1.0 = white background)."""
-    to_images = lambda rows: np.asarray(rows, dtype=np.float32).reshape(-1, 1, 28, 28)  # noqa: E731
+    to_images = lambda rows: np.asarray(rows, dtype=np.float32).reshape(-1, 1, 28, 28)
     x, y, groups = _read_leaf(Path(root) / "femnist", _FEMNIST, to_images)
     return _dataset(x, y, 62, groups)
 

@@ -32,7 +32,8 @@ LoRA (ViT models) is injected with ``peft`` (``inject_adapter_in_model``: in pla
 ``nn.Linear`` layers, so peft cannot put an adapter on q or v alone. peft does wrap ``out_proj``,
 but MHA's forward reads ``out_proj.weight`` directly and never calls it: that adapter is silently
 bypassed (no effect, no gradient). Targeting the whole MHA module (peft's experimental MHA support)
-adapts the fused q|k|v with ONE rank-r pair plus out_proj. We therefore replace every ``nn.MultiheadAttention`` with :class:`SplitAttention`: the same computation with
+adapts the fused q|k|v with ONE rank-r pair plus out_proj. We therefore replace every ``nn.MultiheadAttention``
+with :class:`SplitAttention`: the same computation with
 separate ``q``, ``k``, ``v`` and ``out_proj`` ``nn.Linear`` layers, weights copied from ``in_proj``
 (so pretrained weights load unchanged, before the split). peft then targets ordinary linears.
 Default ``lora_targets="q,v"``: one adapter on the query and one on the value projection of every
@@ -65,7 +66,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from common.config import ConfigError
+from common.errors import ConfigError
 from common.protocol import MODEL
 from common.user_code import build_user_model, is_import_path
 
@@ -253,7 +254,7 @@ def load_pretrained(net: nn.Module, path: str, what: str) -> None:
         raise PretrainedWeightsError(f"pretrained weights for {what}: no such file {str(file)!r}")
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - any unreadable file gets the same clear message
+    except Exception as err:
         raise PretrainedWeightsError(f"pretrained weights for {what}: cannot read {str(file)!r} as a "
                                      f"torch state_dict ({type(err).__name__}: {err})") from err
     if not isinstance(state, Mapping) or not all(isinstance(v, torch.Tensor) for v in state.values()):

@@ -17,7 +17,6 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
-
 WIRE_KEY = "params"
 
 
@@ -42,7 +41,7 @@ def extras_to_record(arrays: dict[str, torch.Tensor]) -> ArrayRecord:
 
 def extras_from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
     """The extra tensors in `record` (float32), or :class:`BadArrays` naming one that is not finite floats."""
-    return {k: _finite_float(k, record[k].numpy()) for k in record.keys()}
+    return {k: _finite_float(k, record[k].numpy()) for k in record}
 
 
 @dataclass(frozen=True)

@@ -143,21 +143,6 @@ def train(model: nn.Module, data: ArrayDataset, recipe: LocalRecipe, seed: int, 
     return {"train-loss": seen["ce"] / n, "train-accuracy": seen["correct"] / n}
 
 
-def loss_gradient(model: nn.Module, data: ArrayDataset, arrays: int, batch_size: int = 1024) -> torch.Tensor:
-    """∇ Σ_i CE(model(x_i), y_i), the SUMMED cross-entropy over all of `data`, with respect to the model's last
-    `arrays` trainable parameter arrays, flat, in eval mode (FedDUAL's code: the server steps its last layers
-    along the barycenter of these gradients, taken at each client's trained model)."""
-    params = [p for p in model.parameters() if p.requires_grad][-arrays:]
-    x, y = on_model_device(model, data)
-    model.eval()
-    grads = [torch.zeros_like(p) for p in params]
-    for idx in torch.arange(len(y)).split(batch_size):  # the sum is additive over batches
-        ce = F.cross_entropy(model(x[idx]), y[idx], reduction="sum")
-        for g, part in zip(grads, torch.autograd.grad(ce, params)):
-            g += part
-    return torch.cat([g.reshape(-1) for g in grads]).detach()
-
-
 def train_on_server(model: nn.Module, spec: ParamSpec, params: torch.Tensor, server: Any, recipe: LocalRecipe,
                     seed: int, max_steps: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Load `params` into `model`, train it on ``server.data`` (cross-entropy on the server's labels) with
@@ -219,56 +204,3 @@ def evaluate(model: nn.Module, data: ArrayDataset, batch_size: int = 1024, seed:
     logits = predict(model, x, batch_size, seed)
     return {"loss": float(F.cross_entropy(logits, y, reduction="sum")) / len(y),
             "accuracy": int((logits.argmax(1) == y).sum()) / len(y)}
-
-
-# ---------------------------------------------------------------------------------------------
-# A mixture of M models (FedEM: Marfoq et al., "Federated Multi-Task Learning under a Mixture of
-# Distributions", NeurIPS 2021): the client's data is modelled as Σ_m π_m p_m(y | x).
-
-
-def _per_sample_losses(model: nn.Module, spec: ParamSpec, components: torch.Tensor, x: torch.Tensor,
-                       y: torch.Tensor, seed: int) -> torch.Tensor:
-    """ℓ(h_θm(x_i), y_i) for every component m and sample i (M × n), in eval mode."""
-    rows = []
-    for theta_m in components:
-        spec.load_into(model, theta_m)
-        rows.append(F.cross_entropy(predict(model, x, seed=seed), y, reduction="none"))
-    return torch.stack(rows)
-
-
-def train_mixture(model: nn.Module, spec: ParamSpec, components: torch.Tensor, pi: torch.Tensor,
-                  data: ArrayDataset, recipe: LocalRecipe, seed: int) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                dict[str, float]]:
-    """FedEM's local update (Alg. 1, lines 5–8): the E-step q(z_i = m) ∝ π_m exp(−ℓ(h_θm(x_i), y_i)) with the
-    received components, the M-step π_m = (1/n) Σ_i q(z_i = m), then each component trained for the recipe's
-    epochs on Σ_i q(z_i = m) ℓ(h_θm(x_i), y_i) (batch means). Returns the trained components (M × P), the new π
-    and the mixture's negative log-likelihood on the data before training (``train-loss``)."""
-    x, y = on_model_device(model, data)
-    losses = _per_sample_losses(model, spec, components, x, y, seed)
-    log_joint = pi.log()[:, None] - losses  # π_m = 0: log 0 = −inf, q = 0
-    q = torch.softmax(log_joint, 0)  # E-step
-    trained = []
-    for m, theta_m in enumerate(components):
-        spec.load_into(model, theta_m)
-        model.train()
-        opt = make_optimizer(recipe, [p for p in model.parameters() if p.requires_grad])
-        run_epochs(opt, len(y), recipe.batch_size, recipe.epochs, derive_seed(seed, m),
-                   lambda idx: (q[m, idx] * F.cross_entropy(model(x[idx]), y[idx], reduction="none")).mean())
-        trained.append(spec.flatten(model))
-    nll = float(-torch.logsumexp(log_joint, 0).mean())
-    return torch.stack(trained), q.mean(1), {"train-loss": nll}  # M-step: π = mean responsibility
-
-
-@torch.no_grad()
-def evaluate_mixture(model: nn.Module, spec: ParamSpec, components: torch.Tensor, pi: torch.Tensor,
-                     data: ArrayDataset, seed: int = 0) -> dict[str, float]:
-    """Loss −log Σ_m π_m p_m(y | x) and accuracy of the mixture's prediction argmax_y Σ_m π_m p_m(y | x)."""
-    if len(data) == 0:
-        return {"loss": 0.0, "accuracy": 0.0}
-    x, y = on_model_device(model, data)
-    probs = torch.zeros(())
-    for pi_m, theta_m in zip(pi, components):
-        spec.load_into(model, theta_m)
-        probs = probs + pi_m * torch.softmax(predict(model, x, seed=seed), 1)
-    return {"loss": float(-probs.gather(1, y[:, None]).clamp_min(1e-30).log().mean()),
-            "accuracy": int((probs.argmax(1) == y).sum()) / len(y)}

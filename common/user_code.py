@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common.config import ConfigError
 from common.datasets import ArrayDataset
+from common.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch import nn

@@ -32,11 +32,21 @@ from typing import Any
 
 import yaml
 
-from scripts.flower import (PROJECT_DIR, ProcessGroup, check_completed, flower_env, flwr_run, free_port,
-                            register_supernode, run_and_report, wait_until, write_connection)
+from scripts.flower import (
+    PROJECT_DIR,
+    ProcessGroup,
+    check_completed,
+    flower_env,
+    flwr_run,
+    free_port,
+    register_supernode,
+    run_and_report,
+    wait_until,
+    write_connection,
+)
 from scripts.pki import make_pki
-from server_app.config import load_config
 from scripts.simulate import MAIN_JOB, parse_overrides
+from server_app.config import load_config
 
 COMPOSE_DIR = PROJECT_DIR / "docker"
 CONNECTION = "hybridfl-compose"
@@ -104,7 +114,7 @@ def load(files: list[Path]) -> dict[str, Any]:
     """The compose files merged in order, variables interpolated, then checked (:func:`validate`)."""
     merged: dict[str, Any] = {}
     for path in files:
-        data = yaml.load(path.read_text(), Loader=_Loader)  # noqa: S506 - a SafeLoader that knows !reset
+        data = yaml.load(path.read_text(), Loader=_Loader)
         if not isinstance(data, dict):
             raise ComposeError(f"{path}: not a mapping")
         merged = _merge(merged, data)

@@ -16,7 +16,8 @@
    a wheelhouse made on the host (docker/wheels/, from pip's own sources). The log says which images it used.
 4. Through ``docker compose`` itself: (a) the main job end to end, its summary.json copied out, (b) with the
    SuperLink container killed a third of the way in and started again: the run completes with every step (its
-   state is in SQLite on its volume); (c) with-tls.yml: the registered SuperNodes train, an unregistered key is refused by the SuperLink, a
+   state is in SQLite on its volume); (c) with-tls.yml: the registered SuperNodes train, an unregistered key is
+   refused by the SuperLink, a
    plain-HTTP SuperNode is refused. compose.gpu.yml is validated by ``docker compose config``.
 
 Where no engine can start here (not root, no overlay or cgroups), it says why and skips (exit 0), or fails with
@@ -93,7 +94,8 @@ def ensure_tools() -> None:
         raise Skip("not root: dockerd, debootstrap and apt-get need root")
     if not shutil.which("apt-get") and not (Path(DOCKER).exists() and shutil.which("dockerd")):
         raise Skip("no apt-get to install Debian's docker.io and debootstrap")
-    missing = [pkg for pkg, tool in (("docker.io", "dockerd"), ("debootstrap", "debootstrap")) if not shutil.which(tool)]
+    tools = (("docker.io", "dockerd"), ("debootstrap", "debootstrap"))
+    missing = [pkg for pkg, tool in tools if not shutil.which(tool)]
     if missing or not Path(DOCKER).exists():
         apt = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *(missing or ["docker.io"])]
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}

@@ -53,7 +53,7 @@ def _san(name: str) -> x509.GeneralName:
 
 def _certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name | None,
                  issuer_key: ec.EllipticCurvePrivateKey, names: tuple[str, ...] = ()) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
     ca = issuer is None
     builder = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer or name)

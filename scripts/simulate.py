@@ -20,10 +20,19 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from scripts.flower import (
+    PROJECT_DIR,
+    ProcessGroup,
+    check_completed,
+    flower_env,
+    flwr_run,
+    free_port,
+    run_and_report,
+    wait_healthy,
+    write_connection,
+)
 from server_app.config import load_config
 from server_app.outputs import run_dir
-from scripts.flower import (PROJECT_DIR, ProcessGroup, check_completed, flower_env, flwr_run, free_port,
-                            run_and_report, wait_healthy, write_connection)
 
 CONNECTION = "hybridfl-sim"
 MAIN_JOB = "feddle-digits"  # README command (1): Feddle-ID on digits

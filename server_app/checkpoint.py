@@ -39,7 +39,7 @@ def _load(folder: Path) -> tuple[tuple[int, int], dict[str, Any]]:
         return cached
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # noqa: BLE001 - any unpickling failure means the file is unusable
+    except Exception as err:
         raise _bad(folder, f"{CHECKPOINT} is unreadable, corrupt or truncated ({type(err).__name__}: {err})") from err
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__

@@ -22,8 +22,18 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from common.params import BadArrays, ParamSpec, extras_from_record, extras_to_record
-from common.protocol import (ARRAYS, BASE_VERSION, CONFIG, EXTRAS, METRICS, NUM_EXAMPLES, PARTITION_ID, REPLY_KEYS,
-                             TRAIN_SEED, VERSION)
+from common.protocol import (
+    ARRAYS,
+    BASE_VERSION,
+    CONFIG,
+    EXTRAS,
+    METRICS,
+    NUM_EXAMPLES,
+    PARTITION_ID,
+    REPLY_KEYS,
+    TRAIN_SEED,
+    VERSION,
+)
 from common.training import derive_seed
 from strategies.base import Payload, Strategy, Update
 

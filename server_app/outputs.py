@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -129,9 +130,11 @@ class Recorder:
         with open(self.path / "events.jsonl", "a") as f:
             f.write(json.dumps(event) + "\n")
 
-    def finish(self, summary: dict[str, Any], models: dict[str, dict[str, torch.Tensor]]) -> dict[str, Any]:
+    def finish(self, summary: dict[str, Any], models: dict[str, dict[str, torch.Tensor]],
+               figures: Callable[[list[dict[str, Any]], list[dict[str, Any]]], dict[str, Any]]) -> dict[str, Any]:
         """Write summary.json, ``model.pt`` (the headline model's ``state_dict``; ``models.pt`` holds all of
-        them by name when the strategy has several) and the plots; return the summary."""
+        them by name when the strategy has several) and the plots, the method's own from
+        ``figures(rows, client_rows)`` (``Strategy.figures``); return the summary."""
         evals = [r for r in self.rows if "test-accuracy" in r]
         accs = [r["test-accuracy"] for r in evals]
         totals = {k: sum(r.get(k, 0) for r in self.rows) for k in ("accepted", "failures", "rejected", "timeouts")}
@@ -155,7 +158,7 @@ class Recorder:
         torch.save(next(iter(models.values())), self.path / "model.pt")
         if len(models) > 1:
             torch.save(models, self.path / "models.pt")
-        self._plots(evals)
+        self._plots(evals, figures)
         return summary
 
     def _rate(self) -> float | None:
@@ -163,12 +166,13 @@ class Recorder:
         span = self.last_event_t - (self.first_event_t or 0.0)
         return self.outcomes.get("accepted", 0) / span if span > 0 else None
 
-    def _plots(self, evals: list[dict[str, Any]]) -> None:
+    def _plots(self, evals: list[dict[str, Any]], figures: Callable[..., dict[str, Any]]) -> None:
         import matplotlib
 
         matplotlib.use("Agg")
         from matplotlib import pyplot as plt
 
+        figures = figures(self.rows, self.client_rows)
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot([r["round"] for r in evals], [r["test-accuracy"] for r in evals], marker="o", ms=3)
         ax.set(xlabel="round", ylabel="test accuracy")
@@ -203,36 +207,8 @@ class Recorder:
             fig.savefig(self.path / "personal.png", dpi=100)
             plt.close(fig)
 
-        weights = [r for r in self.client_rows if "merge-weights" in r]
-        if weights:  # FedMerge: softmax(A) at four evaluations (partition ids in order: clusters are id blocks)
-            picks = sorted({0, len(weights) // 3, 2 * len(weights) // 3, len(weights) - 1})
-            fig, axes = plt.subplots(1, len(picks), figsize=(3.2 * len(picks) + 1, 4), squeeze=False)
-            for ax, i in zip(axes[0], picks):
-                image = ax.imshow(np.array(weights[i]["merge-weights"]), aspect="auto", cmap="viridis", vmin=0,
-                                  interpolation="nearest")
-                ax.set(title=f"step {weights[i]['round']}", xlabel="global model j", ylabel="client i")
-                fig.colorbar(image, ax=ax, fraction=0.08)
-            fig.suptitle(f"{self.path.name}: merging weights softmax(A)", fontsize=9)
+        for name, fig in figures.items():  # the method's own (Strategy.figures)
+            fig.suptitle(f"{self.path.name}: {fig.get_suptitle()}", fontsize=9)
             fig.tight_layout()
-            fig.savefig(self.path / "merge-weights.png", dpi=100)
-            plt.close(fig)
-
-        searches = [r for r in self.rows if "c-mean" in r]
-        if searches:  # Feddle: the coefficient search of every step
-            steps = [r["round"] for r in searches]
-            fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-            for key in ("c-min", "c-mean", "c-max"):
-                axes[0].plot(steps, [r[key] for r in searches], label=key.removeprefix("c-"))
-            axes[0].set(xlabel="step", ylabel="coefficient")
-            axes[0].legend(fontsize=8)
-            axes[1].plot(steps, [r["c-negative"] for r in searches], color="tab:red")
-            axes[1].set(xlabel="step", ylabel="fraction negative")
-            if "loss-before" in searches[0]:  # off with search-diagnostics = false
-                for key in ("loss-before", "loss-after"):
-                    axes[2].plot(steps, [r[key] for r in searches], label=key)
-                axes[2].legend(fontsize=8)
-            axes[2].set(xlabel="step", ylabel="server-data loss")
-            fig.suptitle(f"{self.path.name}: coefficient search", fontsize=9)
-            fig.tight_layout()
-            fig.savefig(self.path / "search.png", dpi=100)
+            fig.savefig(self.path / name, dpi=100)
             plt.close(fig)

@@ -148,7 +148,8 @@ class Run:
             "final-version": self.strategy.version, "client-eval": client_eval,
             "server-data": describe(self.server_data), "resumed-after-step": self.first_step - 1,
             "reply-to-dispatch-s": self.runner.latency_summary(),
-            "wall-seconds": time.perf_counter() - t_start, "train-seconds": train_seconds}, models)
+            "wall-seconds": time.perf_counter() - t_start, "train-seconds": train_seconds}, models,
+            type(self.strategy).figures)
         log(INFO, "run %s finished: final test accuracy %.4f (max of last 5 evals %.4f); outputs in %s", self.out.name,
             summary["final-test-accuracy"], summary["max-last-5-evals"], self.out)
         if "personal-selected-accuracy" in summary:

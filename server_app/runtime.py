@@ -39,6 +39,7 @@ from flwr.app import Message
 from flwr.common import log
 from flwr.serverapp import Grid
 
+from common.protocol import CLIENT_SIDE
 from server_app.messaging import Dispatcher, NodeDirectory, RejectedReply, parse_reply, weighted_mean
 from strategies.base import Payload, Strategy, Unusable, Update
 
@@ -132,7 +133,8 @@ class Runner:
         if clock not in CLOCKS:
             raise ValueError(f"clock {clock!r} is not one of {CLOCKS}")
         self.grid, self.strategy = grid, strategy
-        self.directory, self.dispatcher = NodeDirectory(grid), Dispatcher(strategy.spec, dict(run_config), seed)
+        self.directory = NodeDirectory(grid)
+        self.dispatcher = Dispatcher(strategy.spec, {**run_config, CLIENT_SIDE: strategy.client_side.name}, seed)
         self.clients_per_round, self.clock, self.delay_sigma = clients_per_round, clock, delay_sigma
         self.concurrency, self.reply_timeout, self.poll_interval = concurrency, reply_timeout, poll_interval
         self.wait_nodes, self.server_data = wait_nodes, server_data

@@ -1,8 +1,11 @@
 """Aggregation strategies, one module per method, on the contract of ``strategies.base``.
 
-Importing this package registers every strategy in :data:`STRATEGIES` (name -> class).
+Importing this package imports every module in it, which registers each strategy in :data:`STRATEGIES`
+(name -> class), its client side and its client objective: a new method is one new file here.
 """
 
+import importlib
+import pkgutil
 from typing import Any
 
 from common.config import make_options
@@ -14,8 +17,8 @@ from strategies.fedavg import FedAvg
 from strategies.fedavg_plus import FedAvgPlus
 from strategies.fedbuff import FedBuff
 from strategies.feddf import FedDF
-from strategies.feddual import FedDual
 from strategies.feddle import Feddle
+from strategies.feddual import FedDual
 from strategies.fedem import FedEM
 from strategies.fedmerge import FedMerge
 from strategies.hybrid_baselines import HFCL, Center, FedFT
@@ -23,6 +26,9 @@ from strategies.ifca import IFCA
 from strategies.local import Local
 from strategies.mixing import ExampleTransfer, GeneralizedFedAvg, GradientTransfer, ParallelTraining
 from strategies.scaffold import Scaffold
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 
 def build_strategy(name: str, options: dict[str, Any], *, seed: int = 0, num_clients: int = 0,

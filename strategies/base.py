@@ -19,8 +19,10 @@ One global model ω is the default case: ``model_for`` sends it to everybody and
 is ``{"global": ω}``; a method with per-client models (FedMerge) overrides the two. A method's
 hyperparameters are a dataclass of options (``Config``) next to its class; the keys are the same
 in YAML, ``flwr run -c``, the dataclass and ``describe()``. A subclass with a ``name`` is
-registered in :data:`STRATEGIES` under it. A client-side counterpart, if the method needs one, is a
-client objective (``common/objectives.py``) its payload names in ``config["local-objective"]``.
+registered in :data:`STRATEGIES` under it. The method's client side, if it needs more than local training
+with the run's objective, is a :class:`~strategies.client.ClientSide` in the same file, named by the class
+attribute ``client_side`` (every message says which); a client objective of its own is registered there too
+(``common.objectives.objective``) and named by its payload in ``config["local-objective"]``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch import nn
 from common.config import NoOptions, check_options, options_dict
 from common.params import ParamSpec
 from common.training import LocalRecipe
+from strategies.client import ClientSide
 
 
 @dataclass
@@ -112,6 +115,7 @@ class Strategy(ABC):
     name: ClassVar[str] = ""
     Config: ClassVar[type] = NoOptions
     server_data: ClassVar[str] = "none"  # "none", "in-domain" (labels in the clients' space) or "any"
+    client_side: ClassVar[type[ClientSide]] = ClientSide  # what the clients do (strategies/client.py)
     _structure: ClassVar[frozenset[str]] = frozenset({"config", "seed", "num_clients", "recipe", "spec", "model",
                                                       "server"})
 
@@ -178,6 +182,12 @@ class Strategy(ABC):
     def client_report(self) -> dict[str, list]:
         """Per-client state recorded with every personalised evaluation (``clients.jsonl``), one entry per
         client id (FedMerge: each client's merging weights); default none."""
+        return {}
+
+    @classmethod
+    def figures(cls, rows: list[dict[str, Any]], client_rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """The method's own plots of a run, from its ``metrics.jsonl`` rows and ``clients.jsonl`` rows: matplotlib
+        figures by file name (a suptitle says what each shows); the outputs save them. Default none."""
         return {}
 
     def describe(self) -> dict[str, Any]:

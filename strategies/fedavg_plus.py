@@ -6,12 +6,32 @@ The fine-tuned models stay on the clients; training rounds are plain FedAvg.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from common.config import COUNT, option
-from common.protocol import FINETUNE_EPOCHS
+from common.protocol import VERSION
+from common.training import EVAL_STREAM, derive_seed, train
 from strategies.base import Payload
+from strategies.client import ClientSide, LocalTask
 from strategies.fedavg import FedAvg
+
+# Key of an evaluate message's config: epochs the client fine-tunes the received model on its own training data
+# before it evaluates it.
+FINETUNE_EPOCHS = "finetune-epochs"
+
+
+class FedAvgPlusClient(ClientSide):
+    """Before an evaluation, ``finetune-epochs`` of the local recipe (cross-entropy) on the client's training data,
+    seeded by (run seed, client, version)."""
+
+    name = "fedavg-plus"
+
+    def prepare(self, task: LocalTask, evaluating: bool) -> None:
+        if evaluating and (epochs := int(task.config.get(FINETUNE_EPOCHS, 0))):
+            recipe = dataclasses.replace(task.recipe, epochs=epochs, objective="cross-entropy", objective_options=())
+            train(task.model, task.parts["train"], recipe, device=task.device,
+                  seed=derive_seed(task.seed, EVAL_STREAM, task.partition, int(task.config[VERSION])))
 
 
 @dataclass(frozen=True)
@@ -24,6 +44,7 @@ class FedAvgPlus(FedAvg):
 
     name = "fedavg-plus"
     Config = FedAvgPlusConfig
+    client_side = FedAvgPlusClient
 
     def model_for(self, client: int) -> Payload:
         return Payload(self.params, config={FINETUNE_EPOCHS: self.config.finetune_epochs})

@@ -116,6 +116,31 @@ class Feddle(Strategy):
             require_in_domain(server, "Feddle with server-finetune-epochs > 0")
         super().attach(server)
 
+    @classmethod
+    def figures(cls, rows: list[dict[str, Any]], client_rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """``search.png``: the coefficients of every search, the fraction negative, the server-data loss before
+        and after it."""
+        searches = [r for r in rows if "c-mean" in r]
+        if not searches:
+            return {}
+        from matplotlib import pyplot as plt
+
+        steps = [r["round"] for r in searches]
+        fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+        for key in ("c-min", "c-mean", "c-max"):
+            axes[0].plot(steps, [r[key] for r in searches], label=key.removeprefix("c-"))
+        axes[0].set(xlabel="step", ylabel="coefficient")
+        axes[0].legend(fontsize=8)
+        axes[1].plot(steps, [r["c-negative"] for r in searches], color="tab:red")
+        axes[1].set(xlabel="step", ylabel="fraction negative")
+        if "loss-before" in searches[0]:  # off with search-diagnostics = false
+            for key in ("loss-before", "loss-after"):
+                axes[2].plot(steps, [r[key] for r in searches], label=key)
+            axes[2].legend(fontsize=8)
+        axes[2].set(xlabel="step", ylabel="server-data loss")
+        fig.suptitle("coefficient search")
+        return {"search.png": fig}
+
     # -- atlas ------------------------------------------------------------------------------
     def receive(self, update: Update) -> None:
         """Every update becomes an anchor; a full atlas replaces its least important one (Alg. 1, l. 14–19)."""

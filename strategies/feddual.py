@@ -36,12 +36,127 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+from torch.nn import functional as F
 
 from common.config import COUNT, POSITIVE, ConfigError, OneOf, Range, option
-from common.protocol import LOSS_GRADIENT
+from common.datasets import ArrayDataset
+from common.objectives import BatchLoss, LocalLoss, Received, objective
+from common.training import on_model_device
 from strategies.aggregation import example_weights, weighted_sum
 from strategies.base import Payload, Unusable, Update
+from strategies.client import ClientSide, LocalTask
 from strategies.fedavg import FedAvg
+
+BETA_MODES = ("epoch", "reference")
+
+
+@dataclass(frozen=True)
+class AdaptiveLossConfig:
+    beta_mode: str = option("epoch", OneOf(BETA_MODES), "FedDUAL's β = σ(A_local − A_global): `epoch` measures "
+                            "A_local on the client's data after every local epoch (the paper's reading); "
+                            "`reference`: the code's β ≡ 0.5 and a KL term without gradient (loss = CE / 2)")
+
+
+def flat_log_softmax(params: list[torch.Tensor]) -> torch.Tensor:
+    """log softmax(flatten(weights)) over every weight of the model at once (FedDUAL, Eq. 6)."""
+    return F.log_softmax(torch.cat([w.reshape(-1) for w in params]), 0)
+
+
+class AdaptiveLoss(LocalLoss):
+    """FedDUAL's adaptive local objective (Sahoo et al., FedDUAL, §4.0.1, Eqs. 6–10):
+
+        p = softmax(flatten(w_local)),  q = softmax(flatten(w_global))              (6)
+        f̃_k(w) = (1 − β) · CE_k(w) + β · D_KL(p ‖ q)                                (7, 8)
+        β = σ(A_local − A_global)                                                     (9)
+
+    A_global is the received model's accuracy on the client's training data before local training (the
+    paper); A_local, which the paper does not time, is re-measured after every local epoch (``epoch``), so β
+    is σ(0) = 0.5 in the first epoch. Accuracies are fractions, as in the code: β ∈ [σ(−1), σ(1)].
+    ``reference`` is the released code: both accuracies are measured before training (β ≡ 0.5) and the KL
+    term is a constant with no gradient, so the loss is CE / 2.
+    """
+
+    def __init__(self, received: Received, options: AdaptiveLossConfig) -> None:
+        if received.accuracy is None:
+            raise ValueError("FedDUAL's adaptive loss measures accuracies on the client's data: Received.accuracy "
+                             "is unset")
+        self.model, self.measure, self.metrics = received.model, received.accuracy, received.metrics
+        self.params = [p for p in received.model.parameters() if p.requires_grad]
+        self.reference = options.beta_mode == "reference"
+        self.log_q = flat_log_softmax(received.start)  # the frozen global model; nothing extra is downloaded
+        self.beta, self.betas = 0.5, [0.5]  # A_local = A_global before the first epoch: β = σ(0)
+        self.metrics["feddual-beta"] = self.beta
+        if not self.reference:
+            self.a_global = self.accuracy()
+            self.metrics.update({"feddual-a-global": self.a_global, "feddual-a-local": self.a_global})
+
+    def accuracy(self) -> float:
+        """The model's accuracy on the client's data now (eval mode); the model goes back to train mode."""
+        acc = self.measure()
+        self.model.train()
+        return acc
+
+    def kl(self) -> torch.Tensor:
+        """D_KL(p ‖ q) = Σ_i p_i (log p_i − log q_i) (Eq. 7), differentiable in the local weights."""
+        log_p = flat_log_softmax(self.params)
+        return (log_p.exp() * (log_p - self.log_q)).sum()
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        ce = F.cross_entropy(logits, y)
+        if self.reference:
+            return 0.5 * ce
+        return (1.0 - self.beta) * ce + self.beta * self.kl()  # Eq. 8 (β a constant within the epoch)
+
+    def epoch_end(self) -> None:
+        if self.reference:
+            return
+        self.a_local = self.accuracy()
+        self.beta = float(torch.sigmoid(torch.tensor(self.a_local - self.a_global)))  # Eq. 9
+        self.betas.append(self.beta)
+        # β of the epochs trained (the last re-measure only reports A_local)
+        self.metrics.update({"feddual-a-local": self.a_local,
+                             "feddual-beta": sum(self.betas[:-1]) / max(len(self.betas) - 1, 1)})
+
+
+@objective("feddual", AdaptiveLossConfig)
+def feddual(received: Received, options: AdaptiveLossConfig) -> BatchLoss:
+    """FedDUAL's adaptive loss (:class:`AdaptiveLoss`); the server side is ``strategies/feddual.py``."""
+    return AdaptiveLoss(received, options)
+
+
+# FedDUAL's code (dynamic-source = loss-gradient): a train message's config asks for the gradient of the summed
+# cross-entropy over the client's whole training data, at its trained model, w.r.t. its last this-many parameter
+# arrays; the reply carries it (flat) as the extra array of the same name.
+LOSS_GRADIENT = "loss-gradient"
+
+
+def loss_gradient(model: nn.Module, data: ArrayDataset, arrays: int, batch_size: int = 1024) -> torch.Tensor:
+    """∇ Σ_i CE(model(x_i), y_i), the SUMMED cross-entropy over all of `data`, with respect to the model's last
+    `arrays` trainable parameter arrays, flat, in eval mode (FedDUAL's code: the server steps its last layers
+    along the barycenter of these gradients, taken at each client's trained model)."""
+    params = [p for p in model.parameters() if p.requires_grad][-arrays:]
+    x, y = on_model_device(model, data)
+    model.eval()
+    grads = [torch.zeros_like(p) for p in params]
+    for idx in torch.arange(len(y)).split(batch_size):  # the sum is additive over batches
+        ce = F.cross_entropy(model(x[idx]), y[idx], reduction="sum")
+        for g, part in zip(grads, torch.autograd.grad(ce, params)):
+            g += part
+    return torch.cat([g.reshape(-1) for g in grads]).detach()
+
+
+class FedDualClient(ClientSide):
+    """Local training with the run's objective (``feddual``: the adaptive loss), then, when the message asks
+    (``loss-gradient``), the summed cross-entropy gradient of the trained model's last arrays."""
+
+    name = "feddual"
+
+    def train(self, task: LocalTask) -> torch.Tensor:
+        delta = super().train(task)
+        if arrays := int(task.config.get(LOSS_GRADIENT, 0)):
+            task.reply[LOSS_GRADIENT] = loss_gradient(task.model, task.parts["train"], arrays)
+        return delta
 
 
 @dataclass(frozen=True)
@@ -91,12 +206,13 @@ def wasserstein_barycenter(vectors: torch.Tensor, eps: float, iters: int,
 
 class FedDual(FedAvg):
     """FedDUAL's dynamic aggregation (options: FedDualConfig). A round's updates are collected as FedAvg's are;
-    its clients train with the ``feddual`` objective (common/objectives.py) when the run's
+    its clients train with the ``feddual`` objective (:class:`AdaptiveLoss`) when the run's
     ``local-objective`` says so, so the paper's ablations (adaptive loss only, dynamic aggregation only) are
     the same two switches."""
 
     name = "feddual"
     Config = FedDualConfig
+    client_side = FedDualClient
 
     def initialize(self, params: torch.Tensor, spec: Any, model: Any = None) -> None:
         super().initialize(params, spec, model)

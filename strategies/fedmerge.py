@@ -146,6 +146,25 @@ class FedMerge(FedAvg):
         """The uniform merge: what a client that never trained gets."""
         return {"global": self.params}
 
+    @classmethod
+    def figures(cls, rows: list[dict[str, Any]], client_rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """``merge-weights.png``: softmax(A) at four evaluations (partition ids in order: clusters are id blocks)."""
+        weights = [r for r in client_rows if "merge-weights" in r]
+        if not weights:
+            return {}
+        import numpy as np
+        from matplotlib import pyplot as plt
+
+        picks = sorted({0, len(weights) // 3, 2 * len(weights) // 3, len(weights) - 1})
+        fig, axes = plt.subplots(1, len(picks), figsize=(3.2 * len(picks) + 1, 4), squeeze=False)
+        for ax, i in zip(axes[0], picks):
+            image = ax.imshow(np.array(weights[i]["merge-weights"]), aspect="auto", cmap="viridis", vmin=0,
+                              interpolation="nearest")
+            ax.set(title=f"step {weights[i]['round']}", xlabel="global model j", ylabel="client i")
+            fig.colorbar(image, ax=ax, fraction=0.08)
+        fig.suptitle("merging weights softmax(A)")
+        return {"merge-weights.png": fig}
+
     def client_report(self) -> dict[str, list]:
         """softmax(A): row i is client i's merging weights (the paper's Fig. 4 heatmaps)."""
         return {"merge-weights": torch.softmax(self.logits, 1).tolist()}

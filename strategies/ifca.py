@@ -21,12 +21,50 @@ from typing import Any
 import torch
 from torch import nn
 
+from common.datasets import ArrayDataset
 from common.params import ParamSpec
-from common.protocol import CANDIDATE, CANDIDATES
+from common.training import evaluate
 from strategies.aggregation import fedavg_step
 from strategies.base import Payload, Unusable, Update
+from strategies.client import ClientSide, LocalTask
 from strategies.fedavg import FedAvg
 from strategies.fedmerge import GLOBAL_MODELS, independent_inits
+
+# A payload's extra array: the cluster models after the message's own (θ_2..θ_k, flat); the reply's metric: the
+# index of the model the client chose (0 = the message's).
+CANDIDATES, CANDIDATE = "candidates", "candidate"
+
+
+def choose_candidate(model: nn.Module, spec: ParamSpec, candidates: torch.Tensor | None, data: ArrayDataset,
+                     seed: int) -> int:
+    """Load the model of lowest loss on `data` — the message's own (index 0) or one of the `candidates` (1, 2, …) —
+    into `model` and return its index (Alg. 1, line 6); ties: the lowest index."""
+    if candidates is None:
+        return 0
+    models = [spec.flatten(model), *candidates.reshape(-1, spec.numel)]
+    losses = []
+    for params in models:
+        spec.load_into(model, params)
+        losses.append(evaluate(model, data, seed=seed)["loss"])
+    best = min(range(len(models)), key=losses.__getitem__)
+    spec.load_into(model, models[best])
+    return best
+
+
+class IFCAClient(ClientSide):
+    """The client trains, or evaluates, the cluster model that fits its training data best, and names it."""
+
+    name = "ifca"
+
+    def prepare(self, task: LocalTask, evaluating: bool) -> None:
+        self.chosen = choose_candidate(task.model, task.spec, task.arrays.get(CANDIDATES), task.parts["train"],
+                                       task.seed)
+
+    def train(self, task: LocalTask) -> torch.Tensor:
+        delta = super().train(task)
+        if CANDIDATES in task.arrays:
+            task.metrics[CANDIDATE] = self.chosen
+        return delta
 
 
 @dataclass(frozen=True)
@@ -39,6 +77,7 @@ class IFCA(FedAvg):
 
     name = "ifca"
     Config = IFCAConfig
+    client_side = IFCAClient
 
     def __init__(self, config: Any = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)

@@ -23,15 +23,18 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 
-from common.config import COUNT, POSITIVE, OneOf, Option, Range, option
-from common.protocol import CENTRAL_GRADIENT, CENTRAL_X, CENTRAL_Y
+from common.config import COUNT, POSITIVE, NoOptions, OneOf, Option, Range, option
+from common.datasets import ArrayDataset
+from common.objectives import BatchLoss, Received, added_to_every_gradient, objective
 from common.server_data import require_in_domain
 from common.training import derive_seed, server_seed, train_on_server
 from strategies.aggregation import example_weights, weighted_sum
 from strategies.base import Payload
+from strategies.client import ClientSide, LocalTask
 from strategies.fedavg import FedAvg
 from strategies.fedbuff import SERVER_LR
 
@@ -123,6 +126,38 @@ class ParallelTraining(GeneralizedFedAvg):
         return {**self.advance(), "central-train-loss": stats["train-loss"]}
 
 
+# Payload arrays: a dispatch's central examples (images and labels, as floats) that the client trains on with its
+# own data this round (example transfer), and the central gradient it adds to every local step (gradient transfer).
+CENTRAL_X, CENTRAL_Y, CENTRAL_GRADIENT = "central-x", "central-y", "central-gradient"
+
+
+def with_central_examples(data: ArrayDataset, arrays: dict[str, torch.Tensor]) -> ArrayDataset:
+    """The client's data plus the central examples of the payload, for this round only."""
+    if CENTRAL_X not in arrays:
+        return data
+    x, y = arrays[CENTRAL_X].cpu().numpy(), arrays[CENTRAL_Y].round().long().cpu().numpy()
+    if x.shape[1:] != data.x.shape[1:] or len(x) != len(y) or (len(y) and (y.min() < 0 or y.max() >= data.num_classes)):
+        raise ValueError(f"central examples of shape {x.shape} with labels in [{y.min()}, {y.max()}] do not fit this "
+                         f"client's data {data.x.shape[1:]} with {data.num_classes} classes")
+    return ArrayDataset(np.concatenate([data.x, x]), np.concatenate([data.y, y]), data.num_classes)
+
+
+class ExampleTransferClient(ClientSide):
+    """Trains on its own data and the payload's central examples together."""
+
+    name = "example-transfer"
+
+    def training_data(self, task: LocalTask) -> ArrayDataset:
+        return with_central_examples(task.parts["train"], task.arrays)
+
+
+@objective("gradient-transfer")
+def gradient_transfer(received: Received, options: NoOptions) -> BatchLoss:
+    """Gradient transfer (Alg. 4): x ← CLIENTOPT(x, g + g̃) at every local step, g̃ = w · g_c the central gradient
+    the server sends as ``central-gradient``."""
+    return added_to_every_gradient(received, CENTRAL_GRADIENT)
+
+
 @dataclass(frozen=True)
 class ExampleConfig(ServerOptConfig):
     transfer_examples: int = option(32, Range(0), "central examples sent with every dispatch (|B|; 0 = FedAvg)")
@@ -135,6 +170,7 @@ class ExampleTransfer(GeneralizedFedAvg):
 
     name = "example-transfer"
     Config = ExampleConfig
+    client_side = ExampleTransferClient
     server_data = "in-domain"
 
     def model_for(self, client: int) -> Payload:

@@ -27,11 +27,20 @@ from typing import Any
 
 import torch
 
+from common.config import NoOptions
+from common.objectives import BatchLoss, Received, added_to_every_gradient, objective
 from common.params import ParamSpec
 from common.training import local_steps
 from strategies.base import Payload
 from strategies.fedavg import FedAvg
 from strategies.fedbuff import SERVER_LR
+
+
+@objective("scaffold")
+def scaffold(received: Received, options: NoOptions) -> BatchLoss:
+    """SCAFFOLD's corrected local step (Alg. 1 line 10): y ← y − η_l (g_i(y) − c_i + c). The server sends c − c_i
+    as the payload array ``correction``, and the loss adds it to every gradient."""
+    return added_to_every_gradient(received, "correction")
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ from common.protocol import ARRAYS
 
 def rows(out: Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]:
     """Lines of a run's jsonl file without what depends on timing (seconds, event times) or node ids."""
-    drop = lambda k: "seconds" in k or k in ("t", "node")  # noqa: E731
-    return [{k: v for k, v in json.loads(line).items() if not drop(k)} for line in (out / name).read_text().splitlines()]
+    drop = lambda k: "seconds" in k or k in ("t", "node")
+    lines = (out / name).read_text().splitlines()
+    return [{k: v for k, v in json.loads(line).items() if not drop(k)} for line in lines]
 
 
 def digest(path: Path) -> str:

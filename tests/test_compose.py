@@ -261,7 +261,8 @@ def test_the_final_status_outlives_a_superlink_restart_but_not_its_end(monkeypat
     assert flower.final_status({}, "c", 1) == expected
 
 
-def test_the_engine_test_skips_where_no_engine_can_start_and_fails_so_under_require(monkeypatch, tmp_path, capsys) -> None:
+def test_the_engine_test_skips_where_no_engine_can_start_and_fails_so_under_require(monkeypatch, tmp_path,
+                                                                                   capsys) -> None:
     """`make compose-test` on a machine that cannot run dockerd says why and skips; CI's --require fails."""
     from scripts import compose_engine
 

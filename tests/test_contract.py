@@ -16,12 +16,12 @@ from helpers import Crash, crashing, digest, faulty_client_app, rows
 from torch import nn
 
 from client_app.app import app as client_app
-from common.protocol import COMPONENT_DELTAS, COMPONENTS, MIXTURE
 from server_app.config import load_config
 from server_app.inprocess import InProcessGrid, run_inprocess
 from server_app.run import Run, build_run
 from strategies import STRATEGIES
 from strategies.base import Update
+from strategies.fedem import COMPONENT_DELTAS, COMPONENTS, MIXTURE
 
 NAMES = sorted(STRATEGIES)
 BASE = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 2, "num-rounds": 6, "local-epochs": 1,

@@ -17,7 +17,7 @@ def spec(**kw) -> DataSpec:
 def test_digits_is_the_real_uci_set():
     d = load_dataset("digits")
     assert d.x.shape == (1797, 1, 8, 8) and d.x.dtype == np.float32 and d.num_classes == 10
-    assert 0.0 <= d.x.min() and d.x.max() <= 1.0 and np.bincount(d.y).min() >= 170
+    assert d.x.min() >= 0.0 and d.x.max() <= 1.0 and np.bincount(d.y).min() >= 170
 
 
 def test_splits_are_disjoint_stratified_and_central_comes_from_test():
@@ -26,7 +26,7 @@ def test_splits_are_disjoint_stratified_and_central_comes_from_test():
     assert len(s.train) + len(s.test) + len(s.central) == len(full)
     assert len(s.central) == 100
     # Row sets are disjoint (digits has a few duplicate images, so compare multisets by count).
-    rows = lambda d: {r.tobytes() for r in d.x.reshape(len(d), -1)}  # noqa: E731
+    rows = lambda d: {r.tobytes() for r in d.x.reshape(len(d), -1)}
     assert len(rows(s.train) & rows(s.test)) < 5
     assert abs(len(s.test) + len(s.central) - 0.2 * len(full)) <= 10
     test_share = np.bincount(np.concatenate([s.test.y, s.central.y]), minlength=10) / (len(s.test) + len(s.central))
@@ -94,7 +94,8 @@ def test_a_client_holds_out_its_own_test_and_validation_parts_of_its_partition()
     assert not np.array_equal(moved, client_holdout(spec(client_test_fraction=1 / 6, client_validation_fraction=1 / 12,
                                                          seed=2), 3)["test"])
     # no holdout: the partition is the training data, as before
-    np.testing.assert_array_equal(client_partition(spec(), 3).y, make_splits(spec()).train.y[partition_indices(spec())[3]])
+    train = make_splits(spec()).train
+    np.testing.assert_array_equal(client_partition(spec(), 3).y, train.y[partition_indices(spec())[3]])
     assert len(client_partition(spec(), 3, "test")) == 0
     with pytest.raises(ValueError, match="nothing to train on"):
         client_holdout(spec(client_test_fraction=0.9, client_validation_fraction=0.9), 0)
@@ -110,9 +111,9 @@ def test_spec_round_trips_through_message_config():
 def test_server_data_in_domain_is_the_central_split_and_out_of_domain_another_dataset():
     import torch
 
-    from server_app.config import load_config
     from common.data import data_spec
     from common.server_data import build_server_data, resolve_device
+    from server_app.config import load_config
 
     cfg = load_config({"central-size": 50})
     splits = make_splits(data_spec(cfg))
@@ -138,18 +139,19 @@ def test_validation_split_comes_from_the_test_split_and_leaves_the_central_split
     np.testing.assert_array_equal(without.central.x, with_val.central.x)
     assert len(with_val.validation) == 40 and len(with_val.test) == len(without.test) - 40
     np.testing.assert_array_equal(with_val.train.y, without.train.y)  # clients keep their data
-    rows = lambda d: {r.tobytes() for r in d.x.reshape(len(d), -1)}  # noqa: E731
-    assert not rows(with_val.validation) & rows(with_val.test) and not rows(with_val.validation) & rows(with_val.central)
+    rows = lambda d: {r.tobytes() for r in d.x.reshape(len(d), -1)}
+    validation = rows(with_val.validation)
+    assert not validation & rows(with_val.test) and not validation & rows(with_val.central)
     with pytest.raises(ValueError, match="validation-size 400 leave no test samples"):
         make_splits(spec(validation_size=400))
 
 
 def test_data_fraction_keeps_a_stratified_seeded_share_and_every_split_comes_from_it():
-    splits = lambda **kw: make_splits(spec(central_size=20, **kw))  # noqa: E731
+    splits = lambda **kw: make_splits(spec(central_size=20, **kw))
     full, whole, part = load_dataset("digits"), splits(), splits(data_fraction=0.25)
     used = np.concatenate([part.train.y, part.test.y, part.central.y])
     np.testing.assert_array_equal(np.bincount(used, minlength=10), np.round(0.25 * np.bincount(full.y)))
-    rows = lambda d: {r.tobytes() for r in d.x.reshape(len(d), -1)}  # noqa: E731
+    rows = lambda d: {r.tobytes() for r in d.x.reshape(len(d), -1)}
     assert len(rows(part.train) - rows(whole.train) - rows(whole.test) - rows(whole.central)) == 0
     assert len(rows(part.train) & rows(part.test)) < 5  # still disjoint (digits has a few duplicate images)
     np.testing.assert_array_equal(splits(data_fraction=0.25).train.x, part.train.x)  # seeded
@@ -175,10 +177,10 @@ def test_label_noise_touches_exactly_the_asked_fraction_of_client_labels_and_no_
 def test_ood_digits_feed_a_model_built_for_animal_mnist_clients():
     """The papers' offline OOD setting: Animal-MNIST (1×28×28) clients, scikit-learn digits (1×8×8)
     on the server; the model's input adapter upsamples the digits."""
-    from server_app.config import load_config
     from common.data import data_spec
     from common.models import build_from_config
     from common.server_data import build_server_data
+    from server_app.config import load_config
 
     cfg = load_config({"dataset": "animal-mnist", "server-dataset": "digits", "server-dataset-size": 100})
     splits = make_splits(data_spec(cfg))

@@ -10,7 +10,8 @@ from scripts.simulate import parse_overrides
 from server_app.config import load_config
 
 GUIDE = PROJECT_DIR / "docs" / "adding-a-method.md"
-SOURCES = [PROJECT_DIR / "strategies" / "scaffold.py", PROJECT_DIR / "common" / "objectives.py"]
+SOURCES = [PROJECT_DIR / "strategies" / "scaffold.py", PROJECT_DIR / "strategies" / "ditto.py",
+           PROJECT_DIR / "common" / "objectives.py"]
 
 
 def blocks(language: str) -> list[str]:
@@ -20,7 +21,7 @@ def blocks(language: str) -> list[str]:
 def test_every_code_excerpt_is_verbatim_in_the_source():
     sources = "\n".join(p.read_text() for p in SOURCES)
     excerpts = blocks("python")
-    assert len(excerpts) == 5
+    assert len(excerpts) == 10
     assert [e for e in excerpts if e not in sources] == []
 
 

@@ -128,7 +128,7 @@ def test_serverapp_killed_under_flwr_run_resumes_to_the_model_of_an_uninterrupte
     assert summary["resumed-after-step"] >= 4 and summary["final-version"] > 0
     assert digest(resumed / "model.pt") == digest(ref / "model.pt")
     assert rows(resumed, "events.jsonl") == rows(ref, "events.jsonl")
-    same = lambda r: {k: v for k, v in r.items() if not k.startswith("test-")}  # noqa: E731 - evaluation threads
+    same = lambda r: {k: v for k, v in r.items() if not k.startswith("test-")}
     assert [same(r) for r in rows(resumed)] == [same(r) for r in rows(ref)]
 
 

@@ -72,7 +72,7 @@ def test_per_client_models_and_extra_arrays_travel_both_ways(tmp_path, personal)
     models = torch.load(out / "models.pt")
     assert list(models) == ["global", "half"] and list(torch.load(out / "model.pt")) == list(models["global"])
     for name in models["global"]:
-        if name.startswith("body") or name.startswith("head"):
+        if name.startswith(("body", "head")):
             torch.testing.assert_close(models["half"][name], 0.5 * models["global"][name])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["client-eval"]["replies"] == 4 and summary["strategy"] == {"strategy": "test-personal"}

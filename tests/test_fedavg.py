@@ -69,7 +69,7 @@ def test_same_arrays_as_flower_fedavg():
         for i, (w, n) in enumerate(zip(models, sizes))]
     flower_arrays, flower_metrics = FlowerFedAvg().aggregate_train(1, weights)
     assert list(our_arrays.keys()) == list(flower_arrays.keys())
-    for name in our_arrays.keys():
+    for name in our_arrays:
         np.testing.assert_allclose(our_arrays[name].numpy(), flower_arrays[name].numpy(), rtol=0, atol=1e-6)
     assert our_metrics["train-loss"] == pytest.approx(flower_metrics["train-loss"])
     # ...and both equal the textbook formula.

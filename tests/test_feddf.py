@@ -145,7 +145,8 @@ def test_from_config():
     s = build_strategy(cfg.strategy, cfg.options)
     assert STRATEGIES["feddf"] is FedDF and isinstance(s, FedDF)
     c = s.config
-    assert (c.server_train_lr, c.server_train_epochs, c.distill_temperature, c.distill_batch_size) == (1e-4, 10, 3.0, 64)
+    options = (c.server_train_lr, c.server_train_epochs, c.distill_temperature, c.distill_batch_size)
+    assert options == (1e-4, 10, 3.0, 64)
     assert s.describe()["server-train-epochs"] == 10
 
 

@@ -123,7 +123,7 @@ def test_searching_every_step_starts_from_the_mean_of_the_steps_arrivals():
     feddle = Feddle(server_epochs=0, atlas_size=8, buffer_size=3, server_lr=0.7, search_every="step")
     feddle.initialize(spec.flatten(model), spec, model)
     g = torch.Generator().manual_seed(5)
-    for step, arrivals in enumerate([2, 0, 5, 1, 4]):
+    for arrivals in [2, 0, 5, 1, 4]:
         before = feddle.params.clone()
         deltas = [0.01 * torch.randn(spec.numel, generator=g) for _ in range(arrivals)]
         for n, delta in enumerate(deltas):

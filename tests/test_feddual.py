@@ -18,15 +18,21 @@ from common.config import ConfigError
 from common.data import load_dataset
 from common.datasets import ArrayDataset
 from common.models import build_from_config
-from common.objectives import AdaptiveLoss, FedDualConfig, Received, build_loss
+from common.objectives import Received, build_loss
 from common.params import ParamSpec
-from common.protocol import LOSS_GRADIENT
-from common.training import LocalRecipe, accuracy_of, evaluate, loss_gradient, train
+from common.training import LocalRecipe, accuracy_of, evaluate, train
 from server_app.config import load_config
 from server_app.inprocess import run_inprocess
 from strategies import FedDual
 from strategies.base import Unusable, Update
-from strategies.feddual import w1, wasserstein_barycenter
+from strategies.feddual import (
+    LOSS_GRADIENT,
+    AdaptiveLoss,
+    AdaptiveLossConfig,
+    loss_gradient,
+    w1,
+    wasserstein_barycenter,
+)
 
 SPEC = ParamSpec(("body", "head.weight", "head.bias"), ((6,), (2, 3), (2,)))  # 14 numbers, 2 dynamic arrays
 TINY = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 4, "num-rounds": 3, "local-epochs": 1,
@@ -194,7 +200,7 @@ def received(model: nn.Module, data: ArrayDataset) -> Received:
 def test_the_kl_term_is_the_papers_and_its_gradient_is_p_times_the_centred_drift():
     model, data = client()
     r = received(model, data)
-    loss = AdaptiveLoss(r, FedDualConfig())
+    loss = AdaptiveLoss(r, AdaptiveLossConfig())
     assert float(loss.kl()) == 0  # KL(q ‖ q) at the received model
     with torch.no_grad():
         for p in model.parameters():

@@ -10,10 +10,10 @@ from torch.nn import functional as F
 
 from common.data import ArrayDataset
 from common.params import ParamSpec
-from common.protocol import COMPONENT_DELTAS, COMPONENTS, MIXTURE
-from common.training import LocalRecipe, evaluate, evaluate_mixture, train_mixture
+from common.training import LocalRecipe, evaluate
 from strategies import FedEM
 from strategies.base import Unusable, Update
+from strategies.fedem import COMPONENT_DELTAS, COMPONENTS, MIXTURE, evaluate_mixture, train_mixture
 
 MODEL = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
 SPEC = ParamSpec.of(MODEL)
@@ -87,6 +87,6 @@ def test_the_server_averages_every_component_and_keeps_each_clients_weights():
     bad = {"no mixture": {COMPONENT_DELTAS: deltas[0][1:].reshape(-1)},
            "not summing to 1": {COMPONENT_DELTAS: deltas[0][1:].reshape(-1), MIXTURE: torch.tensor([0.5, 0.2, 0.1])},
            "short deltas": {COMPONENT_DELTAS: deltas[0][1], MIXTURE: pis[0]}}
-    for why, arrays in bad.items():
+    for arrays in bad.values():
         with pytest.raises(Unusable):
             s.check(Update(0, 1, deltas[0][0], 10, arrays=arrays, sent=sent))

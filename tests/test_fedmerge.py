@@ -75,7 +75,7 @@ def test_the_logit_gradient_is_autograd_through_the_softmax_merge():
     """App. D: ∂ℓ/∂a_ij = w_ij ⟨∂ℓ/∂θ_i, Θ_j − θ_i⟩ for θ_i = Σ_j softmax(a_i)_j Θ_j."""
     theta, a, x = rnd(1, 4, 6), rnd(2, 4).requires_grad_(True), rnd(3, 6)
     merged = (torch.softmax(a, 0) @ theta).detach().requires_grad_(True)
-    loss = lambda t: torch.tanh(t @ x) ** 2 + (t**3).sum()  # noqa: E731
+    loss = lambda t: torch.tanh(t @ x) ** 2 + (t**3).sum()
     (grad_theta,) = torch.autograd.grad(loss(merged), merged)
     (expected,) = torch.autograd.grad(loss(torch.softmax(a, 0) @ theta), a)
     torch.testing.assert_close(logit_gradient(torch.softmax(a, 0).detach(), theta, grad_theta), expected)

@@ -11,14 +11,14 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from client_app.app import app as client_app
-from client_app.work import choose_candidate
 from common.data import ArrayDataset
 from common.params import ParamSpec
-from common.protocol import CANDIDATE, CANDIDATES, METRICS
+from common.protocol import METRICS
 from common.training import evaluate
 from server_app.inprocess import run_inprocess
 from strategies import IFCA
 from strategies.base import Unusable, Update
+from strategies.ifca import CANDIDATE, CANDIDATES, choose_candidate
 
 MODEL = nn.Sequential(nn.Flatten(), nn.Linear(4, 2))
 SPEC = ParamSpec.of(MODEL)
@@ -32,14 +32,14 @@ def test_the_client_trains_the_model_of_lowest_loss_on_its_own_data():
     wrong[0], wrong[4] = 5.0, -5.0  # logits (5·x_0, −5·x_0): class 0 where the label is 1, and back
     candidates = torch.stack([torch.zeros(SPEC.numel), -wrong, wrong])  # chance, right, wrong
     SPEC.load_into(MODEL, candidates[0])
-    chosen = choose_candidate(MODEL, SPEC, {CANDIDATES: candidates[1:]}, data, seed=0)
+    chosen = choose_candidate(MODEL, SPEC, candidates[1:], data, seed=0)
     losses = []
     for c in candidates:
         SPEC.load_into(MODEL, c)
         losses.append(evaluate(MODEL, data)["loss"])
     assert chosen == min(range(3), key=losses.__getitem__) == 1
     SPEC.load_into(MODEL, candidates[2])
-    assert choose_candidate(MODEL, SPEC, {}, data, seed=0) == 0  # no candidates: keep the model
+    assert choose_candidate(MODEL, SPEC, None, data, seed=0) == 0  # no candidates: keep the model
     assert torch.equal(SPEC.flatten(MODEL), candidates[2])
 
 

@@ -4,14 +4,15 @@ between modules, and each layer imports only the layers below it."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from scripts.flower import PROJECT_DIR
 
 PACKAGES = ("common", "strategies", "server_app", "client_app")
 # What each package may import from the others: common is the bottom, the ServerApp the top (its in-process
-# engine runs the ClientApp).
-ALLOWED = {"common": set(), "strategies": {"common"}, "client_app": {"common"},
+# engine runs the ClientApp); a method's client side lives with its strategy, so the ClientApp imports strategies.
+ALLOWED = {"common": set(), "strategies": {"common"}, "client_app": {"common", "strategies"},
            "server_app": {"common", "strategies", "client_app"}}
 
 
@@ -86,3 +87,45 @@ def test_each_package_imports_only_the_layers_below_it():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _code_words(path: Path, names: bool = True) -> set[str]:
+    """The string constants of `path`'s code (docstrings and comments aside), and its identifiers unless `names` is
+    false."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                  if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and n.body
+                  and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    words = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and names:
+            words.add(node.id)
+        elif isinstance(node, ast.Attribute) and names:
+            words.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            words.add(node.value)
+    return words
+
+
+SHARED = ("__init__.py", "base.py", "client.py", "aggregation.py")  # the strategies' shared base, not a method
+
+
+def test_the_clientapp_and_the_serverapp_never_name_a_method_or_its_keys():
+    """A method lives in its own file: no strategy or client-side name, strategy class, method option key or
+    method-specific string (the string constants of a method's file that common/ does not use too) in the code of
+    client_app/ or server_app/."""
+    from common.config import RunConfig, specs_of
+    from strategies import STRATEGIES
+    from strategies.client import CLIENT_SIDES
+
+    names = {cls.__name__ for cls in STRATEGIES.values()}
+    method = {*STRATEGIES, *CLIENT_SIDES, *(key for cls in STRATEGIES.values() for key in specs_of(cls.Config))}
+    method |= {w for p in (PROJECT_DIR / "strategies").glob("*.py") if p.name not in SHARED
+               for w in _code_words(p, names=False) if re.fullmatch(r"[a-z][a-z0-9]*(-[a-z0-9]+)*", w)}
+    common = {w for p in (PROJECT_DIR / "common").rglob("*.py") for w in _code_words(p)}
+    contract = {"local-training", "in-domain", "any", "none"}  # the default client side, server-data kinds
+    method -= common | set(RunConfig.specs()) | contract
+    found = {(str(p.relative_to(PROJECT_DIR)), w) for pkg in ("client_app", "server_app")
+             for p in (PROJECT_DIR / pkg).rglob("*.py")
+             for w in (_code_words(p, names=False) & method) | (_code_words(p) & names)}
+    assert found == set()

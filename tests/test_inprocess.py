@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from helpers import faulty_client_app
 
 from client_app.app import app as client_app
 from common.data import data_spec, load_dataset, make_splits
@@ -16,8 +17,6 @@ from common.models import build_model
 from common.params import ParamSpec
 from common.protocol import ARRAYS, MODEL, TRAIN_SEED
 from common.training import LocalRecipe, evaluate
-from helpers import faulty_client_app
-
 from server_app.config import load_config
 from server_app.flower import FlowerStrategy
 from server_app.inprocess import InProcessGrid, run_inprocess
@@ -156,7 +155,6 @@ def test_lora_fedavg_sends_only_adapters_and_head_and_learns(tmp_path):
 def test_client_model_cache_carries_nothing_between_messages():
     """The ClientApp reuses one model per process; buffers and frozen weights are reset per message."""
     from client_app.work import _model
-
     from common.models import build_from_config, model_config
 
     grid = InProcessGrid(client_app, num_nodes=2)
@@ -179,5 +177,5 @@ def test_client_model_cache_carries_nothing_between_messages():
     send("train")  # updates the cached model's BatchNorm running statistics
     after = dict(send("evaluate").content["metrics"])
     assert before == after  # ...which the next message does not see
-    _, initial, _ = _model(tuple(sorted(model_config(cfg.to_dict()).items())), (1, 8, 8), full.num_classes)
+    _, initial, _ = _model(tuple(sorted(model_config(cfg.to_dict()).items())), (1, 8, 8), full.num_classes, cfg.seed)
     assert any("running_mean" in n for n in initial)

@@ -17,13 +17,14 @@ from common.config import ConfigError
 from common.data import data_spec, make_splits
 from common.models import build_from_config
 from common.params import ParamSpec
-from common.protocol import ARRAYS, CENTRAL_GRADIENT, CENTRAL_X, CENTRAL_Y, EXTRAS
+from common.protocol import ARRAYS, EXTRAS
 from common.server_data import ServerData
 from common.training import LocalRecipe, evaluate, server_seed, train_on_server
 from server_app.config import load_config
 from server_app.inprocess import InProcessGrid, run_inprocess
 from strategies import ExampleTransfer, FedAvg, GeneralizedFedAvg, GradientTransfer, ParallelTraining
 from strategies.base import Update
+from strategies.mixing import CENTRAL_GRADIENT, CENTRAL_X, CENTRAL_Y
 
 TINY = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 4, "num-rounds": 3, "local-epochs": 1,
         "batch-size": 16, "central-size": 40, "optimizer": "sgd", "lr": 0.05}

@@ -13,8 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from common.data import ArrayDataset
-from common.models import (MODELS, VIT_SMALL, InputAdapter, PretrainedWeightsError, build_model,
-                           split_attention)
+from common.models import MODELS, VIT_SMALL, InputAdapter, PretrainedWeightsError, build_model, split_attention
 from common.params import ParamSpec
 from common.training import LocalRecipe, evaluate, train
 
@@ -324,8 +323,8 @@ def test_lora_model_trains_only_trainable_parameters():
 
 
 def test_cnn_width_sets_the_channels_and_travels_from_the_run_config():
-    from server_app.config import load_config
     from common.models import build_from_config
+    from server_app.config import load_config
 
     narrow = build_from_config(load_config({"cnn-width": 16}).to_dict(), (1, 28, 28), 10, seed=0)
     assert [m.out_channels for m in narrow.body if isinstance(m, torch.nn.Conv2d)] == [16, 32, 32]
@@ -335,9 +334,9 @@ def test_cnn_width_sets_the_channels_and_travels_from_the_run_config():
 
 
 def test_cnn_group_norm_makes_each_convolution_scale_free_and_travels_from_the_run_config():
-    from server_app.config import load_config
     from common.config import ConfigError
     from common.models import build_from_config
+    from server_app.config import load_config
 
     x = torch.rand(16, 1, 28, 28)
     for norm, scale_free in (("none", False), ("group", True)):

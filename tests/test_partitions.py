@@ -118,7 +118,7 @@ def test_natural_partitions_are_whole_sampled_owners():
     chosen = np.array([o[0] for o in owners])
     assert len(np.unique(chosen)) == K and np.all(np.diff(chosen) > 0)
     for o, p in zip(chosen, parts):
-        np.testing.assert_array_equal(p, np.flatnonzero(GROUPS == o))
+        np.testing.assert_array_equal(p, np.flatnonzero(o == GROUPS))
     everyone = run("natural", k=40)  # all owners: every sample used, the seed plays no part
     assert len(np.concatenate(everyone)) == len(LABELS)
     with pytest.raises(ValueError, match="40 natural owners cannot fill 41"):

@@ -12,12 +12,13 @@ import torch
 from common.data import client_partition, data_spec
 from common.models import build_from_config
 from common.params import ParamSpec
-from common.training import EVAL_STREAM, LocalRecipe, derive_seed, evaluate, evaluate_mixture, train
+from common.training import EVAL_STREAM, LocalRecipe, derive_seed, evaluate, train
 from server_app.checkpoint import read_checkpoint
 from server_app.config import load_config
 from server_app.inprocess import run_inprocess
 from strategies import Local
 from strategies.base import Update
+from strategies.fedem import evaluate_mixture
 
 JOB = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 2, "num-rounds": 4, "local-epochs": 1,
        "batch-size": 16, "partitioner": "clusters", "num-clusters": 2, "client-test-fraction": 0.25,

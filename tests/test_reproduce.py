@@ -65,7 +65,7 @@ def test_an_interrupted_run_is_resumed_from_its_checkpoint_unless_its_configurat
     assert runs.interrupted({**overrides, "server-lr": 0.5}) is None  # another configuration starts afresh
     resumed = R._one("k", overrides)
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["resumed-after-step"] == 4
-    same = lambda r: {k: v for k, v in r.items() if k != "seconds"}  # noqa: E731
+    same = lambda r: {k: v for k, v in r.items() if k != "seconds"}
     assert same(resumed) == same(whole) and resumed["config"] == runs.config_digest(overrides)
 
 

@@ -33,7 +33,7 @@ def test_resume_keeps_the_configuration_and_names_every_key_that_differs(tmp_pat
     written = json.loads((out / "summary.json").read_text())["config"]
     cfg = load_config({"resume": str(out), "num-rounds": 9, "eval-every": 3})
     assert (cfg.num_rounds, cfg.eval_every, cfg.resume) == (9, 3, str(out))
-    keep = lambda d: {k: v for k, v in d.items() if k not in MAY_CHANGE_ON_RESUME}  # noqa: E731
+    keep = lambda d: {k: v for k, v in d.items() if k not in MAY_CHANGE_ON_RESUME}
     assert keep(cfg.to_dict()) == keep(written)
     with pytest.raises(ConfigError) as info:
         load_config({"resume": str(out), "model": "vit-small", "lr": 0.5, "buffer-size": 2})

@@ -51,7 +51,7 @@ def test_virtual_clock_same_seed_same_events_and_model(small_run):
     a, _ = small_run("a", **ASYNC)
     b, _ = small_run("b", **ASYNC)
     c, _ = small_run("c", **{**ASYNC, "seed": 1})
-    key = lambda e: (e["client"], e["base-version"], e["dispatch-step"], e["step"], e["outcome"])  # noqa: E731
+    key = lambda e: (e["client"], e["base-version"], e["dispatch-step"], e["step"], e["outcome"])
     assert [key(e) for e in events(a)] == [key(e) for e in events(b)]
     assert [key(e) for e in events(a)] != [key(e) for e in events(c)]
     assert digest(a / "model.pt") == digest(b / "model.pt") != digest(c / "model.pt")
@@ -120,7 +120,7 @@ def test_failed_work_is_dispatched_again_to_an_idle_client(small_run):
 
 
 def test_wall_clock_runs_to_the_requested_steps(small_run):
-    out, summary = small_run("wall", client_app=wrap(zero_update),
+    _, summary = small_run("wall", client_app=wrap(zero_update),
                              **{**ASYNC, "clock": "wall", "concurrency": 5, "delay-sigma": 0.0})
     assert summary["final-version"] == 12  # 12 steps of 3 arrivals, FedBuff K = 3
     assert summary["total-accepted"] == 36
@@ -155,8 +155,8 @@ def test_validation_split_is_evaluated_beside_the_test_split_and_summarised(smal
 
 
 def test_default_run_folders_never_collide_and_named_ones_are_reused(tmp_path, monkeypatch):
-    from server_app.config import load_config
     from server_app import outputs
+    from server_app.config import load_config
 
     monkeypatch.setattr(outputs.time, "strftime", lambda fmt: "20261122-120000")  # all in the same second
     cfg = load_config({"preset": "feddle-animal/feddle-id-dir0.1-n20", "seed": 3, "output-dir": str(tmp_path)})

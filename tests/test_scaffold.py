@@ -25,7 +25,8 @@ def vec(seed: int) -> torch.Tensor:
 def test_local_steps_counts_the_steps_the_training_loop_takes(n, batch, epochs):
     w = nn.Parameter(torch.zeros(1))
     steps = []
-    run_epochs(torch.optim.SGD([w], lr=0.1), n, batch, epochs, seed=0, batch_loss=lambda idx: steps.append(1) or w.sum())
+    run_epochs(torch.optim.SGD([w], lr=0.1), n, batch, epochs, seed=0,
+               batch_loss=lambda idx: steps.append(1) or w.sum())
     assert local_steps(n, batch, epochs) == len(steps)
 
 

@@ -1,0 +1,14 @@
+"""The configuration error, apart from common/config.py so that the modules config.py's checks ask (the data and model
+registries, a user's code by import path) can raise it without importing config.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names key, value and what is allowed."""
+
+    def __init__(self, key: str, value: Any, allowed: str, message: str = "") -> None:
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(message or f"config key '{key}' = {value!r} is not allowed: expected {allowed}")
