@@ -3,8 +3,8 @@ option — each strategy's and each client objective's ``Config`` dataclass — 
 loaded as defaults <- preset <- the user's keys, every value checked at start.
 
 A key declared by several methods (``buffer-size`` by FedBuff and CA2FL) must mean the same in all
-of them; :func:`option_specs` refuses two different declarations. Keys of methods other than the
-run's own are accepted and checked (a preset family shares one protocol file) and unused.
+of them; :func:`option_specs` refuses two different declarations. A method key that the run's strategy and
+client objective do not use is refused (:func:`check_used`): it would be ignored.
 A ``resume`` run takes its configuration from the checkpoint (:func:`resumed_config`).
 """
 
@@ -94,7 +94,22 @@ def load_config(overrides: Mapping[str, Any] | None = None) -> RunConfig:
         return resumed_config(overrides)
     preset = overrides.get("preset", RunConfig.preset)
     validate(RunConfig.specs()["preset"], preset)
-    return make_config({**read_preset(preset), **overrides, "preset": preset})
+    given = {**read_preset(preset), **overrides, "preset": preset}
+    cfg = make_config(given)
+    check_used(cfg, given)
+    return cfg
+
+
+def check_used(cfg: RunConfig, given: Mapping[str, Any]) -> None:
+    """Refuse a method key (a strategy's or a client objective's option) set to another value than its default that
+    the run's strategy and objective do not use: a preset or an override that sets it would otherwise be silently
+    ignored. A key at its default changes nothing either way (a resolved configuration lists every key so)."""
+    used = set(specs_of(STRATEGIES[cfg.strategy].Config)) | set(specs_of(OBJECTIVES[cfg.local_objective].Config))
+    owners, specs = option_owners(), option_specs()
+    for key, value in given.items():
+        if key in owners and key not in used and value != specs[key].default:
+            raise ConfigError(key, value, f"a key the run uses: '{key}' is an option of {', '.join(owners[key])}, "
+                              f"not of strategy '{cfg.strategy}' with objective '{cfg.local_objective}'")
 
 
 class ResumeMismatch(ConfigError):

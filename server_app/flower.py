@@ -73,7 +73,7 @@ class FlowerStrategy(FlowerBase):
                         grid: Grid) -> Iterable[Message]:
         runner = self._runner(grid, arrays, config)
         if len(runner.directory.node_of) < runner.clients_per_round:
-            runner.directory.wait_for(runner.clients_per_round, runner.wait_nodes)
+            runner.directory.wait_for(runner.clients_per_round, runner.wait_nodes, runner.poll_interval)
         step = self.first_step + server_round - 1
         entry, accepted = runner.open_step(step)
         flights = runner.launch(runner.sample(runner.clients_per_round), step, virtual=True)
@@ -132,7 +132,7 @@ class FlowerStrategy(FlowerBase):
         runner = self._runner(grid, initial_arrays, train_config, clock=clock, delay_sigma=delay_sigma,
                               concurrency=concurrency or self.clients_per_round, reply_timeout=timeout,
                               wait_nodes=timeout)
-        runner.directory.wait_for(self.clients_per_round, timeout)
+        runner.directory.wait_for(self.clients_per_round, timeout, runner.poll_interval)
         result = Result()
         if evaluate_fn and (metrics := evaluate_fn(0, initial_arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = metrics

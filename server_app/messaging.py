@@ -132,15 +132,16 @@ class NodeDirectory:
             self.node_of[client] = node  # a restarted SuperNode comes back under a new node id
         return nodes
 
-    def wait_for(self, count: int, timeout: float) -> None:
-        """Block until `count` clients are known; raise a clear error after `timeout` seconds."""
+    def wait_for(self, count: int, timeout: float, poll: float = POLL_INTERVAL_S) -> None:
+        """Block until `count` clients are known, asking every `poll` seconds (the run's ``poll-interval-s``); raise a
+        clear error after `timeout` seconds."""
         deadline = time.monotonic() + timeout
         self.poll()
         while len(self.node_of) < count:
             if time.monotonic() >= deadline:
                 raise RuntimeError(f"only {len(self.node_of)} of {count} clients connected within {timeout:.0f}s "
                                    f"(partitions {self.clients}); start more SuperNodes or raise wait-nodes-s")
-            time.sleep(POLL_INTERVAL_S)
+            time.sleep(poll)
             self.poll()
         log(INFO, "%d clients connected: partition -> node %s", len(self.node_of), self.node_of)
 

@@ -123,7 +123,7 @@ class Run:
             describe(self.server_data), cfg.num_clients, cfg.num_rounds,
             f" (resumed after step {self.first_step - 1})" if self.first_step > 1 else "", cfg.clock, cfg.delay_sigma,
             cfg.loop, self.out)
-        self.runner.directory.wait_for(cfg.num_clients, cfg.wait_nodes_s)
+        self.runner.directory.wait_for(cfg.num_clients, cfg.wait_nodes_s, cfg.poll_interval_s)
         if self.first_step == 1:
             self.recorder.round(self.evaluate(StepLog(0, 0)).to_dict())
         t_train = time.perf_counter()

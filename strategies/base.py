@@ -39,7 +39,7 @@ from torch import nn
 from common.config import NoOptions, check_options, options_dict
 from common.params import ParamSpec
 from common.training import LocalRecipe
-from strategies.client import ClientSide
+from strategies.client import ClientSide, register
 
 
 @dataclass
@@ -121,10 +121,7 @@ class Strategy(ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if cls.__dict__.get("name"):
-            if cls.name in STRATEGIES and STRATEGIES[cls.name].__qualname__ != cls.__qualname__:
-                raise ValueError(f"strategy name {cls.name!r} is taken by {STRATEGIES[cls.name].__qualname__}")
-            STRATEGIES[cls.name] = cls
+        register(STRATEGIES, cls, "strategy")
 
     def __init__(self, config: Any = None, *, seed: int = 0, num_clients: int = 0,
                  recipe: LocalRecipe | None = None, **options: Any) -> None:

@@ -35,6 +35,15 @@ from common.training import LocalRecipe, accuracy_of, evaluate, train
 CLIENT_SIDES: dict[str, type[ClientSide]] = {}
 
 
+def register(registry: dict[str, type], cls: type, kind: str) -> None:
+    """Register `cls` under its own ``name`` (a subclass that declares one); a name taken by another class is an
+    error (the same class, re-imported, may register again)."""
+    if cls.__dict__.get("name"):
+        if cls.name in registry and registry[cls.name].__qualname__ != cls.__qualname__:
+            raise ValueError(f"{kind} name {cls.name!r} is taken by {registry[cls.name].__qualname__}")
+        registry[cls.name] = cls
+
+
 @dataclass
 class LocalTask:
     """What a node holds for one message."""
@@ -77,10 +86,7 @@ class ClientSide:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if cls.__dict__.get("name"):
-            if cls.name in CLIENT_SIDES and CLIENT_SIDES[cls.name].__qualname__ != cls.__qualname__:
-                raise ValueError(f"client side {cls.name!r} is taken by {CLIENT_SIDES[cls.name].__qualname__}")
-            CLIENT_SIDES[cls.name] = cls
+        register(CLIENT_SIDES, cls, "client side")
 
     def prepare(self, task: LocalTask, evaluating: bool) -> None:
         """Make ``task.model`` the model to train (``evaluating`` false) or to evaluate; default: as received."""

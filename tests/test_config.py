@@ -29,7 +29,7 @@ def test_readme_and_pyproject_tables_are_generated_from_the_config_dataclasses()
 
 
 def test_method_options_live_with_their_strategy_and_keep_their_names_from_yaml_to_code():
-    cfg = load_config({"strategy": "fedbuff", "buffer-size": 7, "server-lr": 0.5, "atlas-size": 3})
+    cfg = load_config({"strategy": "fedbuff", "buffer-size": 7, "server-lr": 0.5})
     assert "buffer-size" not in RunConfig.specs() and cfg.options["buffer-size"] == 7
     s = build_strategy(cfg.strategy, cfg.options)
     assert isinstance(s, FedBuff) and s.config.buffer_size == 7 and s.config.server_lr == 0.5
@@ -37,6 +37,20 @@ def test_method_options_live_with_their_strategy_and_keep_their_names_from_yaml_
                             "staleness-exponent": 0.5, "weighting": "uniform"}  # atlas-size is Feddle's
     assert option_owners()["buffer-size"] == ["ca2fl", "fedbuff", "feddle"]  # Feddle: its fallback's K
     assert option_owners()["proximal-mu"] == ["objective proximal"]
+
+
+def test_a_method_key_the_run_does_not_use_is_refused_naming_its_owners():
+    """`strategy="fedbuff" search-lr=0.1` would run FedBuff as if nothing was said: refused, at start, with who uses
+    the key; at its default such a key changes nothing and passes (a resolved configuration lists every key)."""
+    with pytest.raises(ConfigError, match="'search-lr' = 0.1 .*an option of feddle, not of strategy 'fedbuff'"):
+        load_config({"strategy": "fedbuff", "search-lr": 0.1})
+    with pytest.raises(ConfigError, match="'proximal-mu' = 0.5 .*an option of objective proximal.*'cross-entropy'"):
+        load_config({"strategy": "fedavg", "proximal-mu": 0.5})
+    with pytest.raises(ConfigError, match="'global-models' = 3"):  # a preset's key, then another method
+        load_config({"preset": "fedmerge-digits", "strategy": "fedavg", "global-models": 3})
+    assert load_config({"strategy": "fedbuff", "atlas-size": 20}).strategy == "fedbuff"  # the default
+    assert load_config({"strategy": "fedavg", "local-objective": "proximal", "proximal-mu": 0.5}).local_objective \
+        == "proximal"
 
 
 def test_options_built_in_code_are_checked_like_configured_ones():

@@ -16,21 +16,39 @@ from helpers import Crash, crashing, digest, faulty_client_app, rows
 from torch import nn
 
 from client_app.app import app as client_app
+from common.config import specs_of
 from server_app.config import load_config
 from server_app.inprocess import InProcessGrid, run_inprocess
 from server_app.run import Run, build_run
 from strategies import STRATEGIES
 from strategies.base import Update
+from strategies.feddual import LOSS_GRADIENT
 from strategies.fedem import COMPONENT_DELTAS, COMPONENTS, MIXTURE
 
 NAMES = sorted(STRATEGIES)
+# Every strategy, then family variants that take other paths: Feddle out of domain (its own head on digits), FedMerge's
+# Fixed ablation, FedDUAL's loss-gradient aggregation (a client side that sends a gradient back)
+CASES = [(name, {}) for name in NAMES] + [
+    ("feddle", {"server-dataset": "digits", "server-dataset-size": 40, "fallback-lambda": 0.01}),
+    ("fedmerge", {"fixed-models": 2}),
+    ("feddual", {"dynamic-source": "loss-gradient"}),
+]
+IDS = [name + "".join(f"-{k}={v}" for k, v in list(extra.items())[:1]) for name, extra in CASES]
 BASE = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 2, "num-rounds": 6, "local-epochs": 1,
-        "batch-size": 16, "central-size": 40, "buffer-size": 2, "checkpoint-every": 2}
+        "batch-size": 16, "central-size": 40, "checkpoint-every": 2}
+METHOD_KEYS = {"buffer-size": 2}  # given to the strategies that have them: a small buffer steps often
 ASYNC = {"delay-sigma": 1.5}  # updates cross step boundaries: checkpoints hold flights and half-full buffers
 
 
+def config(name: str, **kw: Any) -> dict[str, Any]:
+    """The battery's run of strategy `name`: BASE, and of METHOD_KEYS those the strategy has (a key it does not use
+    is refused)."""
+    own = specs_of(STRATEGIES[name].Config)
+    return {**BASE, **{k: v for k, v in METHOD_KEYS.items() if k in own}, "strategy": name, **kw}
+
+
 def run(tmp_path: Path, name: str, run_name: str, client_app: ClientApp | None = None, **kw: Any) -> Path:
-    return run_inprocess({**BASE, "strategy": name, "output-dir": str(tmp_path), "run-name": run_name, **kw},
+    return run_inprocess(config(name, **{"output-dir": str(tmp_path), "run-name": run_name, **kw}),
                          client_app=client_app)
 
 
@@ -50,17 +68,19 @@ def same(a: Any, b: Any) -> bool:
 
 
 def built(tmp_path: Path, name: str, run_name: str, **kw: Any) -> Run:
-    cfg = load_config({**BASE, "strategy": name, "output-dir": str(tmp_path), "run-name": run_name, **kw})
+    cfg = load_config(config(name, **{"output-dir": str(tmp_path), "run-name": run_name, **kw}))
     r = build_run(InProcessGrid(client_app, cfg.num_clients), cfg)
     r.runner.directory.wait_for(cfg.num_clients, 10)
     return r
 
 
 # What a strategy's clients send back besides the delta (made up like the delta, for `feed`)
-REPLY_ARRAYS = {"fedem": lambda sent, gen: {COMPONENT_DELTAS: 0.01 * torch.randn(sent.arrays[COMPONENTS].shape,
-                                                                                  generator=gen),
-                                            MIXTURE: torch.softmax(torch.randn(sent.arrays[MIXTURE].shape,
-                                                                               generator=gen), 0)}}
+REPLY_ARRAYS = {
+    "fedem": lambda s, sent, gen: {COMPONENT_DELTAS: 0.01 * torch.randn(sent.arrays[COMPONENTS].shape, generator=gen),
+                                   MIXTURE: torch.softmax(torch.randn(sent.arrays[MIXTURE].shape, generator=gen), 0)},
+    "feddual": lambda s, sent, gen: {LOSS_GRADIENT: torch.randn(sum(d.stop - d.start for d in s._dynamic),
+                                                                generator=gen)},
+}
 
 
 def feed(r: Run, step: int) -> None:
@@ -69,7 +89,7 @@ def feed(r: Run, step: int) -> None:
     for c in (0, 1):
         gen = torch.Generator().manual_seed(10 * step + c)
         delta, sent = 0.01 * torch.randn(s.spec.numel, generator=gen), s.model_for(c)
-        arrays = REPLY_ARRAYS[s.name](sent, gen) if s.name in REPLY_ARRAYS else {}
+        arrays = REPLY_ARRAYS[s.name](s, sent, gen) if s.name in REPLY_ARRAYS else {}
         update = Update(c, s.version, delta, 10 + c, arrays=arrays, sent=sent)
         s.check(update)
         s.receive(update)
@@ -80,12 +100,12 @@ def feed(r: Run, step: int) -> None:
         s.step(r.server_data)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_state_dict_round_trip_mid_run_restores_every_attribute(tmp_path, name):
-    r = built(tmp_path, name, "a", **ASYNC)
+@pytest.mark.parametrize("name,extra", CASES, ids=IDS)
+def test_state_dict_round_trip_mid_run_restores_every_attribute(tmp_path, name, extra):
+    r = built(tmp_path, name, "a", **ASYNC, **extra)
     r.runner.run(3, r.on_step)  # mid-run: flights in the air, buffers and atlases part full
     state, again = r.strategy.state_dict(), r.strategy.state_dict()
-    twin = built(tmp_path, name, "b", **ASYNC)
+    twin = built(tmp_path, name, "b", **ASYNC, **extra)
     twin.strategy.load_state_dict(state)
     structure = type(r.strategy)._structure
     assert same({k: v for k, v in vars(twin.strategy).items() if k not in structure},
@@ -99,11 +119,11 @@ def test_state_dict_round_trip_mid_run_restores_every_attribute(tmp_path, name):
         twin.strategy.load_state_dict({k: v for k, v in state.items() if k != "version"})
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_a_run_killed_mid_step_and_resumed_ends_byte_identical(tmp_path, name):
-    whole = run(tmp_path, name, "whole", **ASYNC)
+@pytest.mark.parametrize("name,extra", CASES, ids=IDS)
+def test_a_run_killed_mid_step_and_resumed_ends_byte_identical(tmp_path, name, extra):
+    whole = run(tmp_path, name, "whole", **ASYNC, **extra)
     with pytest.raises(Crash):  # killed during step 5, after the checkpoint of step 4
-        run(tmp_path, name, "killed", crashing(5, tmp_path / "killed"), **ASYNC)
+        run(tmp_path, name, "killed", crashing(5, tmp_path / "killed"), **ASYNC, **extra)
     killed = tmp_path / "killed"
     assert len(rows(killed)) == 5 and not (killed / "summary.json").exists()
     resumed = run_inprocess({"resume": str(killed)})
@@ -115,10 +135,10 @@ def test_a_run_killed_mid_step_and_resumed_ends_byte_identical(tmp_path, name):
     assert summary["resumed-after-step"] == 4 and summary["total-accepted"] == sum(r["accepted"] for r in rows(whole))
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_bad_replies_are_rejected_counted_and_the_run_goes_on(tmp_path, name):
+@pytest.mark.parametrize("name,extra", CASES, ids=IDS)
+def test_bad_replies_are_rejected_counted_and_the_run_goes_on(tmp_path, name, extra):
     out = run(tmp_path, name, "faulty", faulty_client_app(), **{"num-clients": 5, "clients-per-round": 5,
-                                                                "num-rounds": 3})
+                                                                "num-rounds": 3, **extra})
     steps = rows(out)[1:]
     assert [(r["accepted"], r["rejected"], r["failures"]) for r in steps] == [(2, 2, 1)] * 3
     summary = json.loads((out / "summary.json").read_text())
@@ -127,26 +147,27 @@ def test_bad_replies_are_rejected_counted_and_the_run_goes_on(tmp_path, name):
     assert all(torch.isfinite(t).all() for t in model.values())
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_the_seed_fixes_the_run(tmp_path, name):
-    a, b, c = (run(tmp_path, name, n, **ASYNC, seed=s) for n, s in (("a", 3), ("b", 3), ("c", 4)))
+@pytest.mark.parametrize("name,extra", CASES, ids=IDS)
+def test_the_seed_fixes_the_run(tmp_path, name, extra):
+    a, b, c = (run(tmp_path, name, n, **ASYNC, **extra, seed=s) for n, s in (("a", 3), ("b", 3), ("c", 4)))
     assert digest(a / "model.pt") == digest(b / "model.pt") != digest(c / "model.pt")
     assert rows(a) == rows(b) and rows(a, "events.jsonl") == rows(b, "events.jsonl")
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_flowers_loop_gives_the_runtimes_synchronous_run(tmp_path, name):
-    ours = run(tmp_path, name, "runtime", **{"num-rounds": 3})
-    flowers = run(tmp_path, name, "flower", loop="flower", **{"num-rounds": 3})
+@pytest.mark.parametrize("name,extra", CASES, ids=IDS)
+def test_flowers_loop_gives_the_runtimes_synchronous_run(tmp_path, name, extra):
+    ours = run(tmp_path, name, "runtime", **{"num-rounds": 3, **extra})
+    flowers = run(tmp_path, name, "flower", loop="flower", **{"num-rounds": 3, **extra})
     assert digest(flowers / "model.pt") == digest(ours / "model.pt")
     assert rows(flowers) == rows(ours) and rows(flowers, "events.jsonl") == rows(ours, "events.jsonl")
 
 
 @pytest.mark.parametrize("loop", ["hybridfl", "flower"])
-@pytest.mark.parametrize("name", NAMES)
-def test_server_data_methods_use_their_data_and_the_others_ignore_it(tmp_path, name, loop):
+@pytest.mark.parametrize("name,extra", CASES, ids=IDS)
+def test_server_data_methods_use_their_data_and_the_others_ignore_it(tmp_path, name, extra, loop):
     """The server's central split is carved from the test split, so the clients' data is the same with 40 or
     60 central samples: only a method that uses the server's data can end with another model."""
-    small, large = (run(tmp_path, name, f"c{n}", loop=loop, **{"central-size": n, "num-rounds": 3}) for n in (40, 60))
-    uses = STRATEGIES[name].server_data != "none"
+    small, large = (run(tmp_path, name, f"c{n}", loop=loop, **{"central-size": n, "num-rounds": 3, **extra})
+                    for n in (40, 60))
+    uses = STRATEGIES[name].server_data != "none" and "server-dataset" not in extra  # OOD: not the central split
     assert (digest(small / "model.pt") != digest(large / "model.pt")) == uses

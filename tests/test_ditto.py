@@ -106,15 +106,15 @@ def test_in_process_every_node_keeps_its_personal_model_across_rounds_and_it_bea
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("mode", ["simulation", "deployment"])
-def test_personal_models_persist_under_flwr_run_and_on_a_deployment_as_in_process(tmp_path, mode):
+def test_personal_models_persist_under_flwr_run_and_on_a_deployment_as_in_process(tmp_path):
     """The personalised accuracies equal the in-process run's, where the nodes' states are known to persist: under
     Flower's runtimes too each node's Context.state carries its personal model from round to round (a lost state
     would evaluate the received global model instead)."""
     from scripts import deploy_local, simulate
 
-    ref = run_inprocess({**JOB, "output-dir": str(tmp_path), "run-name": "ref"})
-    job = {**JOB, "output-dir": str(tmp_path), "run-name": mode}
-    out = (simulate.simulate(job, tmp_path / "flwr-home") if mode == "simulation"
-           else deploy_local.deploy(job, tmp_path / "flwr-home")[0])
-    assert _personal(out) == pytest.approx(_personal(ref), abs=1e-6)
+    ref = _personal(run_inprocess({**JOB, "output-dir": str(tmp_path), "run-name": "ref"}))
+    sim = simulate.simulate({**JOB, "output-dir": str(tmp_path), "run-name": "sim"}, tmp_path / "flwr-home")
+    assert _personal(sim) == pytest.approx(ref, abs=1e-6)
+    deployed, _ = deploy_local.deploy({**JOB, "output-dir": str(tmp_path), "run-name": "deployed"},
+                                      tmp_path / "flwr-home-deploy")
+    assert _personal(deployed) == pytest.approx(ref, abs=1e-6)

@@ -226,12 +226,13 @@ def test_fixed_merges_use_k_random_models_with_equal_frozen_weights():
 @pytest.mark.parametrize("d", [2, 4])
 def test_payload_bytes_fedmerge_one_model_whatever_d_ifca_and_fedem_d_models(tmp_path, d):
     job = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 3, "num-rounds": 2, "local-epochs": 1,
-           "batch-size": 16, "global-models": d, "output-dir": str(tmp_path)}
+           "batch-size": 16, "output-dir": str(tmp_path)}
     cfg = load_config(job)
     P = ParamSpec.of(build_from_config(cfg.to_dict(), (1, 8, 8), 4, seed=0)).numel
     expected = {"fedavg": (P, P), "fedmerge": (P, P), "ifca": (d * P, P), "fedem": (d * (P + 1), d * (P + 1))}
     for name, (down, up) in expected.items():
-        out = run_inprocess({**job, "strategy": name, "run-name": f"{name}-{d}"})
+        models = {"global-models": d} if name != "fedavg" else {}
+        out = run_inprocess({**job, "strategy": name, **models, "run-name": f"{name}-{d}"})
         summary = json.loads((out / "summary.json").read_text())
         assert (summary["bytes-down-per-dispatch"], summary["bytes-up-per-update"]) == (4 * down, 4 * up)
         row = json.loads((out / "metrics.jsonl").read_text().splitlines()[1])

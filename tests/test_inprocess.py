@@ -86,7 +86,7 @@ def test_strategy_runs_under_flowers_start(name, clock):
     """`FlowerStrategy(strategy).start(grid, ...)` works the way Flower users expect: Flower's own round loop,
     or (FedBuff, `clock="wall"`) the hybridfl runtime behind the same call."""
     cfg = load_config({"dataset": "synthetic", "num-clients": 4, "clients-per-round": 4, "local-epochs": 2,
-                       "batch-size": 16, "strategy": name, "buffer-size": 2})
+                       "batch-size": 16, "strategy": name, **({"buffer-size": 2} if name == "fedbuff" else {})})
     grid = InProcessGrid(client_app, num_nodes=4)
     full, spec = load_dataset("synthetic"), data_spec(cfg)
     model = build_model("cnn", 1, 8, full.num_classes, seed=0)

@@ -21,9 +21,9 @@ def test_every_method_and_setting_of_a_family_is_a_preset_of_its_protocol(family
         assert cfg.validation_size > 0 and cfg.clock == "virtual"
         assert cfg.central_size == 1000  # held out by every method, so all share one test split
         assert (cfg.server_dataset != "") == method.endswith("-ood")
-    for grid in R.FAMILIES[family].values():  # every tuning candidate is a valid configuration
+    for method, grid in R.FAMILIES[family].items():  # every tuning candidate is a valid configuration of its method
         for extra in grid:
-            load_config({"preset": R.preset(family, "fedavg", R.MAIN), **extra})
+            load_config({"preset": R.preset(family, method, R.MAIN), **extra})
 
 
 @pytest.mark.parametrize("family", sorted(R.FAMILIES))

@@ -25,7 +25,9 @@ JOB = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 2, "num-ro
 
 
 def job(tmp_path, name: str, **kw) -> dict:
-    return {**JOB, "output-dir": str(tmp_path), "run-name": name, **kw}
+    """JOB in folder `name` with `kw`; FedBuff's buffer-size only while the strategy is FedBuff's."""
+    base = {k: v for k, v in JOB.items() if k != "buffer-size" or kw.get("strategy", "fedbuff") == "fedbuff"}
+    return {**base, "output-dir": str(tmp_path), "run-name": name, **kw}
 
 
 def test_resume_keeps_the_configuration_and_names_every_key_that_differs(tmp_path):
