@@ -83,6 +83,9 @@ class ClientSide:
     with a ``name`` is registered in :data:`CLIENT_SIDES`."""
 
     name: ClassVar[str] = "local-training"
+    # Keeps state in the node's Context.state: it lives as long as the node does (a SuperNode restart, or a resumed
+    # in-process run, which starts new nodes, begins it afresh; the server's checkpoint never holds a client's state)
+    stateful: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

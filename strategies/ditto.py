@@ -40,6 +40,7 @@ class DittoClient(ClientSide):
     """The global model's local update, sent; then the personal model's, kept in the node's state."""
 
     name = "ditto"
+    stateful = True
 
     def personal(self, task: LocalTask) -> torch.Tensor | None:
         """v_k from the node's state, on the model's device; None before the client's first training."""
