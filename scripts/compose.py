@@ -46,7 +46,7 @@ from scripts.flower import (
 )
 from scripts.pki import make_pki
 from scripts.simulate import MAIN_JOB, parse_overrides
-from server_app.config import load_config
+from server_app.config import load_config, used_keys
 
 COMPOSE_DIR = PROJECT_DIR / "docker"
 CONNECTION = "hybridfl-compose"
@@ -308,15 +308,18 @@ class Twin:
 
 def job(compose: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """The demo's run config: the main job (Feddle-ID on digits) on as many clients as the file has SuperNodes,
-    all of them in every step and in every FedBuff step (buffer-size), for 20 steps; written to the
+    all of them in every step and in every buffered step (buffer-size, where the job's strategy has one), for
+    20 steps; written to the
     ServerApp's path of the ``outputs`` volume under a fresh run name; then the user's overrides. Checked
     (ConfigError) before anything starts."""
     n = len(supernodes(compose))
     for spec in compose["services"][SERVERAPP].get("volumes") or []:
         if _volume(spec)[0] == OUTPUTS:
-            run_config = {"preset": MAIN_JOB, "num-clients": n, "clients-per-round": n, "buffer-size": n,
+            run_config = {"preset": MAIN_JOB, "num-clients": n, "clients-per-round": n,
                           "num-rounds": 20, "output-dir": _volume(spec)[1],
                           "run-name": time.strftime("compose-%Y%m%d-%H%M%S"), **overrides}
+            if "buffer-size" not in run_config and "buffer-size" in used_keys(load_config(run_config)):
+                run_config["buffer-size"] = n
             load_config(run_config)
             return run_config
     raise ComposeError(f"service {SERVERAPP}: no {OUTPUTS!r} volume for the run's outputs")

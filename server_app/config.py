@@ -100,12 +100,16 @@ def load_config(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     return cfg
 
 
+def used_keys(cfg: RunConfig) -> set[str]:
+    """The method keys `cfg`'s strategy and client objective read."""
+    return set(specs_of(STRATEGIES[cfg.strategy].Config)) | set(specs_of(OBJECTIVES[cfg.local_objective].Config))
+
+
 def check_used(cfg: RunConfig, given: Mapping[str, Any]) -> None:
     """Refuse a method key (a strategy's or a client objective's option) set to another value than its default that
     the run's strategy and objective do not use: a preset or an override that sets it would otherwise be silently
     ignored. A key at its default changes nothing either way (a resolved configuration lists every key so)."""
-    used = set(specs_of(STRATEGIES[cfg.strategy].Config)) | set(specs_of(OBJECTIVES[cfg.local_objective].Config))
-    owners, specs = option_owners(), option_specs()
+    used, owners, specs = used_keys(cfg), option_owners(), option_specs()
     for key, value in given.items():
         if key in owners and key not in used and value != specs[key].default:
             raise ConfigError(key, value, f"a key the run uses: '{key}' is an option of {', '.join(owners[key])}, "

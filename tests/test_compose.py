@@ -177,6 +177,14 @@ def test_a_bad_run_config_fails_before_any_service_starts(tmp_path: Path, capsys
     assert main(["check", "--tls", "--gpu"]) == 0
 
 
+def test_the_job_fills_every_buffer_only_where_the_strategy_has_one() -> None:
+    compose = load(compose_files())
+    n = len(supernodes(compose))
+    assert job(compose, {})["buffer-size"] == n  # the main job (Feddle) steps on every SuperNode's update
+    assert "buffer-size" not in job(compose, {"preset": "fedavg-digits"})  # else refused: FedAvg has no buffer
+    assert job(compose, {"preset": "fedavg-digits", "strategy": "fedbuff", "buffer-size": 1})["buffer-size"] == 1
+
+
 def _summary(path: Path) -> dict:
     return json.loads((path / "summary.json").read_text())
 
