@@ -46,15 +46,15 @@ from typing import Any
 
 import torch
 
-from common.config import RunConfig
+from common.config import part_of
 from common.data import client_partition, data_spec, load_dataset, make_splits
 from common.models import build_model
 from common.params import ParamSpec
 from common.server_data import build_server_data
 from common.training import LocalRecipe, derive_seed, evaluate, train
-from server_app.config import load_config
+from server_app.config import RunConfig, load_config
+from server_app.evaluation import weighted_mean
 from server_app.inprocess import run_inprocess
-from server_app.messaging import weighted_mean
 from strategies import build_strategy
 from strategies.base import Update, deliver
 
@@ -109,7 +109,7 @@ def run_bare(cfg: RunConfig) -> Outcome:
     test, server = splits.test, build_server_data(cfg, splits)
     model, pspec = _global_model(cfg)  # the server's model: initial weights, test evaluations
     local, _ = _global_model(cfg)  # one client model, reloaded with the model it is sent per update
-    recipe = LocalRecipe.from_config(cfg.to_dict())
+    recipe = part_of(LocalRecipe, cfg)
     strategy = build_strategy(cfg.strategy, cfg.options, seed=cfg.seed, num_clients=cfg.num_clients, recipe=recipe)
     strategy.initialize(pspec.flatten(model), pspec, copy.deepcopy(model))
     clients = list(range(cfg.num_clients))

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from common.config import part_of
 from common.data import ArrayDataset
 from common.models import build_from_config
 from common.params import ParamSpec
@@ -59,7 +60,7 @@ def build(variant: str, shape: dict[str, Any], epochs: int, seed: int = 0):
                        **shape["overrides"], **overrides})
     model = build_from_config(cfg.to_dict(), (shape["channels"], shape["size"], shape["size"]), 10, seed=seed)
     spec = ParamSpec.of(model)
-    strategy = build_strategy(cfg.strategy, cfg.options, seed=cfg.seed, recipe=LocalRecipe.from_config(cfg.to_dict()))
+    strategy = build_strategy(cfg.strategy, cfg.options, seed=cfg.seed, recipe=part_of(LocalRecipe, cfg))
     strategy.initialize(spec.flatten(model), spec, model)
     g = torch.Generator().manual_seed(seed)
     for m in range(shape["atlas"]):

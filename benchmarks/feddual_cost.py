@@ -24,6 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from common.config import part_of
 from common.datasets import ArrayDataset
 from common.models import build_from_config
 from common.objectives import Received, build_loss
@@ -79,7 +80,7 @@ def client_run(preset: str, n: int, seed: int = 0) -> float:
     model = build_from_config(cfg.to_dict(), (1, 28, 28), 10, seed=seed)
     rng = np.random.default_rng(seed)
     data = ArrayDataset(rng.random((n, 1, 28, 28), dtype=np.float32), rng.integers(0, 10, n), 10)
-    recipe = LocalRecipe.from_config(cfg.to_dict())
+    recipe = part_of(LocalRecipe, cfg)
     started = time.perf_counter()
     received = Received(model, [p.detach().clone() for p in model.parameters()], accuracy=accuracy_of(model, data))
     train(model, data, recipe, seed, loss=build_loss(recipe.objective, cfg.to_dict(), received))

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from benchmarks.feddual_cost import medians
+from common.config import make_options, part_of
 from common.datasets import ArrayDataset
 from common.models import build_from_config
 from common.objectives import Received, build_loss
@@ -49,7 +50,7 @@ def built(method: str, seed: int = 0) -> tuple[Any, nn.Module, ParamSpec, Strate
     model = build_from_config(cfg.to_dict(), (1, 28, 28), 10, seed=seed)
     spec = ParamSpec.of(model)
     strategy = build_strategy(cfg.strategy, cfg.options, seed=seed, num_clients=cfg.num_clients,
-                              recipe=LocalRecipe.from_config(cfg.to_dict()))
+                              recipe=part_of(LocalRecipe, cfg))
     strategy.initialize(spec.flatten(model), spec, model)
     strategy.attach(ServerData(fmnist_like(cfg.central_size, (7, 8, 9), seed), True, torch.device("cpu")))
     return cfg, model, spec, strategy
@@ -74,7 +75,7 @@ def client_run(method: str, n: int, seed: int = 0) -> float:
     cfg, model, spec, strategy = built(method, seed)
     payload = strategy.model_for(0)
     config = {**cfg.to_dict(), **payload.config}
-    recipe = LocalRecipe.from_config(config)
+    recipe = make_options(LocalRecipe, config)
     data = fmnist_like(n, tuple(range(7)), seed + 1)
     started = time.perf_counter()
     spec.load_into(model, payload.params)

@@ -48,7 +48,7 @@ def random_data(shape: tuple[int, int, int], n: int, seed: int = 0) -> ArrayData
 
 
 def samples_per_second(model: torch.nn.Module, shape: tuple[int, int, int], steps: int) -> float:
-    recipe = LocalRecipe(epochs=1, batch_size=BATCH, lr=0.01)
+    recipe = LocalRecipe(local_epochs=1, batch_size=BATCH, lr=0.01)
     train(model, random_data(shape, BATCH, seed=1), recipe, seed=0)  # warm-up
     data = random_data(shape, steps * BATCH)
     start = time.perf_counter()

@@ -23,8 +23,7 @@ from typing import Any
 def digest(config: dict[str, Any]) -> str:
     """A digest of the keys that differ from their defaults (output folder aside): an option added later, at
     a default that reproduces the old behaviour, leaves the digests of finished runs as they were."""
-    from common.config import RunConfig
-    from server_app.config import option_specs
+    from server_app.config import RunConfig, option_specs
 
     defaults = {k: spec.default for k, spec in {**RunConfig.specs(), **option_specs()}.items()}
     kept = {k: v for k, v in config.items()

@@ -180,7 +180,7 @@ def ingest(replies: int = 100, repeats: int = 5) -> str:
     from common.models import build_model
     from common.params import ParamSpec
     from common.protocol import ARRAYS, BASE_VERSION, METRICS, NUM_EXAMPLES, PARTITION_ID
-    from server_app.messaging import Dispatcher, parse_reply
+    from server_app.wire import Dispatcher, parse_reply
     from strategies import build_strategy
     from strategies.base import Update, deliver
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from common.config import options_dict
 from common.data import CLIENT_PARTS, DataSpec, client_partition
 from common.datasets import ArrayDataset
 
@@ -47,7 +48,7 @@ def client_parts(spec: DataSpec, partition_id: int, run_id: int, directory: Path
     one is skipped."""
     if directory is None:
         return {part: client_partition(spec, partition_id, part) for part in CLIENT_PARTS}
-    digest = hashlib.sha256(json.dumps([partition_id, spec.to_config()], sort_keys=True).encode()).hexdigest()[:24]
+    digest = hashlib.sha256(json.dumps([partition_id, options_dict(spec)], sort_keys=True).encode()).hexdigest()[:24]
     run_dir = directory / f"run-{run_id}"
     path = run_dir / f"partition-{partition_id}-{digest}.npz"
     try:

@@ -17,6 +17,7 @@ from torch import nn
 
 import strategies  # noqa: F401 - registers every method's client side and client objectives
 from client_app.node_cache import cache_dir, client_parts
+from common.config import make_options
 from common.data import DataSpec
 from common.devices import resolve_device
 from common.models import build_from_config, model_config
@@ -35,12 +36,12 @@ def _task(msg: Message, context: Context, pid: int, num_partitions: int, timings
     node's device, with the payload's arrays; the seconds each took in `timings` (``data-s``, ``model-s``)."""
     started = time.time()
     config = msg.content[CONFIG]
-    spec = DataSpec.from_config(config)
+    spec = make_options(DataSpec, config)
     if "data-root" in context.node_config:  # the node keeps its data where its operator put it
         spec = dataclasses.replace(spec, data_root=str(context.node_config["data-root"]))
-    if num_partitions != spec.num_partitions:
+    if num_partitions != spec.num_clients:
         raise ValueError(f"node has num-partitions={num_partitions} but the run splits the data into "
-                         f"{spec.num_partitions} partitions (num-clients)")
+                         f"{spec.num_clients} partitions (num-clients)")
     parts = client_parts(spec, pid, context.run_id, cache_dir(context.node_config))
     loaded = time.time()
     own = parts["train"]
@@ -99,7 +100,7 @@ def evaluate_reply(msg: Message, context: Context, pid: int, num_partitions: int
     started = time.time()
     side = client_side(task.config)
     side.prepare(task, evaluating=True)
-    spec = DataSpec.from_config(task.config)
+    spec = make_options(DataSpec, task.config)
     held_out = spec.client_test_fraction > 0
     data = task.parts["test" if held_out else "train"]
     result = side.evaluate(task, data)

@@ -20,11 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from common import datasets as _ds
 from common import partitions
+from common.config import COUNT, POSITIVE, ClassList, OneOf, Range, option, part_of
 from common.datasets import ArrayDataset, class_ids
 from common.user_code import is_import_path, load_user_dataset
 
@@ -84,38 +86,66 @@ def load_dataset(name: str, root: str = "data") -> ArrayDataset:
                    "'module:function'")
 
 
+def dataset_names() -> list[str]:
+    """The registered datasets and the image-folder form (what an error lists)."""
+    return [*DATASETS, f"{IMAGEFOLDER}<folder>"]
+
+
 @dataclass(frozen=True)
+class DatasetName(OneOf):
+    """A registered dataset, ``imagefolder:<folder>`` (class sub-folders below data-root), or a loader of yours."""
+
+    def ok(self, v: str) -> bool:
+        return is_dataset(v) or (v == "" and "" in set(self.allowed()))
+
+    def describe(self) -> str:
+        return super().describe() + ", or your own loader 'module:function'"
+
+    def short(self) -> str:
+        return "see [Data](#data)"
+
+
+@dataclass(frozen=True, kw_only=True)
 class DataSpec:
-    """What a node needs to rebuild the same splits and its own partition. Travels in the message config."""
+    """The data keys: what a node needs to rebuild the same splits and its own partition. Travels in every
+    message's config under the same keys (a node may set its own ``data-root``)."""
 
-    dataset: str
-    seed: int
-    partitioner: str
-    dirichlet_alpha: float
-    num_partitions: int
-    test_fraction: float
-    central_size: int
-    data_root: str = "data"
-    validation_size: int = 0
-    classes_per_client: int = 2
-    num_clusters: int = 5
-    cluster_alpha: float = 0.0
-    cluster_sizes: str = "equal"
-    cluster_classes: int = 0
-    label_noise: float = 0.0
-    client_test_fraction: float = 0.0
-    client_validation_fraction: float = 0.0
-    binary_positive: str = ""
-    central_classes: str = ""
-    data_fraction: float = 1.0
-
-    def to_config(self) -> dict[str, int | float | str]:
-        return {f"data-{k.replace('_', '-')}": v for k, v in self.__dict__.items()}
-
-    @staticmethod
-    def from_config(config: dict) -> DataSpec:
-        names = DataSpec.__dataclass_fields__
-        return DataSpec(**{k: config[f"data-{k.replace('_', '-')}"] for k in names})
+    seed: int = option(0, Range(0), "fixes partitions, sampling, delays, initialisation and local shuffling")
+    dataset: str = option("digits", DatasetName(dataset_names), "the clients' dataset")
+    partitioner: str = option("dirichlet", OneOf(PARTITIONERS), "how client data is split (common/partitions.py)")
+    dirichlet_alpha: float = option(0.5, POSITIVE, "Dirichlet concentration (smaller = more skewed)")
+    num_clients: int = option(10, COUNT, "client partitions (= SuperNodes)")
+    classes_per_client: int = option(2, COUNT, "pathological: classes each client holds (#C=k)")
+    num_clusters: int = option(5, COUNT, "clusters: class groups, each owned by a block of clients (FedMerge Cluster)")
+    cluster_alpha: float = option(0.0, Range(0), "clusters: Dirichlet α within a group (FedMerge code: 10); 0 = IID")
+    cluster_sizes: str = option("equal", OneOf(("equal", "fedmerge")),
+                                "clusters: clients per group, equal or FedMerge's random uneven sizes")
+    cluster_classes: int = option(0, Range(0), "clusters: classes per group drawn as FedMerge's code does, later "
+                                  "groups reusing classes (code: 30 of CIFAR-100's 100); 0 = disjoint equal groups")
+    label_noise: float = option(0.0, Range(0, 1), "fraction of client training labels set to a random other class "
+                                "(Feddle 000 Table 4)")
+    data_fraction: float = option(1.0, Range(0, 1, low_open=True),
+                                  "stratified, seeded share of the dataset in use, drawn before any split (fewer "
+                                  "samples per client: FedMerge's per-class counts on Fashion-MNIST); 1 = all")
+    test_fraction: float = option(0.2, Range(0, 0.9, low_open=True),
+                                  "stratified fraction of the data kept as the server's test split")
+    binary_positive: str = option("", ClassList(), "a two-class task: these classes become label 1, every other "
+                                  "class label 0 (the mixing paper's smiling / not smiling); \"\" = the dataset's "
+                                  "labels")
+    central_classes: str = option("", ClassList(), "label shift (the mixing paper): the training samples of these "
+                                  "classes leave the clients and become the server's central split (`central-size` of "
+                                  "them, 0 = all); the test split keeps every class")
+    central_size: int = option(0, Range(0), "samples moved from the test split to the server's in-domain central "
+                               "split (held out with `server-dataset` too, so ID and OOD runs test on the same "
+                               "samples)")
+    validation_size: int = option(0, Range(0), "samples moved from the test split to a validation split, evaluated "
+                                  "beside it (`val-accuracy`); tune on it, never on the test split")
+    client_test_fraction: float = option(0.0, Range(0, 0.9), "share of each client's partition held out as its own "
+                                         "test split, for personalised evaluation (FedMerge's code: 1/6); 0 = none")
+    client_validation_fraction: float = option(0.0, Range(0, 0.9), "share of each client's partition held out as its "
+                                               "own validation split (FedMerge's code: 1/12, a tenth of the rest)")
+    data_root: str = option("data", None, "folder with the datasets' files (a SuperNode may set its own with "
+                            "`--node-config 'data-root=\"/path\"'`)", "path")
 
 
 @dataclass(frozen=True)
@@ -190,7 +220,7 @@ def partition_indices(spec: DataSpec) -> tuple[np.ndarray, ...]:
     """Indices into the train split for every partition (coverage per scheme: see common/partitions.py)."""
     train = make_splits(spec).train
     return partitions.partition(
-        spec.partitioner, train.partition_labels, spec.num_partitions, spec.seed, groups=train.groups,
+        spec.partitioner, train.partition_labels, spec.num_clients, spec.seed, groups=train.groups,
         alpha=spec.dirichlet_alpha, classes_per_client=spec.classes_per_client, num_clusters=spec.num_clusters,
         cluster_alpha=spec.cluster_alpha, cluster_sizes=spec.cluster_sizes, cluster_classes=spec.cluster_classes)
 
@@ -215,8 +245,8 @@ def client_holdout(spec: DataSpec, partition_id: int) -> dict[str, np.ndarray]:
     """Indices into the train split of client `partition_id`'s own train / validation / test parts: a seeded
     random split of its partition (stream ``[seed, 5, id]``; not stratified, as FedMerge's code), the held-out
     parts rounded to whole samples; with no holdout every sample is in ``train``."""
-    if not 0 <= partition_id < spec.num_partitions:
-        raise ValueError(f"partition-id {partition_id} outside [0, {spec.num_partitions})")
+    if not 0 <= partition_id < spec.num_clients:
+        raise ValueError(f"partition-id {partition_id} outside [0, {spec.num_clients})")
     idx = partition_indices(spec)[partition_id]
     n = len(idx)
     n_test, n_val = round(spec.client_test_fraction * n), round(spec.client_validation_fraction * n)
@@ -239,13 +269,6 @@ def client_partition(spec: DataSpec, partition_id: int, part: str = "train") -> 
     return data if spec.label_noise == 0 or part != "train" else replace(data, y=client_labels(spec)[idx])
 
 
-def data_spec(cfg) -> DataSpec:
-    """The :class:`DataSpec` of a :class:`common.config.RunConfig`."""
-    return DataSpec(cfg.dataset, cfg.seed, cfg.partitioner, cfg.dirichlet_alpha, cfg.num_clients,
-                    cfg.test_fraction, cfg.central_size, cfg.data_root, validation_size=cfg.validation_size,
-                    classes_per_client=cfg.classes_per_client, num_clusters=cfg.num_clusters,
-                    cluster_alpha=cfg.cluster_alpha, cluster_sizes=cfg.cluster_sizes,
-                    cluster_classes=cfg.cluster_classes, label_noise=cfg.label_noise,
-                    client_test_fraction=cfg.client_test_fraction,
-                    client_validation_fraction=cfg.client_validation_fraction, binary_positive=cfg.binary_positive,
-                    central_classes=cfg.central_classes, data_fraction=cfg.data_fraction)
+def data_spec(cfg: Any) -> DataSpec:
+    """The :class:`DataSpec` part of a run configuration (``server_app.config.RunConfig``)."""
+    return part_of(DataSpec, cfg)

@@ -1,5 +1,5 @@
-"""The configuration error, apart from common/config.py so that the modules config.py's checks ask (the data and model
-registries, a user's code by import path) can raise it without importing config.py."""
+"""The configuration error, in a module of its own so that any module (a user's code by import path, the devices,
+the checkpoints) can raise it without importing the option machinery."""
 
 from __future__ import annotations
 

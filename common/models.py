@@ -60,14 +60,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from common.config import COUNT, POSITIVE, OneOf, Range, make_options, option, options_dict, specs_of
 from common.errors import ConfigError
-from common.protocol import MODEL
 from common.user_code import build_user_model, is_import_path
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -454,19 +455,18 @@ VIT_B16 = dict(patch_size=16, num_layers=12, num_heads=12, hidden_dim=768, mlp_d
 VIT_SMALL = dict(patch_size=4, num_layers=6, num_heads=4, hidden_dim=192, mlp_dim=384)
 
 
-def _vit_b16(in_channels: int, image_size: int, num_classes: int, *, batch_norm: str = "", cnn_width: int = 0,
-             cnn_norm: str = "", **options) -> ViT:
+def _vit_b16(in_channels: int, image_size: int, num_classes: int, *, batch_norm: str, cnn_width: int,
+             cnn_norm: str, **options) -> ViT:
     return ViT(in_channels, image_size, num_classes, arch=VIT_B16, default_size=224, what="vit_b_16", **options)
 
 
-def _vit_small(in_channels: int, image_size: int, num_classes: int, *, batch_norm: str = "", cnn_width: int = 0,
-               cnn_norm: str = "", **options) -> ViT:
+def _vit_small(in_channels: int, image_size: int, num_classes: int, *, batch_norm: str, cnn_width: int,
+               cnn_norm: str, **options) -> ViT:
     return ViT(in_channels, image_size, num_classes, arch=VIT_SMALL, default_size=32, what="vit-small", **options)
 
 
-def _cnn(in_channels: int, image_size: int, num_classes: int, *, seed: int, pretrained_weights: str = "",
-         input_size: int = 0, normalize: str = "", cnn_width: int = 32, cnn_norm: str = "none",
-         **_: object) -> CNN:
+def _cnn(in_channels: int, image_size: int, num_classes: int, *, seed: int, pretrained_weights: str,
+         input_size: int, normalize: str, cnn_width: int, cnn_norm: str, **_: object) -> CNN:
     if pretrained_weights:
         raise ValueError("model 'cnn' is trained from scratch: pretrained_weights is not supported")
     if normalize not in ("", "none"):
@@ -475,8 +475,8 @@ def _cnn(in_channels: int, image_size: int, num_classes: int, *, seed: int, pret
         return CNN(in_channels, image_size, num_classes, width=cnn_width, input_size=input_size, norm=cnn_norm)
 
 
-def _lenet(in_channels: int, image_size: int, num_classes: int, *, seed: int, pretrained_weights: str = "",
-           input_size: int = 0, normalize: str = "", **_: object) -> LeNet:
+def _lenet(in_channels: int, image_size: int, num_classes: int, *, seed: int, pretrained_weights: str,
+           input_size: int, normalize: str, **_: object) -> LeNet:
     if pretrained_weights or normalize not in ("", "none"):
         raise ValueError("model 'lenet' is trained from scratch on unnormalised inputs: pretrained_weights and "
                          "normalize are not supported")
@@ -489,14 +489,55 @@ def _resnet18(in_channels: int, image_size: int, num_classes: int, **options) ->
     return ResNet18(in_channels, image_size, num_classes, **options)
 
 
-# name -> builder(in_channels, image_size, num_classes, *, seed, **options)
+# name -> builder(in_channels, image_size, num_classes, *, seed, **every ModelSpec option)
 MODELS: dict[str, Callable[..., AdaptedNet]] = {"cnn": _cnn, "lenet": _lenet, "resnet18": _resnet18,
                                                 "vit-b16": _vit_b16, "vit-small": _vit_small}
-# options every builder accepts (models ignore the LoRA ones when they have no LoRA), with defaults
-MODEL_OPTIONS: dict[str, object] = {"pretrained_weights": "", "input_size": 0, "normalize": "",
-                                    "lora_rank": 4, "lora_alpha": 8.0, "lora_targets": "q,v",
-                                    "batch_norm": "batch", "cnn_width": 32, "cnn_norm": "none"}
 DEFAULT_INPUT_SIZE: dict[str, int | None] = {"cnn": None, "lenet": 28, "resnet18": 224, "vit-b16": 224, "vit-small": 32}
+
+
+@dataclass(frozen=True)
+class ModelName(OneOf):
+    """A built-in model, or a user's model factory ``module:function``."""
+
+    def ok(self, v: str) -> bool:
+        return v in set(self.allowed()) or is_import_path(v)
+
+    def describe(self) -> str:
+        return super().describe() + ", or your own model factory 'module:function'"
+
+    def short(self) -> str:
+        return super().short() + ", or `module:function` (your own)"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """The model keys: what the server and every node build the same model from. Travel in every message's
+    config; a model ignores the options it has no use for (the LoRA ones without LoRA)."""
+
+    model: str = option("cnn", ModelName(tuple(MODELS)), "see [Models](#models); `module:function`: your own model "
+                        "factory (see [Your own model and data](#your-own-model-and-data))")
+    pretrained_weights: str = option("", None, "resnet18 / vit-b16: a local torchvision-format `state_dict` "
+                                     "(present on every node); `\"\"` = random init", "path")
+    input_size: int = option(0, Range(0), "model input size; 0 = the model's default (cnn: the data's own, "
+                             "resnet18 / vit-b16: 224, vit-small: 32)")
+    lora_rank: int = option(4, Range(0), "ViTs: LoRA rank (Feddle: 4); 0 = full fine-tuning")
+    lora_alpha: float = option(8.0, POSITIVE, "ViTs: LoRA alpha; scaling = alpha / rank (Feddle's \"adaptation "
+                               "scale 8\" read as alpha = 8)")
+    lora_targets: str = option("q,v", None, "ViTs: comma-separated layers that get adapters",
+                               "subset of `q,k,v,out_proj,mlp`")
+    normalize: str = option("", OneOf(("", *NORMALIZATIONS)),
+                            "input normalisation; `\"\"` = the model's default (none for cnn, ImageNet otherwise)")
+    batch_norm: str = option("batch", OneOf(("batch", "running")),
+                             "resnet18: normalise with batch statistics always, or keep running statistics (they "
+                             "are buffers and do not travel, so federated runs use `batch`)")
+    cnn_width: int = option(32, COUNT, "cnn: channels of the first convolution (2× in the other two, 4× in the "
+                            "hidden layer; the papers do not state widths)")
+    cnn_norm: str = option("none", OneOf(CNN_NORMS),
+                           "cnn: a GroupNorm after each convolution (`group`), so merges of independently "
+                           "initialised models keep their scale (FedMerge on FMNIST)")
+
+
+_OPTIONS = {spec.name: spec for spec in specs_of(ModelSpec).values() if spec.name != "model"}
 
 
 def build_model(name: str, in_channels: int, image_size: int, num_classes: int, seed: int,
@@ -504,31 +545,28 @@ def build_model(name: str, in_channels: int, image_size: int, num_classes: int, 
     """Model `name` for data of `in_channels` x `image_size` x `image_size` and `num_classes`,
     initialised deterministically from `seed` (the global RNG is left as it was).
 
-    Options (see :data:`MODEL_OPTIONS`): ``pretrained_weights`` (path, "" = none; not for cnn),
-    ``input_size`` (0 = the model's default, :data:`DEFAULT_INPUT_SIZE`), ``normalize``
-    ("" = the model's default: none for cnn, imagenet otherwise; or one of :data:`NORMALIZATIONS`),
-    ``lora_rank`` (ViTs; 0 = full fine-tuning), ``lora_alpha``, ``lora_targets`` (ViTs),
-    ``batch_norm`` (resnet18: "running" or "batch", see :class:`ResNet18`), ``cnn_width`` (cnn: channels
-    of the first convolution; the others have 2x, the hidden layer 4x), ``cnn_norm`` (cnn: "none" or "group",
-    see :class:`CNN`). Options a model does
-    not use are ignored, except ``pretrained_weights`` and ``normalize`` for the CNN (an error).
+    `options` are :class:`ModelSpec`'s fields (those not given take its defaults): ``pretrained_weights``
+    (not for cnn), ``input_size`` (0 = :data:`DEFAULT_INPUT_SIZE`), ``normalize`` (:data:`NORMALIZATIONS`),
+    ``lora_rank``, ``lora_alpha``, ``lora_targets`` (ViTs), ``batch_norm`` (resnet18, see :class:`ResNet18`),
+    ``cnn_width`` and ``cnn_norm`` (see :class:`CNN`). Options a model does not use are ignored, except
+    ``pretrained_weights`` and ``normalize`` for the CNN (an error).
     """
     if name not in MODELS:
         raise KeyError(f"unknown model {name!r}; known: {sorted(MODELS)}")
-    unknown = sorted(set(options) - set(MODEL_OPTIONS))
+    unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
-        raise TypeError(f"unknown model options {unknown}; known: {sorted(MODEL_OPTIONS)}")
-    options = {k: type(MODEL_OPTIONS[k])(v) for k, v in options.items()}  # run-config values may be str/int
-    if options.get("input_size", 0) < 0:
+        raise TypeError(f"unknown model options {unknown}; known: {sorted(_OPTIONS)}")
+    options = {k: spec.default for k, spec in _OPTIONS.items()} | {
+        k: _OPTIONS[k].type(v) for k, v in options.items()}  # run-config values may be str/int
+    if options["input_size"] < 0:
         raise ValueError(f"input_size must be >= 0 (0 = the model's default), got {options['input_size']}")
     with torch.random.fork_rng(devices=[]):
         return MODELS[name](in_channels, image_size, num_classes, seed=seed, **options)
 
 
 def model_config(config: Mapping[str, object]) -> dict[str, object]:
-    """The model name and options in a run or message config (hyphenated keys), to send to nodes."""
-    options = {k.replace("_", "-"): config.get(k.replace("_", "-"), v) for k, v in MODEL_OPTIONS.items()}
-    return {MODEL: config[MODEL], **options}
+    """The model keys of a run's or a message's config, to send to nodes (a run config holds them all)."""
+    return options_dict(make_options(ModelSpec, config))
 
 
 def build_from_config(config: Mapping[str, object], input_shape: tuple[int, ...], num_classes: int,
@@ -536,12 +574,12 @@ def build_from_config(config: Mapping[str, object], input_shape: tuple[int, ...]
     """The run's model for samples of `input_shape` — what server and nodes both call: a user's factory
     (``model = "module:function"``, common/user_code.py), or :func:`build_model` with the name and options of
     :func:`model_config` (images ``(C, H, W)`` only)."""
-    chosen = model_config(config)
-    name = str(chosen.pop(MODEL))
+    chosen = make_options(ModelSpec, config)
+    name = chosen.model
     if is_import_path(name):
         return build_user_model(name, input_shape, num_classes, seed)
     if len(input_shape) != 3:
-        raise ConfigError(MODEL, name, f"your own model factory 'module:function' for inputs of shape "
+        raise ConfigError("model", name, f"your own model factory 'module:function' for inputs of shape "
                           f"{tuple(input_shape)}: the built-in models take images (C, H, W)")
     return build_model(name, input_shape[0], input_shape[1], num_classes, seed,
-                       **{k.replace("-", "_"): v for k, v in chosen.items()})
+                       **{k: getattr(chosen, k) for k in _OPTIONS})

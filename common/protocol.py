@@ -9,6 +9,6 @@ ARRAYS, EXTRAS, CONFIG, METRICS = "arrays", "extras", "config", "metrics"
 NUM_EXAMPLES, PARTITION_ID, BASE_VERSION = "num-examples", "partition-id", "base-version"
 REPLY_KEYS = (NUM_EXAMPLES, PARTITION_ID, BASE_VERSION)
 
-# Keys of a message's config (besides the local recipe and the data spec): the model version, the seed of a
-# train message's local run, the model, and the method's client side (strategies/client.py).
-VERSION, TRAIN_SEED, MODEL, CLIENT_SIDE = "version", "train-seed", "model", "client-side"
+# Keys of a message's config (besides the data spec, the model spec and the local recipe, which carry their own):
+# the model version, the seed of a train message's local run, and the method's client side (strategies/client.py).
+VERSION, TRAIN_SEED, CLIENT_SIDE = "version", "train-seed", "client-side"

@@ -4,7 +4,8 @@ In-domain (ID): the central split of the clients' dataset (``central-size`` samp
 test split, as the Feddle papers take their 1000). Out-of-domain (OOD): another dataset with its own
 label space (``server-dataset``, ``server-dataset-size`` of its samples, e.g. digits next to
 Animal-MNIST clients); the model's input adapter resizes and re-channels it, and the OOD methods fit
-their own head on its labels.
+their own head on its labels. A strategy states what it needs (``Strategy.server_need``), and
+:func:`check_server_data` holds the run's server data to it when the strategy is attached.
 """
 
 from __future__ import annotations
@@ -16,15 +17,20 @@ import torch
 
 from common.data import ArrayDataset, Splits, load_dataset
 from common.devices import resolve_device
+from common.errors import ConfigError
+
+SERVER_NEEDS = ("none", "in-domain", "any")  # what a strategy needs of the server's data (Strategy.server_need)
 
 
 @dataclass
 class ServerData:
-    """The central dataset, whether it is in-domain, and the device server-side training runs on."""
+    """The central dataset, whether it is in-domain, the device server-side training runs on, and where it came
+    from (the ``server-dataset`` name of out-of-domain data, for errors that name it)."""
 
     data: ArrayDataset
     in_domain: bool
     device: torch.device
+    source: str = ""
     _tensors: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
@@ -38,14 +44,19 @@ class ServerData:
         return self._tensors
 
 
-def require_in_domain(server: ServerData | None, method: str) -> None:
-    """Raise a clear error unless `server` is in-domain server data (labels in the clients' label space)."""
+def check_server_data(server: ServerData | None, need: str, strategy: str) -> None:
+    """Raise :class:`ConfigError`, naming the key to change and `strategy`, unless `server` meets `need`: "none"
+    (anything), "any" (some server data) or "in-domain" (the central split: labels in the clients' label space)."""
+    if need not in SERVER_NEEDS:
+        raise ValueError(f"strategy '{strategy}' needs server data {need!r}: expected one of {SERVER_NEEDS}")
+    if need == "none":
+        return
     if server is None or len(server) == 0:
-        raise ValueError(f"{method} trains on the server's data, but this run has none: set central-size > 0 "
-                         "(the in-domain central split) and leave server-dataset empty")
-    if not server.in_domain:
-        raise ValueError(f"{method} needs in-domain server data (the clients' label space), but the server holds "
-                         "out-of-domain data (server-dataset is set); leave server-dataset empty")
+        alternative = "" if need == "in-domain" else " (or set server-dataset)"
+        raise ConfigError("central-size", 0, f"> 0{alternative}: strategy '{strategy}' uses the server's own data")
+    if need == "in-domain" and not server.in_domain:
+        raise ConfigError("server-dataset", server.source, f"'' (the in-domain central split, central-size > 0): "
+                          f"strategy '{strategy}' trains on labels of the clients' label space")
 
 
 def build_server_data(cfg, splits: Splits) -> ServerData | None:
@@ -58,4 +69,4 @@ def build_server_data(cfg, splits: Splits) -> ServerData | None:
         # A fixed-size sample of the OOD set, the same for a given seed.
         idx = np.sort(np.random.default_rng([cfg.seed, 3]).permutation(len(ood))[: cfg.server_dataset_size])
         ood = ood.subset(idx)
-    return ServerData(ood, False, device)
+    return ServerData(ood, False, device, cfg.server_dataset)

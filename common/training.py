@@ -10,8 +10,7 @@ clients' runs are seeded by ``derive_seed(run seed, client, dispatch count)`` (t
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from common.config import specs_of
+from common.config import COUNT, POSITIVE, OneOf, Range, option
 from common.datasets import ArrayDataset
 from common.objectives import OBJECTIVES, BatchLoss, LocalLoss
 from common.params import ParamSpec
@@ -43,31 +42,16 @@ def server_seed(seed: int, version: int) -> int:
 
 @dataclass(frozen=True)
 class LocalRecipe:
-    """How a client trains: the hyperparameters that travel in a train message."""
+    """The local recipe keys: how a client trains. Travel in every train message's config (with the client
+    objective's own options, which :func:`common.objectives.build_loss` reads from there)."""
 
-    epochs: int
-    batch_size: int
-    lr: float
-    optimizer: str = "sgd"
-    momentum: float = 0.9
-    objective: str = "cross-entropy"
-    objective_options: tuple[tuple[str, Any], ...] = ()  # the objective's own keys and values
-
-    def to_config(self) -> dict[str, Any]:
-        return {"local-epochs": self.epochs, "batch-size": self.batch_size, "lr": self.lr,
-                "optimizer": self.optimizer, "momentum": self.momentum, "local-objective": self.objective,
-                **dict(self.objective_options)}
-
-    @staticmethod
-    def from_config(config: Mapping[str, Any]) -> LocalRecipe:
-        """The recipe in a message config or a run's ``to_dict()`` (the objective's keys picked from it)."""
-        objective = str(config.get("local-objective", "cross-entropy"))
-        if objective not in OBJECTIVES:
-            raise KeyError(f"unknown client objective {objective!r}; known: {sorted(OBJECTIVES)}")
-        keys = specs_of(OBJECTIVES[objective].Config)
-        return LocalRecipe(int(config["local-epochs"]), int(config["batch-size"]), float(config["lr"]),
-                           str(config["optimizer"]), float(config["momentum"]), objective,
-                           tuple((k, config[k]) for k in keys if k in config))
+    local_epochs: int = option(1, COUNT, "local epochs per client update")
+    batch_size: int = option(32, COUNT, "local mini-batch size")
+    lr: float = option(0.05, POSITIVE, "local learning rate")
+    optimizer: str = option("sgd", OneOf(("sgd", "adam")), "local optimizer")
+    momentum: float = option(0.9, Range(0, 1), "SGD momentum (ignored by adam)")
+    local_objective: str = option("cross-entropy", OneOf(lambda: OBJECTIVES),
+                                  "the clients' loss: a registered client objective (common/objectives.py)")
 
 
 def make_optimizer(recipe: LocalRecipe, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -137,7 +121,7 @@ def train(model: nn.Module, data: ArrayDataset, recipe: LocalRecipe, seed: int, 
         return ce if loss is None else loss(xb, yb, logits)
 
     model.train()
-    run_epochs(opt, len(y), recipe.batch_size, recipe.epochs, seed, batch_loss,
+    run_epochs(opt, len(y), recipe.batch_size, recipe.local_epochs, seed, batch_loss,
                loss.epoch_end if isinstance(loss, LocalLoss) else None, max_steps)
     n = max(seen["samples"], 1)
     return {"train-loss": seen["ce"] / n, "train-accuracy": seen["correct"] / n}
@@ -155,8 +139,7 @@ def train_on_server(model: nn.Module, spec: ParamSpec, params: torch.Tensor, ser
     device = torch.device(server.device)
     model.to(device)
     spec.load_into(model, params.to(device))
-    stats = train(model, server.data, dataclasses.replace(recipe, objective="cross-entropy", objective_options=()),
-                  seed, device=device, max_steps=max_steps)
+    stats = train(model, server.data, recipe, seed, device=device, max_steps=max_steps)
     return spec.flatten(model).cpu(), stats
 
 

@@ -3,7 +3,8 @@
     python -m scripts.config_table            # print both
     python -m scripts.config_table --write    # rewrite them in README.md and pyproject.toml
 
-Run-level keys come from ``common.config.RunConfig``; method options from every registered strategy's
+The run's keys come from ``server_app.config.RunConfig`` and the parts it inherits (method, data, model,
+local recipe, runtime: ``server_app.config.PARTS``); method options from every registered strategy's
 and client objective's ``Config`` (``server_app.config``). tests/test_config.py fails when the files
 differ from what this prints, so a new option is documented and known to Flower (which only accepts
 ``-c`` keys that pyproject declares) the moment it is declared.
@@ -16,9 +17,9 @@ import re
 import sys
 from typing import Any
 
-from common.config import OptionSpec, RunConfig
+from common.config import OptionSpec, specs_of
 from scripts.flower import PROJECT_DIR, toml_value
-from server_app.config import REGISTRY_CHECKS, option_owners, option_specs
+from server_app.config import PARTS, RunConfig, option_owners, option_specs
 
 BEGIN, END = "<!-- keys:begin (python -m scripts.config_table --write) -->", "<!-- keys:end -->"
 
@@ -28,17 +29,31 @@ def _default(value: Any) -> str:
 
 
 def _row(spec: OptionSpec, *extra: str) -> str:
-    cells = [f"`{spec.key}`", _default(spec.default), spec.allowed_text(REGISTRY_CHECKS.get(spec.key)), *extra,
+    cells = [f"`{spec.key}`", _default(spec.default), spec.allowed_text(), *extra,
              spec.doc.replace("|", "\\|")]
     return "| " + " | ".join(cells) + " |"
 
 
+def _declared(cls: type) -> str:
+    return f"`{cls.__name__}`, `{cls.__module__.replace('.', '/')}.py`"
+
+
+def run_key_groups() -> list[tuple[str, type, list[OptionSpec]]]:
+    """The run's keys by the dataclass that declares them: the run's own, then each part's."""
+    parts = {key for cls in PARTS.values() for key in specs_of(cls)}
+    return [("The run", RunConfig, [s for k, s in RunConfig.specs().items() if k not in parts]),
+            *((f"The {name}", cls, list(specs_of(cls).values())) for name, cls in PARTS.items())]
+
+
 def key_tables() -> str:
-    """The two markdown tables: run-level keys, then method options with the methods that use them."""
-    owners = option_owners()
-    lines = ["Run-level keys:", "", "| key | default | allowed | meaning |", "|---|---|---|---|"]
-    lines += [_row(spec) for spec in RunConfig.specs().values()]
-    lines += ["", "Method options (a strategy's or a client objective's own keys; other methods ignore them):", "",
+    """The markdown tables: the run's keys, one table per dataclass that declares them, then the method options
+    with the methods that use them."""
+    owners, lines = option_owners(), []
+    for title, cls, specs in run_key_groups():
+        lines += [f"{title} ({_declared(cls)}):", "", "| key | default | allowed | meaning |", "|---|---|---|---|"]
+        lines += [_row(spec) for spec in specs] + [""]
+    lines += ["Method options (a strategy's or a client objective's own `Config`; a run whose method does not use "
+              "one refuses it unless it is at its default):", "",
               "| key | default | allowed | used by | meaning |", "|---|---|---|---|---|"]
     lines += [_row(spec, ", ".join(f"`{o}`" for o in owners[key])) for key, spec in option_specs().items()]
     return "\n".join(lines)
@@ -46,7 +61,7 @@ def key_tables() -> str:
 
 def pyproject_table() -> str:
     """``[tool.flwr.app.config]``: every key with its default (Flower fuses only keys declared there)."""
-    defaults = {**{k: s.default for k, s in RunConfig.specs().items()},
+    defaults = {**{s.key: s.default for _, _, specs in run_key_groups() for s in specs},
                 **{k: s.default for k, s in option_specs().items()}}
     return "[tool.flwr.app.config]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in defaults.items())
 

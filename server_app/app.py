@@ -13,8 +13,7 @@ from typing import Any
 from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from common.config import RunConfig
-from server_app.config import load_config, option_specs
+from server_app.config import RunConfig, load_config, option_specs
 from server_app.run import build_run
 
 app = ServerApp()

@@ -10,17 +10,148 @@ A ``resume`` run takes its configuration from the checkpoint (:func:`resumed_con
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, OneOf, OptionSpec, RunConfig, read_preset, specs_of, validate
+import yaml
+
+from common.config import (
+    COUNT,
+    ConfigError,
+    OneOf,
+    OptionSpec,
+    Range,
+    option,
+    options_dict,
+    part_of,
+    specs_of,
+    validate,
+)
+from common.data import DatasetName, DataSpec, dataset_names
+from common.devices import DEVICES
+from common.models import ModelSpec
 from common.objectives import OBJECTIVES
+from common.training import LocalRecipe
 from common.user_code import is_import_path, resolve
 from server_app.checkpoint import read_config
-from strategies import STRATEGIES
+from server_app.runtime import RuntimeConfig
+from strategies import STRATEGIES, MethodChoice
 
-REGISTRY_CHECKS = {"strategy": OneOf(lambda: STRATEGIES), "local-objective": OneOf(lambda: OBJECTIVES)}
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def _presets() -> Iterable[str]:
+    """Preset names: paths under configs/ without ``.yaml`` (``feddle-animal/feddle-id-dir0.1-n20``)."""
+    return sorted(p.relative_to(CONFIG_DIR).with_suffix("").as_posix() for p in CONFIG_DIR.rglob("*.yaml"))
+
+
+def preset_path(name: str) -> Path | None:
+    """The YAML file of preset `name`: ``configs/<name>.yaml``, or for ``package:path`` (a user's own preset)
+    ``<path>.yaml`` inside that installed package; None for a package that cannot be imported."""
+    if ":" not in name:
+        return CONFIG_DIR / f"{name}.yaml"
+    import importlib.resources
+
+    package, _, rel = name.partition(":")
+    try:
+        return Path(str(importlib.resources.files(package) / f"{rel}.yaml"))
+    except (ModuleNotFoundError, TypeError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class PresetName(OneOf):
+    """A preset under configs/, or a user's ``package:path`` (``mytask:presets/fedavg``)."""
+
+    def ok(self, v: str) -> bool:
+        path = preset_path(v)
+        return path is not None and path.is_file() and ".." not in Path(v.partition(":")[2] or v).parts
+
+    def describe(self) -> str:
+        return super().describe() + ", or your own 'package:path' (a YAML file inside an installed package)"
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig):
+    """Every key of a run: the method, the data spec, the model, the clients' local recipe and the runtime (each
+    declared in the dataclass that carries it, inherited here), the run's own keys below, and ``options``: every
+    method option's value (see README "Configuration")."""
+
+    preset: str = option("fedavg-digits", PresetName(_presets), "YAML preset applied before overrides",
+                         "a file in `configs/`, without `.yaml` (`feddle-animal/fedbuff-dir0.1-n20`), or "
+                         "`package:path` in your own package")
+    num_rounds: int = option(20, COUNT, "server rounds (steps of the runtime)")
+    loop: str = option("hybridfl", OneOf(("hybridfl", "flower")),
+                       "the hybridfl runtime, or Flower's own `Strategy.start()` rounds (a barrier: needs the "
+                       "virtual clock with `delay-sigma = 0`)")
+    server_dataset: str = option("", DatasetName(lambda: ("", *dataset_names())),
+                                 "empty: the server holds the in-domain central split; a dataset name: "
+                                 "out-of-domain server data with its own labels", '`""` or a dataset')
+    server_dataset_size: int = option(0, Range(0), "with `server-dataset`: how many of its samples the server holds "
+                                      "(a seeded sample; 0 = all)")
+    device: str = option("auto", OneOf(DEVICES),
+                         "where server-side training runs (`auto`: CUDA, else MPS, when there is one; the clients "
+                         "choose their own with the node setting `device`)")
+    eval_every: int = option(1, COUNT, "evaluate on the server's test split every this many steps (and at the end)")
+    checkpoint_every: int = option(10, Range(0), "write `checkpoint.pt` every this many steps and at the end "
+                                   "(0 = never)")
+    resume: str = option("", None, "a run folder with a `checkpoint.pt`: continue that run there (the other keys "
+                         "come from the checkpoint; see [Checkpoints](#checkpoints-and-resume))", "a run folder")
+    output_dir: str = option("outputs", None, "where `<run>/` is written (absolute under `flwr run`)", "path")
+    run_name: str = option("", None, "run folder; empty = `<preset>-s<seed>-<timestamp>` (`-2`, `-3`… when that "
+                           "folder exists)", "name")
+    options: dict[str, Any] = field(default_factory=dict, compare=True, hash=False)
+
+    @staticmethod
+    def specs() -> dict[str, OptionSpec]:
+        return specs_of(RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every key with its value: run-level keys, then the method options."""
+        return {**{key: getattr(self, spec.name) for key, spec in self.specs().items()}, **self.options}
+
+
+# The parts a run's keys are declared in, in the README's order (the run's own keys are the rest); data, model
+# and local recipe travel in every message to the clients (client_config).
+PARTS: dict[str, type] = {"method": MethodChoice, "data": DataSpec, "model": ModelSpec, "local recipe": LocalRecipe,
+                          "runtime": RuntimeConfig}
+
+
+def client_config(cfg: RunConfig) -> dict[str, Any]:
+    """What every message to hybridfl's ClientApp carries: the data spec (a node rebuilds its partition from it),
+    the model, the local recipe and the client objective's own options. A Flower user's own ServerApp passes it
+    as ``train_config`` to ``FlowerStrategy.start`` (examples/tabular)."""
+    parts = (options_dict(part_of(part, cfg)) for part in (DataSpec, ModelSpec, LocalRecipe))
+    objective = specs_of(OBJECTIVES[cfg.local_objective].Config)
+    return {**{k: v for part in parts for k, v in part.items()}, **{key: cfg.options[key] for key in objective}}
+
+
+def read_preset(name: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The key/value mapping of ``configs/<name>.yaml``.
+
+    A preset may build on others: ``base: <preset>`` or ``base: [<preset>, ...]`` applies those first
+    (in order, each with its own bases), then the file's own keys. So a family of presets shares one
+    protocol file and each member states only what differs.
+    """
+    check = PresetName(_presets)
+    if not check.ok(name):
+        raise ConfigError("preset", name, check.describe())
+    path = preset_path(name)
+    if name in _seen:
+        raise ConfigError("base", name, f"a preset that does not include itself (cycle {' -> '.join(_seen + (name,))})")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError("preset", name, f"a YAML mapping in {path}")
+    bases = data.pop("base", [])
+    layered: dict[str, Any] = {}
+    for base in [bases] if isinstance(bases, str) else bases:
+        layered.update(read_preset(base, _seen + (name,)))
+    return {**layered, **data}
+
+
 
 # Keys a resumed run may change: they do not touch what is computed (or, `device`, where).
 MAY_CHANGE_ON_RESUME = frozenset({"num-rounds", "checkpoint-every", "eval-every", "reply-timeout-s", "poll-interval-s",
@@ -61,13 +192,11 @@ def make_config(values: Mapping[str, Any]) -> RunConfig:
     given_run, given_options = {}, {key: spec.default for key, spec in options.items()}
     for key, value in values.items():
         if key in run:
-            given_run[run[key].name] = validate(run[key], value, REGISTRY_CHECKS.get(key))
+            given_run[run[key].name] = validate(run[key], value)
         elif key in options:
             given_options[key] = validate(options[key], value)
         else:
             raise ConfigError(key, value, "a known key: " + ", ".join(sorted({*run, *options})))
-    for key in REGISTRY_CHECKS.keys() - values.keys():  # defaults must name registered methods too
-        validate(run[key], run[key].default, REGISTRY_CHECKS[key])
     cfg = RunConfig(**given_run, options=given_options)
     for key, value, what in (("model", cfg.model, "a model factory 'module:function'"),
                              ("dataset", cfg.dataset, "a data loader 'module:function'"),

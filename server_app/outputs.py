@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.config import RunConfig
+from server_app.config import RunConfig
 
 
 def run_dir(cfg: RunConfig, root: Path | None = None) -> Path:

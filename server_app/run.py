@@ -12,24 +12,24 @@ import time
 from dataclasses import dataclass
 from logging import INFO
 from pathlib import Path
-from typing import Any
 
 import torch
 from flwr.common import log
 from flwr.serverapp import Grid
 from torch import nn
 
-from common.config import ConfigError, RunConfig
+from common.config import part_of
 from common.data import Splits, data_spec, make_splits, task_data
-from common.models import build_from_config, model_config
+from common.models import build_from_config
 from common.params import ParamSpec
 from common.server_data import ServerData, build_server_data
 from common.training import LocalRecipe, evaluate
 from server_app.checkpoint import CHECKPOINT, check_layout, read_checkpoint, write_checkpoint
+from server_app.config import RunConfig, client_config
+from server_app.evaluation import client_evaluate, federated_evaluate, personal_summary
 from server_app.flower import FlowerStrategy
-from server_app.messaging import client_evaluate, federated_evaluate, personal_summary
 from server_app.outputs import Recorder, run_dir
-from server_app.runtime import Runner, StepLog
+from server_app.runtime import Runner, RuntimeConfig, StepLog
 from strategies import Strategy, build_strategy
 
 
@@ -38,20 +38,6 @@ def describe(server_data: ServerData | None) -> str:
         return "none"
     kind = "in-domain" if server_data.in_domain else "out-of-domain"
     return f"{len(server_data)} {kind} samples on {server_data.device}"
-
-
-def check_server_data(cfg: RunConfig, strategy: Strategy, server_data: ServerData | None) -> None:
-    """Fail at start, naming the key to set, when the method needs server data the run does not have."""
-    need = type(strategy).server_data
-    if need != "none" and server_data is None:
-        raise ConfigError("central-size", cfg.central_size,
-                          f"> 0 (or a server-dataset): strategy '{cfg.strategy}' uses the server's own data")
-    if need == "in-domain" and not server_data.in_domain:
-        raise ConfigError("server-dataset", cfg.server_dataset,
-                          f"'' (in-domain central split): strategy '{cfg.strategy}' trains on labels of the clients' "
-                          "label space")
-    if need == "none" and server_data is not None:
-        log(INFO, "strategy '%s' does not use the server's data (%s)", cfg.strategy, describe(server_data))
 
 
 @dataclass
@@ -159,14 +145,6 @@ class Run:
         return self.out
 
 
-def client_config(cfg: RunConfig) -> dict[str, Any]:
-    """What every message to hybridfl's ClientApp carries: the data spec (a node rebuilds its partition from it),
-    the model and the local recipe. A Flower user's own ServerApp passes it as ``train_config`` to
-    ``FlowerStrategy.start`` (examples/tabular)."""
-    return {**data_spec(cfg).to_config(), **model_config(cfg.to_dict()),
-            **LocalRecipe.from_config(cfg.to_dict()).to_config()}
-
-
 def build_run(grid: Grid, cfg: RunConfig) -> Run:
     """Everything a run needs, from its configuration; with ``resume``, restored from the run's checkpoint."""
     resumed = read_checkpoint(Path(cfg.resume)) if cfg.resume else None
@@ -178,14 +156,13 @@ def build_run(grid: Grid, cfg: RunConfig) -> Run:
     server_data = build_server_data(cfg, splits)
     model = build_from_config(cfg.to_dict(), full.x.shape[1:], full.num_classes, seed=cfg.seed)
     pspec = ParamSpec.of(model)
-    recipe = LocalRecipe.from_config(cfg.to_dict())
+    recipe = part_of(LocalRecipe, cfg)
     strategy = build_strategy(cfg.strategy, cfg.options, seed=cfg.seed, num_clients=cfg.num_clients, recipe=recipe)
-    check_server_data(cfg, strategy, server_data)
+    if strategy.server_need() == "none" and server_data is not None:  # the need itself is checked at attach
+        log(INFO, "strategy '%s' does not use the server's data (%s)", cfg.strategy, describe(server_data))
     strategy.initialize(pspec.flatten(model), pspec, copy.deepcopy(model))
-    runner = Runner(grid, strategy, client_config(cfg),
-                    clients_per_round=cfg.clients_per_round, clock=cfg.clock, delay_sigma=cfg.delay_sigma,
-                    concurrency=cfg.concurrency, reply_timeout=cfg.reply_timeout_s, poll_interval=cfg.poll_interval_s,
-                    wait_nodes=cfg.wait_nodes_s, seed=cfg.seed, server_data=server_data)
+    runner = Runner(grid, strategy, client_config(cfg), part_of(RuntimeConfig, cfg), seed=cfg.seed,
+                    server_data=server_data)
     first_step = 1
     if resumed is not None:
         check_layout(out, resumed, pspec.names, pspec.shapes)

@@ -29,21 +29,40 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
-from flwr.app import Message
+from flwr.app import Message, MessageType
 from flwr.common import log
 from flwr.serverapp import Grid
 
+from common.config import COUNT, POSITIVE, OneOf, Range, check_options, option
 from common.protocol import CLIENT_SIDE
-from server_app.messaging import Dispatcher, NodeDirectory, RejectedReply, parse_reply, weighted_mean
+from server_app.evaluation import weighted_mean
+from server_app.wire import Dispatcher, NodeDirectory, RejectedReply, parse_reply
 from strategies.base import Payload, Strategy, Unusable, Update
 
 CLOCKS = ("virtual", "wall")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RuntimeConfig:
+    """The runtime keys: how the runner drives the clients (the module docstring says how each clock works)."""
+
+    clients_per_round: int = option(10, COUNT, "clients sampled per step (virtual clock); arrivals per step "
+                                    "(wall clock)", "1 … `num-clients`")
+    clock: str = option("virtual", OneOf(CLOCKS), "virtual: seeded delays in steps; wall: real arrival order (see "
+                        "above)")
+    delay_sigma: float = option(0.0, Range(0), "σ of the half-normal client delay, in server steps "
+                                "(0 = synchronous)")
+    concurrency: int = option(10, COUNT, "clients kept busy by the wall clock")
+    reply_timeout_s: float = option(600.0, POSITIVE, "seconds a dispatched update may take before it is given up")
+    poll_interval_s: float = option(0.05, Range(0, 1, low_open=True), "seconds between pulls for replies")
+    wait_nodes_s: float = option(120.0, POSITIVE,
+                                 "seconds to wait for `num-clients` nodes at start, or for any node later")
 
 
 @dataclass
@@ -65,6 +84,20 @@ class Flight:
         """What survives a restart (not where it went: node ids change)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if f.name not in ("node", "message_id", "sent_at")}
+
+
+@dataclass
+class Step:
+    """A step driven from another loop (:meth:`Runner.begin_step`): its log so far and its train messages."""
+
+    entry: StepLog
+    accepted: list[Update]
+    started: float
+    outgoing: list[tuple[Message, Flight]]
+
+    @property
+    def messages(self) -> list[Message]:
+        return [m for m, _ in self.outgoing]
 
 
 @dataclass
@@ -113,31 +146,21 @@ class Runner:
         grid: Flower grid (simulation, deployment, or the in-process engine).
         strategy: an initialised :class:`~strategies.base.Strategy`.
         run_config: what every message carries (data spec, model, the clients' local recipe).
-        clients_per_round: N, clients sampled per step (virtual) / arrivals per step (wall).
-        clock: ``"virtual"`` or ``"wall"``.
-        delay_sigma: σ of the virtual half-normal delay, in server steps (0 = synchronous).
-        concurrency: clients kept busy by the wall clock.
-        reply_timeout: seconds after which an unanswered dispatch is given up.
-        poll_interval: seconds between ``pull_messages`` calls when nothing arrived.
-        wait_nodes: seconds to wait for a reachable client before failing the run.
+        runtime: the clock and its settings (:class:`RuntimeConfig`; default: its defaults).
         seed: seeds client sampling and delays.
         server_data: attached to the strategy and passed to ``strategy.step``.
         on_event: called with a dict for every update handed over or lost (events.jsonl).
     """
 
-    def __init__(self, grid: Grid, strategy: Strategy, run_config: dict[str, Any], *, clients_per_round: int,
-                 clock: str = "virtual", delay_sigma: float = 0.0, concurrency: int = 10,
-                 reply_timeout: float = 600.0, poll_interval: float = 0.05, wait_nodes: float = 120.0,
-                 seed: int = 0, server_data: Any = None,
+    def __init__(self, grid: Grid, strategy: Strategy, run_config: dict[str, Any],
+                 runtime: RuntimeConfig | None = None, *, seed: int = 0, server_data: Any = None,
                  on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
-        if clock not in CLOCKS:
-            raise ValueError(f"clock {clock!r} is not one of {CLOCKS}")
+        self.runtime = runtime if runtime is not None else RuntimeConfig()
+        check_options(self.runtime)
         self.grid, self.strategy = grid, strategy
         self.directory = NodeDirectory(grid)
         self.dispatcher = Dispatcher(strategy.spec, {**run_config, CLIENT_SIDE: strategy.client_side.name}, seed)
-        self.clients_per_round, self.clock, self.delay_sigma = clients_per_round, clock, delay_sigma
-        self.concurrency, self.reply_timeout, self.poll_interval = concurrency, reply_timeout, poll_interval
-        self.wait_nodes, self.server_data = wait_nodes, server_data
+        self.server_data = server_data
         strategy.attach(server_data)
         self.on_event = on_event or (lambda event: None)
         self._sample_rng = random.Random(seed)
@@ -171,11 +194,12 @@ class Runner:
         self._t0 = time.perf_counter() - state["elapsed"]
 
     # -- shared machinery -------------------------------------------------------------------
-    def delay(self) -> int:
+    def _delay(self) -> int:
         """A virtual delay in server steps: round(|z|), z ~ N(0, σ²)."""
-        return int(round(abs(self._delay_rng.normal(0.0, self.delay_sigma)))) if self.delay_sigma > 0 else 0
+        sigma = self.runtime.delay_sigma
+        return int(round(abs(self._delay_rng.normal(0.0, sigma)))) if sigma > 0 else 0
 
-    def reachable(self, refresh_every: float = 0.0) -> set[int]:
+    def _reachable_clients(self, refresh_every: float = 0.0) -> set[int]:
         """Clients whose node is connected now (node list re-read at most every `refresh_every` s)."""
         if time.perf_counter() - self._reachable_at >= refresh_every:
             nodes = self.directory.poll()
@@ -183,15 +207,15 @@ class Runner:
             self._reachable_at = time.perf_counter()
         return self._reachable
 
-    def idle(self, exclude: set[int] = frozenset(), refresh_every: float = 0.0) -> list[int]:
-        return sorted(self.reachable(refresh_every) - set(self.flights) - exclude)
+    def _idle(self, exclude: set[int] = frozenset(), refresh_every: float = 0.0) -> list[int]:
+        return sorted(self._reachable_clients(refresh_every) - set(self.flights) - exclude)
 
-    def sample(self, k: int, exclude: set[int] = frozenset(), refresh_every: float = 0.0) -> list[int]:
+    def _sample(self, k: int, exclude: set[int] = frozenset(), refresh_every: float = 0.0) -> list[int]:
         """`k` idle reachable clients (fewer if fewer are idle), drawn with the run's seed, in client order."""
-        idle = self.idle(exclude, refresh_every)
+        idle = self._idle(exclude, refresh_every)
         return sorted(self._sample_rng.sample(idle, min(k, len(idle))))
 
-    def launch(self, clients: list[int], step: int, virtual: bool) -> list[Flight]:
+    def _launch(self, clients: list[int], step: int, virtual: bool) -> list[Flight]:
         """New flights to `clients`: each gets the strategy's payload, a train seed and (virtual) a delay."""
         flights = []
         for c in clients:
@@ -200,34 +224,34 @@ class Runner:
             self._bytes_extra += payload.extra_nbytes
             self._seq += 1
             flights.append(Flight(self._seq, c, self.strategy.version, step,
-                                  step + self.delay() if virtual else -1, payload, self.dispatcher.next_seed(c)))
+                                  step + self._delay() if virtual else -1, payload, self.dispatcher.next_seed(c)))
         return flights
 
-    def message(self, flight: Flight) -> Message:
+    def _message(self, flight: Flight) -> Message:
         """The train message of `flight`, addressed to its client's current node."""
         flight.node = self.directory.node_of[flight.client]
         return self.dispatcher.message(flight.node, flight.payload, flight.version, train_seed=flight.train_seed)
 
-    def push(self, flights: list[Flight]) -> None:
+    def _push(self, flights: list[Flight]) -> None:
         if not flights:
             return
-        msgs = [self.message(f) for f in flights]
+        msgs = [self._message(f) for f in flights]
         now = time.perf_counter()
         for flight, mid in zip(flights, self.grid.push_messages(msgs)):
             flight.message_id, flight.sent_at = mid, now
             self.flights[flight.client] = flight
 
-    def dispatch(self, clients: list[int], step: int, virtual: bool) -> None:
-        self.push(self.launch(clients, step, virtual))
+    def _dispatch(self, clients: list[int], step: int, virtual: bool) -> None:
+        self._push(self._launch(clients, step, virtual))
 
-    def resend(self) -> None:
+    def _resend(self) -> None:
         """Send the flights restored from a checkpoint again (they were in the air when it was written)."""
         restored = sorted((f for f in self.flights.values() if not f.message_id), key=lambda f: f.seq)
         if restored:
             log(INFO, "resending the %d updates that were in flight at the checkpoint", len(restored))
-            self.push(restored)
+            self._push(restored)
 
-    def poll(self, flights: list[Flight] | None = None) -> bool:
+    def _poll(self, flights: list[Flight] | None = None) -> bool:
         """Pull the replies of `flights` (default: every flight), mark those past the timeout; True if anything
         new. The virtual clock pulls only the flights due now: a reply is held (and, in-process, the client's work
         done) only when it is handed over, so the server holds the replies of one step, not of every flight."""
@@ -239,12 +263,13 @@ class Runner:
         for m in got:
             self._replies[m.metadata.reply_to_message_id] = m
         now = time.perf_counter()
-        late = [f for f in flights if f.message_id not in self._replies and now - f.sent_at > self.reply_timeout]
+        timeout = self.runtime.reply_timeout_s
+        late = [f for f in flights if f.message_id not in self._replies and now - f.sent_at > timeout]
         for f in late:
             self._replies[f.message_id] = None
         return bool(got or late)
 
-    def hand_over(self, flight: Flight, reply: Message | None, step: int, entry: StepLog,
+    def _hand_over(self, flight: Flight, reply: Message | None, step: int, entry: StepLog,
                   accepted: list[Update]) -> bool:
         """Give `flight`'s reply (None: timed out) to the strategy, stepping whenever it is ready; False if
         the update is lost (error, unusable, late)."""
@@ -253,7 +278,7 @@ class Runner:
                  "dispatch-step": flight.dispatch_step, "t": round(time.perf_counter() - self._t0, 4)}
         update, outcome, reason = None, "accepted", ""
         if reply is None:
-            outcome, reason = "timeout", f"no reply within {self.reply_timeout:.0f}s"
+            outcome, reason = "timeout", f"no reply within {self.runtime.reply_timeout_s:.0f}s"
             entry.timeouts += 1
         else:
             try:
@@ -284,11 +309,11 @@ class Runner:
         self.on_event({**event, "outcome": "accepted", "staleness": staleness, "version": self.strategy.version})
         return True
 
-    def open_step(self, step: int) -> tuple[StepLog, list[Update]]:
+    def _open_step(self, step: int) -> tuple[StepLog, list[Update]]:
         self._step_metrics, self._bytes_down, self._bytes_extra = {}, 0, 0
         return StepLog(step, self.strategy.version), []
 
-    def close_step(self, entry: StepLog, accepted: list[Update], started: float) -> StepLog:
+    def _close_step(self, entry: StepLog, accepted: list[Update], started: float) -> StepLog:
         self.strategy.close_round()
         if self.strategy.ready():
             self._step_metrics = self.strategy.step(self.server_data)
@@ -299,14 +324,14 @@ class Runner:
         entry.seconds = time.perf_counter() - started
         return entry
 
-    def wait_for_reachable(self, step: int) -> None:
+    def _wait_for_reachable(self, step: int) -> None:
         """Nothing in flight and nobody to dispatch to: wait for a client to (re)connect, or fail."""
-        deadline = time.perf_counter() + self.wait_nodes
-        while not self.idle(refresh_every=1.0):
+        deadline = time.perf_counter() + self.runtime.wait_nodes_s
+        while not self._idle(refresh_every=1.0):
             if time.perf_counter() >= deadline:
-                raise RuntimeError(f"step {step}: no reachable client for {self.wait_nodes:.0f}s "
+                raise RuntimeError(f"step {step}: no reachable client for {self.runtime.wait_nodes_s:.0f}s "
                                    f"(known partitions {self.directory.clients}); is any SuperNode running?")
-            time.sleep(min(1.0, self.wait_nodes))
+            time.sleep(min(1.0, self.runtime.wait_nodes_s))
 
     def latency_summary(self) -> dict[str, float]:
         """Median and p95 of the wall clock's reply -> next-dispatch latency (empty for the virtual clock)."""
@@ -315,12 +340,50 @@ class Runner:
         lat = np.asarray(self.reply_to_dispatch)
         return {"median": float(np.median(lat)), "p95": float(np.percentile(lat, 95)), "count": int(lat.size)}
 
+    # -- the public API: a run, or one step at a time from another loop (Flower's) ----------------
+    def wait_for_nodes(self, count: int, timeout: float | None = None) -> None:
+        """Wait until `count` clients have a node (default: ``wait-nodes-s``), or fail."""
+        self.directory.wait_for(count, self.runtime.wait_nodes_s if timeout is None else timeout,
+                                self.runtime.poll_interval_s)
+
+    def begin_step(self, step: int) -> Step:
+        """Open step `step` driven from another loop (a barrier: every update comes back in this step): sample
+        ``clients-per-round`` idle clients and build their train messages (:attr:`Step.messages`)."""
+        if len(self.directory.node_of) < self.runtime.clients_per_round:
+            self.wait_for_nodes(self.runtime.clients_per_round)
+        entry, accepted = self._open_step(step)
+        flights = self._launch(self._sample(self.runtime.clients_per_round), step, virtual=True)
+        entry.sampled = len(flights)
+        return Step(entry, accepted, time.perf_counter(), [(self._message(f), f) for f in flights])
+
+    def end_step(self, step: Step, replies: Iterable[Message]) -> StepLog:
+        """Hand `step`'s replies to the strategy in dispatch order, whatever order they came in (a missing one
+        counts as timed out, a bad one is rejected and counted), and close the step."""
+        by_request = {m.metadata.reply_to_message_id: m for m in replies}
+        for msg, flight in step.outgoing:
+            self._hand_over(flight, by_request.get(msg.metadata.message_id), step.entry.round, step.entry,
+                            step.accepted)
+        return self._close_step(step.entry, step.accepted, step.started)
+
+    def evaluate_messages(self, count: int, rng: random.Random, config: dict[str, Any]) -> list[Message]:
+        """Evaluation messages to `count` connected clients drawn with `rng`, each with its ``model_for``
+        payload and `config`."""
+        connected = self.directory.poll()
+        clients = sorted(c for c, n in self.directory.node_of.items() if n in connected)
+        messages = []
+        for c in sorted(rng.sample(clients, min(count, len(clients)))):
+            payload = self.strategy.model_for(c)
+            payload = dataclasses.replace(payload, config={**payload.config, **config})
+            messages.append(self.dispatcher.message(self.directory.node_of[c], payload, self.strategy.version,
+                                                    MessageType.EVALUATE))
+        return messages
+
     # -- the two clocks -----------------------------------------------------------------------
     def run(self, num_steps: int, on_step: Callable[[StepLog], None], first_step: int = 1) -> None:
         """Run server steps `first_step` .. `num_steps`, calling `on_step` after each (evaluation, logging,
         checkpoints); flights restored from a checkpoint are sent again first."""
-        self.resend()
-        loop = self._run_virtual if self.clock == "virtual" else self._run_wall
+        self._resend()
+        loop = self._run_virtual if self.runtime.clock == "virtual" else self._run_wall
         loop(first_step, num_steps, on_step)
         if self.flights:
             log(INFO, "%d dispatched updates still in flight at the end are discarded", len(self.flights))
@@ -329,52 +392,52 @@ class Runner:
     def _run_virtual(self, first_step: int, num_steps: int, on_step: Callable[[StepLog], None]) -> None:
         for step in range(first_step, num_steps + 1):
             started = time.perf_counter()
-            entry, accepted = self.open_step(step)
-            if not self.flights and not self.idle():
-                self.wait_for_reachable(step)
-            chosen = self.sample(self.clients_per_round)
-            self.dispatch(chosen, step, virtual=True)
+            entry, accepted = self._open_step(step)
+            if not self.flights and not self._idle():
+                self._wait_for_reachable(step)
+            chosen = self._sample(self.runtime.clients_per_round)
+            self._dispatch(chosen, step, virtual=True)
             entry.sampled = len(chosen)
             sampled = set(chosen)  # a client is sampled at most once per step
             while due := sorted((f for f in self.flights.values() if f.due_step <= step), key=lambda f: f.seq):
                 while any(f.message_id not in self._replies for f in due):
-                    if not self.poll(due):
-                        time.sleep(self.poll_interval)
+                    if not self._poll(due):
+                        time.sleep(self.runtime.poll_interval_s)
                 for f in due:
-                    if not self.hand_over(f, self._replies.pop(f.message_id), step, entry, accepted):
-                        replacement = self.sample(1, exclude=sampled)
-                        self.dispatch(replacement, step, virtual=True)
+                    if not self._hand_over(f, self._replies.pop(f.message_id), step, entry, accepted):
+                        replacement = self._sample(1, exclude=sampled)
+                        self._dispatch(replacement, step, virtual=True)
                         sampled.update(replacement)
                         entry.sampled += len(replacement)
-            on_step(self.close_step(entry, accepted, started))
+            on_step(self._close_step(entry, accepted, started))
 
     def _run_wall(self, first_step: int, num_steps: int, on_step: Callable[[StepLog], None]) -> None:
         step, started = first_step, time.perf_counter()
-        entry, accepted = self.open_step(step)
+        entry, accepted = self._open_step(step)
         while True:
-            if not self.flights and not self.idle(refresh_every=1.0):
-                self.wait_for_reachable(step)
-            free = self.concurrency - len(self.flights)
+            if not self.flights and not self._idle(refresh_every=1.0):
+                self._wait_for_reachable(step)
+            free = self.runtime.concurrency - len(self.flights)
             if free > 0:
-                fresh = self.sample(free, refresh_every=1.0)
-                self.dispatch(fresh, step, virtual=False)
+                fresh = self._sample(free, refresh_every=1.0)
+                self._dispatch(fresh, step, virtual=False)
                 entry.sampled += len(fresh)
-            if not self.poll():
-                time.sleep(self.poll_interval)
+            if not self._poll():
+                time.sleep(self.runtime.poll_interval_s)
                 continue
             arrived = sorted((f for f in self.flights.values() if f.message_id in self._replies), key=lambda f: f.seq)
             for f in arrived:
                 got_at = time.perf_counter()
-                self.hand_over(f, self._replies.pop(f.message_id), step, entry, accepted)
+                self._hand_over(f, self._replies.pop(f.message_id), step, entry, accepted)
                 # Refill the freed slot at once: the reply -> next dispatch latency is the runtime's overhead.
-                fresh = self.sample(1, refresh_every=1.0)
-                self.dispatch(fresh, step, virtual=False)
+                fresh = self._sample(1, refresh_every=1.0)
+                self._dispatch(fresh, step, virtual=False)
                 if fresh:
                     self.reply_to_dispatch.append(time.perf_counter() - got_at)
                     entry.sampled += 1
-                if entry.accepted + entry.failures + entry.rejected + entry.timeouts >= self.clients_per_round:
-                    on_step(self.close_step(entry, accepted, started))
+                if entry.accepted + entry.failures + entry.rejected + entry.timeouts >= self.runtime.clients_per_round:
+                    on_step(self._close_step(entry, accepted, started))
                     if step == num_steps:
                         return
                     step, started = step + 1, time.perf_counter()
-                    entry, accepted = self.open_step(step)
+                    entry, accepted = self._open_step(step)

@@ -6,9 +6,10 @@ Importing this package imports every module in it, which registers each strategy
 
 import importlib
 import pkgutil
+from dataclasses import dataclass
 from typing import Any
 
-from common.config import make_options
+from common.config import OneOf, make_options, option
 from common.training import LocalRecipe
 from strategies.base import STRATEGIES, Payload, Strategy, Update
 from strategies.ca2fl import CA2FL
@@ -31,6 +32,13 @@ for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class MethodChoice:
+    """The method key: which registered strategy runs (its own options are its ``Config``)."""
+
+    strategy: str = option("fedavg", OneOf(lambda: STRATEGIES), "the method: a registered strategy (strategies/)")
+
+
 def build_strategy(name: str, options: dict[str, Any], *, seed: int = 0, num_clients: int = 0,
                    recipe: LocalRecipe | None = None) -> Strategy:
     """Strategy `name` with its options read from `options` (hyphenated keys; others are ignored)."""
@@ -40,5 +48,5 @@ def build_strategy(name: str, options: dict[str, Any], *, seed: int = 0, num_cli
 
 __all__ = ["CA2FL", "HFCL", "IFCA", "STRATEGIES", "Center", "ExampleTransfer", "FedAsync", "FedAvg", "FedAvgPlus",
            "FedBuff", "FedDF", "FedDual", "FedEM", "FedFT", "FedMerge", "Feddle", "GeneralizedFedAvg",
-           "GradientTransfer", "Local", "ParallelTraining", "Payload", "Scaffold", "Strategy", "Update",
+           "GradientTransfer", "Local", "MethodChoice", "ParallelTraining", "Payload", "Scaffold", "Strategy", "Update",
            "build_strategy"]

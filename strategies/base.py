@@ -38,6 +38,7 @@ from torch import nn
 
 from common.config import NoOptions, check_options, options_dict
 from common.params import ParamSpec
+from common.server_data import ServerData, check_server_data
 from common.training import LocalRecipe
 from strategies.client import ClientSide, register
 
@@ -114,7 +115,7 @@ class Strategy(ABC):
 
     name: ClassVar[str] = ""
     Config: ClassVar[type] = NoOptions
-    server_data: ClassVar[str] = "none"  # "none", "in-domain" (labels in the clients' space) or "any"
+    server_data: ClassVar[str] = "none"  # server_need()'s default: "none", "in-domain" (the clients' labels) or "any"
     client_side: ClassVar[type[ClientSide]] = ClientSide  # what the clients do (strategies/client.py)
     _structure: ClassVar[frozenset[str]] = frozenset({"config", "seed", "num_clients", "recipe", "spec", "model",
                                                       "server"})
@@ -134,17 +135,26 @@ class Strategy(ABC):
         self.model: nn.Module | None = None
         self.params: torch.Tensor | None = None  # ω
         self.version = 0
-        self.server: Any = None  # the server's own data (ServerData), attached by the runner
+        self.server: ServerData | None = None  # the server's own data, attached by the runner
 
     def initialize(self, params: torch.Tensor, spec: ParamSpec, model: nn.Module | None = None) -> None:
         """Start from global parameters `params` (version 0). `model` is the architecture (its trainable
         parameters are `spec`'s layout), for strategies that train or evaluate on the server's data."""
         self.params, self.spec, self.model, self.version = params.clone(), spec, model, 0
 
-    def attach(self, server: Any) -> None:
-        """The server's own data (``common.server_data.ServerData``, or None), attached by the runner before the
-        first dispatch, for payloads that carry some of it (example transfer, a central gradient); ``step``
-        gets it as its argument too."""
+    def server_need(self) -> str:
+        """What this strategy needs of the server's data with its options: "none", "in-domain" or "any"; the class
+        attribute ``server_data`` unless an option changes it (Feddle's fine-tuning)."""
+        return self.server_data
+
+    def attach(self, server: ServerData | None) -> None:
+        """The server's own data (or None), attached by every runner before the first dispatch, for payloads that
+        carry some of it (example transfer, a central gradient); ``step`` gets it as its argument too. Raises
+        ``ConfigError``, naming the key to change, when it does not meet :meth:`server_need`: the one check of
+        server data, so every path (the runtime, Flower's loop, a user's own ServerApp) fails before anything runs."""
+        # The registered name a run configures; a user's unregistered subclass by its class (not its parent's name).
+        label = self.name if STRATEGIES.get(self.name) is type(self) else type(self).__name__
+        check_server_data(server, self.server_need(), label)
         self.server = server
 
     # -- the contract -------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import torch
 from flwr.app import RecordDict
 from torch import nn
 
+from common.config import make_options
 from common.datasets import ArrayDataset
 from common.objectives import Received, build_loss
 from common.params import ParamSpec
@@ -61,7 +62,7 @@ class LocalTask:
 
     @property
     def recipe(self) -> LocalRecipe:
-        return LocalRecipe.from_config(self.config)
+        return make_options(LocalRecipe, self.config)
 
     @property
     def train_seed(self) -> int:
@@ -104,7 +105,7 @@ class ClientSide:
         ``task.reply``."""
         start = task.spec.flatten(task.model)
         received = task.received(task.parts["train"])
-        loss = build_loss(task.recipe.objective, dict(task.config), received)
+        loss = build_loss(task.recipe.local_objective, dict(task.config), received)
         task.metrics.update(train(task.model, self.training_data(task), task.recipe, seed=task.train_seed, loss=loss,
                                   device=task.device))
         task.metrics.update(received.metrics)

@@ -14,7 +14,6 @@ optimizer, η) and the proximal objective with μ = λ; v_k starts from the firs
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -58,9 +57,8 @@ class DittoClient(ClientSide):
         delta = super().train(task)  # w_k^t: FedAvg's local update from w^t (lines 5–6)
         received = Received(task.model, anchor)
         task.spec.load_into(task.model, v if (v := self.personal(task)) is not None else w_t)
-        recipe = dataclasses.replace(task.recipe, objective="proximal", objective_options=())
         loss = build_loss("proximal", {"proximal-mu": float(task.config[LAMBDA])}, received)
-        stats = train(task.model, task.parts["train"], recipe, seed=derive_seed(task.train_seed, 1), loss=loss,
+        stats = train(task.model, task.parts["train"], task.recipe, seed=derive_seed(task.train_seed, 1), loss=loss,
                       device=task.device)
         task.state[PERSONAL] = task.spec.to_record(task.spec.flatten(task.model))
         task.metrics.update({"personal-train-loss": stats["train-loss"]})

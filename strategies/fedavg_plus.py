@@ -29,7 +29,7 @@ class FedAvgPlusClient(ClientSide):
 
     def prepare(self, task: LocalTask, evaluating: bool) -> None:
         if evaluating and (epochs := int(task.config.get(FINETUNE_EPOCHS, 0))):
-            recipe = dataclasses.replace(task.recipe, epochs=epochs, objective="cross-entropy", objective_options=())
+            recipe = dataclasses.replace(task.recipe, local_epochs=epochs)
             train(task.model, task.parts["train"], recipe, device=task.device,
                   seed=derive_seed(task.seed, EVAL_STREAM, task.partition, int(task.config[VERSION])))
 

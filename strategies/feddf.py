@@ -55,9 +55,6 @@ class FedDF(FedAvg):
     server_data = "any"
 
     def step(self, server: Any = None) -> dict[str, float]:
-        if server is None or len(server) == 0:
-            raise ValueError("FedDF distils on the server's inputs, but this run has none: set central-size > 0 "
-                             "(in-domain) or server-dataset (out-of-domain)")
         if self.model is None:
             raise RuntimeError("FedDF needs the model (initialize(..., model)) to distil on server data")
         started = time.perf_counter()

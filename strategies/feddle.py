@@ -37,7 +37,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from common.config import COUNT, POSITIVE, ConfigError, OneOf, Range, option
-from common.server_data import require_in_domain
 from common.training import derive_seed, run_epochs, server_seed, train_on_server
 from strategies.base import Strategy, Update
 from strategies.fedbuff import FedBuffConfig, buffer_weights
@@ -110,11 +109,10 @@ class Feddle(Strategy):
         self.closed = False  # the runner closed a step that brought updates (search-every = step)
         self.theta: nn.Linear | None = None  # the OOD head, kept across searches
 
-    def attach(self, server: Any) -> None:
-        """As every strategy; fine-tuning (``server-finetune-epochs``) needs in-domain server data: fail at start."""
-        if self.config.server_finetune_epochs:
-            require_in_domain(server, "Feddle with server-finetune-epochs > 0")
-        super().attach(server)
+    def server_need(self) -> str:
+        """Any server data for the search; in-domain with fine-tuning (``server-finetune-epochs``), which trains
+        on the server's labels as the clients' classes."""
+        return "in-domain" if self.config.server_finetune_epochs else self.server_data
 
     @classmethod
     def figures(cls, rows: list[dict[str, Any]], client_rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -62,7 +62,7 @@ def train_mixture(model: nn.Module, spec: ParamSpec, components: torch.Tensor, p
         spec.load_into(model, theta_m)
         model.train()
         opt = make_optimizer(recipe, [p for p in model.parameters() if p.requires_grad])
-        run_epochs(opt, len(y), recipe.batch_size, recipe.epochs, derive_seed(seed, m),
+        run_epochs(opt, len(y), recipe.batch_size, recipe.local_epochs, derive_seed(seed, m),
                    lambda idx: (q[m, idx] * F.cross_entropy(model(x[idx]), y[idx], reduction="none")).mean())
         trained.append(spec.flatten(model))
     nll = float(-torch.logsumexp(log_joint, 0).mean())

@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from common.config import COUNT, POSITIVE, Option
-from common.server_data import require_in_domain
 from common.training import server_seed, train_on_server
 from strategies.aggregation import fedavg_step
 from strategies.base import Update
@@ -54,7 +53,6 @@ class _ServerTrained(FedAvg):
                      lr: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """`params` trained on the server data with the clients' recipe (`epochs`, `lr` replaced when
         given), seeded by the run seed and `version` (the one the step starts from)."""
-        require_in_domain(server, type(self).__name__)
         if self.model is None or self.recipe is None:
             raise RuntimeError(f"{type(self).__name__} trains on the server: initialize it with the model and "
                                "give it the clients' recipe")
@@ -100,7 +98,6 @@ class FedFT(_ServerTrained):
     Config = ServerScheduleConfig
 
     def step(self, server: Any = None) -> dict[str, float]:
-        require_in_domain(server, "FedFT")
         merged, count = fedavg_step(self.params, self.updates), len(self.updates)
         self.params, stats = self.server_train(merged, server, self.version, self.config.server_train_epochs,
                                                self.config.server_train_lr)

@@ -30,7 +30,6 @@ from torch.nn import functional as F
 from common.config import COUNT, POSITIVE, NoOptions, OneOf, Option, Range, option
 from common.datasets import ArrayDataset
 from common.objectives import BatchLoss, Received, added_to_every_gradient, objective
-from common.server_data import require_in_domain
 from common.training import derive_seed, server_seed, train_on_server
 from strategies.aggregation import example_weights, weighted_sum
 from strategies.base import Payload
@@ -87,7 +86,6 @@ class GeneralizedFedAvg(FedAvg):
 
     def central_batch(self, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`size` central examples (x, y) drawn without replacement (all of them if fewer), seeded; on the CPU."""
-        require_in_domain(self.server, type(self).__name__)
         x, y = self.server.data.x, self.server.data.y
         pick = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))[:size].numpy()
         return torch.from_numpy(x[pick]), torch.from_numpy(y[pick])
@@ -112,7 +110,6 @@ class ParallelTraining(GeneralizedFedAvg):
     server_data = "in-domain"
 
     def step(self, server: Any = None) -> dict[str, float]:
-        require_in_domain(server, "ParallelTraining")
         if self.model is None or self.recipe is None:
             raise RuntimeError("ParallelTraining trains on the server: initialize it with the model and the "
                                "clients' recipe")

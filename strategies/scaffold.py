@@ -75,7 +75,7 @@ class Scaffold(FedAvg):
         updates = sorted(self.updates, key=lambda u: u.client)  # order-free float sums
         delta_x, delta_c = torch.zeros_like(self.params), torch.zeros_like(self.c)
         for u in updates:
-            k = local_steps(u.num_examples, self.recipe.batch_size, self.recipe.epochs)
+            k = local_steps(u.num_examples, self.recipe.batch_size, self.recipe.local_epochs)
             c_plus = -u.sent.arrays["correction"] - u.delta / (k * self.recipe.lr)  # option II
             delta_c += c_plus - self.c_i.get(u.client, torch.zeros_like(self.c))
             delta_x += u.delta

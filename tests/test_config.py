@@ -6,10 +6,10 @@ import tomllib
 
 import pytest
 
-from common.config import CONFIG_DIR, ConfigError, RunConfig, read_preset
+from common.config import ConfigError
 from scripts.config_table import pyproject_with_table, readme_with_tables
 from scripts.flower import PROJECT_DIR
-from server_app.config import load_config, option_owners, option_specs
+from server_app.config import CONFIG_DIR, RunConfig, load_config, option_owners, option_specs, read_preset
 from strategies import STRATEGIES, FedBuff, build_strategy
 
 
@@ -99,7 +99,7 @@ def test_every_preset_loads(name):
 
 
 def test_a_preset_builds_on_its_bases_in_order_and_a_cycle_is_an_error(tmp_path, monkeypatch):
-    import common.config as C
+    import server_app.config as C
 
     monkeypatch.setattr(C, "CONFIG_DIR", tmp_path)
     (tmp_path / "fam").mkdir()
@@ -159,7 +159,7 @@ def test_cross_field_checks():
 
 
 def test_bad_key_inside_a_preset_is_reported(tmp_path, monkeypatch):
-    monkeypatch.setattr("common.config.CONFIG_DIR", tmp_path)
+    monkeypatch.setattr("server_app.config.CONFIG_DIR", tmp_path)
     (tmp_path / "broken.yaml").write_text("num-rounds: 3\nlearning-rate: 0.1\n")
     with pytest.raises(ConfigError, match="'learning-rate'"):
         load_config({"preset": "broken"})

@@ -1,6 +1,6 @@
 """The strategy contract, checked for every registered strategy (like torch's optimizer test battery):
 state_dict round trip mid-run, resume after a crash, rejection of bad replies, determinism per seed,
-Flower's loop against the runtime, and server data really used under both loops."""
+Flower's loop against the runtime, server data really used under both loops and checked at attach."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from flwr.clientapp import ClientApp
@@ -16,11 +17,13 @@ from helpers import Crash, crashing, digest, faulty_client_app, rows
 from torch import nn
 
 from client_app.app import app as client_app
-from common.config import specs_of
+from common.config import ConfigError, specs_of
+from common.datasets import ArrayDataset
+from common.server_data import ServerData
 from server_app.config import load_config
 from server_app.inprocess import InProcessGrid, run_inprocess
 from server_app.run import Run, build_run
-from strategies import STRATEGIES
+from strategies import STRATEGIES, Center, FedAvg, FedDF, Feddle, FedFT, GradientTransfer
 from strategies.base import Update
 from strategies.feddual import LOSS_GRADIENT
 from strategies.fedem import COMPONENT_DELTAS, COMPONENTS, MIXTURE
@@ -176,3 +179,44 @@ def test_server_data_methods_use_their_data_and_the_others_ignore_it(tmp_path, n
                     for n in (40, 60))
     uses = STRATEGIES[name].server_data != "none" and "server-dataset" not in extra  # OOD: not the central split
     assert (digest(small / "model.pt") != digest(large / "model.pt")) == uses
+
+
+class InDomainMethod(FedAvg):
+    """A user's own method, unregistered, that trains on the server's labels."""
+
+    server_data = "in-domain"
+
+
+OOD = ServerData(ArrayDataset(np.zeros((4, 1, 8, 8), np.float32), np.zeros(4, np.int64), 2), False,
+                 torch.device("cpu"), "digits")
+
+
+@pytest.mark.parametrize("strategy,server,key,label", [
+    (FedDF(), None, "central-size", "feddf"),
+    (Feddle(), None, "central-size", "feddle"),
+    (GradientTransfer(), None, "central-size", "gradient-transfer"),
+    (Center(), OOD, "server-dataset", "center"),
+    (FedFT(), OOD, "server-dataset", "fedft"),
+    (Feddle(server_finetune_epochs=1), OOD, "server-dataset", "feddle"),
+    (InDomainMethod(), OOD, "server-dataset", "InDomainMethod"),
+])
+def test_a_strategy_built_by_hand_refuses_unfit_server_data_at_attach(strategy, server, key, label):
+    """Strategy.attach is the one check, so a strategy outside build_run (a user's own ServerApp) gets it too."""
+    value = "'digits'" if server else "0"
+    with pytest.raises(ConfigError, match=f"'{key}' = {value} .*strategy '{label}'") as info:
+        strategy.attach(server)
+    assert info.value.key == key and strategy.server is None
+
+
+def test_attach_takes_the_server_data_a_strategy_can_use():
+    for strategy, server in ((FedAvg(), None), (FedAvg(), OOD), (FedDF(), OOD), (Feddle(), OOD)):
+        strategy.attach(server)
+        assert strategy.server is server
+
+
+def test_a_misspelt_server_need_is_refused():
+    class Misspelt(FedAvg):
+        server_data = "in_domain"
+
+    with pytest.raises(ValueError, match="'in_domain': expected one of"):
+        Misspelt().attach(None)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from common.config import ConfigError, make_options, options_dict
 from common.data import DataSpec, client_holdout, client_partition, load_dataset, make_splits, partition_indices
 
 
 def spec(**kw) -> DataSpec:
-    base = dict(dataset="digits", seed=0, partitioner="dirichlet", dirichlet_alpha=0.5, num_partitions=10,
+    base = dict(dataset="digits", seed=0, partitioner="dirichlet", dirichlet_alpha=0.5, num_clients=10,
                 test_fraction=0.2, central_size=100)
     return DataSpec(**{**base, **kw})
 
@@ -104,8 +105,12 @@ def test_a_client_holds_out_its_own_test_and_validation_parts_of_its_partition()
 
 
 def test_spec_round_trips_through_message_config():
-    s = spec()
-    assert DataSpec.from_config(s.to_config()) == s
+    s = spec(dataset="synthetic", num_clients=3, label_noise=0.1, data_root="/elsewhere")
+    config = options_dict(s)
+    assert config["num-clients"] == 3 and config["data-root"] == "/elsewhere"  # the keys of the run config
+    assert make_options(DataSpec, config) == s
+    with pytest.raises(ConfigError, match="'label-noise' = 2.0"):  # a node checks what it is sent too
+        make_options(DataSpec, {**config, "label-noise": 2.0})
 
 
 def test_server_data_in_domain_is_the_central_split_and_out_of_domain_another_dataset():

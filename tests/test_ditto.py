@@ -11,6 +11,7 @@ import torch
 from flwr.app import RecordDict
 
 from client_app.app import app as client_app
+from common.config import options_dict, part_of
 from common.data import client_partition, data_spec
 from common.models import build_from_config
 from common.objectives import Received, build_loss
@@ -32,7 +33,7 @@ def _task(state: RecordDict, w: torch.Tensor, seed: int, lam: float = 0.5) -> tu
     model = build_from_config(cfg.to_dict(), parts["train"].x.shape[1:], 10, seed=0)
     pspec = ParamSpec.of(model)
     pspec.load_into(model, w)
-    config = {**LocalRecipe.from_config(cfg.to_dict()).to_config(), LAMBDA: lam, TRAIN_SEED: seed}
+    config = {**options_dict(part_of(LocalRecipe, cfg)), LAMBDA: lam, TRAIN_SEED: seed}
     return LocalTask(model, pspec, parts, {}, config, cfg.seed, 3, state), pspec
 
 

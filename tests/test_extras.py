@@ -16,8 +16,8 @@ from common.params import ParamSpec
 from common.protocol import ARRAYS, BASE_VERSION, EXTRAS, METRICS, NUM_EXAMPLES, PARTITION_ID
 from server_app.config import load_config
 from server_app.inprocess import InProcessGrid
-from server_app.messaging import RejectedReply, parse_reply
 from server_app.run import build_run
+from server_app.wire import RejectedReply, parse_reply
 from strategies import STRATEGIES, FedAvg
 from strategies.base import Payload, Update
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from common.config import ConfigError
 from common.data import ArrayDataset
 from common.models import build_model
 from common.params import ParamSpec
@@ -74,8 +75,8 @@ def test_without_server_data_it_fails_clearly_and_changes_nothing():
     s = feddf_with(model, spec)
     one_step(s, deltas)
     before = s.params.clone()
-    with pytest.raises(ValueError, match="central-size"):
-        s.step(None)
+    with pytest.raises(ConfigError, match="'central-size' = 0 .*strategy 'feddf'"):
+        s.attach(None)
     assert s.version == 0 and torch.equal(s.params, before)
 
 

@@ -21,7 +21,7 @@ from strategies.feddle import median_normalize
 
 def server(x: torch.Tensor, y: torch.Tensor, in_domain: bool = True) -> ServerData:
     return ServerData(ArrayDataset(x.numpy(), y.numpy(), int(y.max()) + 1 if y.dtype == torch.int64 else 1),
-                      in_domain, torch.device("cpu"))
+                      in_domain, torch.device("cpu"), "" if in_domain else "digits")
 
 
 def cnn_setup(n_anchors: int = 3, seed: int = 0):
@@ -231,7 +231,7 @@ def test_fine_tuning_after_the_search_is_fedft_server_pass_on_the_merged_model()
     from common.training import LocalRecipe, derive_seed, server_seed, train_on_server
 
     model, spec, anchors, x, y = cnn_setup()
-    recipe = LocalRecipe(epochs=5, batch_size=16, lr=0.5, optimizer="adam")
+    recipe = LocalRecipe(local_epochs=5, batch_size=16, lr=0.5, optimizer="adam")
     keys = {"server_epochs": 1, "search_batch_size": 20, "search_lr": 0.05}
     plain = feddle_with(model, spec, anchors, **keys)
     plain.step(server(x, y))
@@ -247,7 +247,7 @@ def test_fine_tuning_after_the_search_is_fedft_server_pass_on_the_merged_model()
 def test_fine_tuning_refuses_out_of_domain_server_data_at_start():
     model, spec, anchors, x, y = cnn_setup()
     s = feddle_with(model, spec, anchors, server_finetune_epochs=1)
-    with pytest.raises(ValueError, match="needs in-domain server data"):
+    with pytest.raises(ConfigError, match="'server-dataset' = 'digits' .*strategy 'feddle'"):
         s.attach(server(x, y, in_domain=False))
     feddle_with(model, spec, anchors).attach(server(x, y, in_domain=False))  # the search alone takes OOD data
 

@@ -250,7 +250,7 @@ def test_beta_follows_the_local_and_global_accuracies_epoch_by_epoch():
         seen.append((loss.a_local, loss.beta))
 
     loss.epoch_end = spy
-    train(model, data, LocalRecipe(epochs=3, batch_size=8, lr=0.05, optimizer="adam"), seed=0, loss=loss)
+    train(model, data, LocalRecipe(local_epochs=3, batch_size=8, lr=0.05, optimizer="adam"), seed=0, loss=loss)
     assert len(seen) == 3 and model.training
     assert r.metrics["feddual-a-global"] == global_acc
     for a_local, beta in seen:

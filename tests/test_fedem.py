@@ -17,7 +17,7 @@ from strategies.fedem import COMPONENT_DELTAS, COMPONENTS, MIXTURE, evaluate_mix
 
 MODEL = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
 SPEC = ParamSpec.of(MODEL)
-RECIPE = LocalRecipe(epochs=2, batch_size=8, lr=0.1, optimizer="sgd", momentum=0.0)
+RECIPE = LocalRecipe(local_epochs=2, batch_size=8, lr=0.1, optimizer="sgd", momentum=0.0)
 
 
 def data(seed: int = 0, n: int = 30) -> ArrayDataset:

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from common.config import ConfigError, part_of
 from common.data import ArrayDataset
 from common.models import build_model
 from common.params import ParamSpec
@@ -16,7 +17,7 @@ from server_app.config import load_config
 from strategies import HFCL, STRATEGIES, Center, FedAvg, FedFT, build_strategy
 from strategies.base import Update
 
-RECIPE = LocalRecipe(epochs=2, batch_size=8, lr=0.05, optimizer="sgd", momentum=0.9)
+RECIPE = LocalRecipe(local_epochs=2, batch_size=8, lr=0.05, optimizer="sgd", momentum=0.9)
 
 
 def setup(seed: int = 0, n_server: int = 40, in_domain: bool = True):
@@ -25,7 +26,8 @@ def setup(seed: int = 0, n_server: int = 40, in_domain: bool = True):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n_server, 1, 8, 8, generator=g)
     y = torch.randint(0, 4, (n_server,), generator=g)
-    server = ServerData(ArrayDataset(x.numpy(), y.numpy(), 4), in_domain, torch.device("cpu"))
+    server = ServerData(ArrayDataset(x.numpy(), y.numpy(), 4), in_domain, torch.device("cpu"),
+                        "" if in_domain else "digits")
     updates = [Update(c, 0, 0.01 * torch.randn(spec.numel, generator=g), n)
                for c, n in ((3, 17), (0, 5), (1, 30))]
     return model, spec, server, updates
@@ -107,11 +109,11 @@ def test_hfcl_is_fedavg_over_the_clients_and_the_server_as_one_more_client():
 def test_out_of_domain_or_missing_server_data_is_a_clear_error(cls):
     model, spec, server, updates = setup(in_domain=False)
     s = started(cls(recipe=RECIPE), model, spec, updates)
-    with pytest.raises(ValueError, match="in-domain"):
-        s.step(server)
-    with pytest.raises(ValueError, match="central-size"):
-        s.step(None)
-    assert s.version == 0 and torch.equal(s.params, spec.flatten(model))  # nothing moved
+    with pytest.raises(ConfigError, match=f"'server-dataset' = 'digits' .*in-domain.*strategy '{cls.name}'"):
+        s.attach(server)
+    with pytest.raises(ConfigError, match=f"'central-size' = 0 .*strategy '{cls.name}'"):
+        s.attach(None)
+    assert s.server is None and s.version == 0 and torch.equal(s.params, spec.flatten(model))  # nothing moved
 
 
 def test_train_on_server_returns_cpu_params_and_is_deterministic():
@@ -139,7 +141,7 @@ def test_built_from_a_run_config(name, cls):
     assert STRATEGIES[name] is cls
     schedule = {"server-train-lr": 1e-4, "server-train-epochs": 10} if cls is not HFCL else {}  # HFCL has none
     cfg = load_config({"strategy": name, **schedule, "lr": 0.02, "seed": 4})
-    s = build_strategy(cfg.strategy, cfg.options, seed=cfg.seed, recipe=LocalRecipe.from_config(cfg.to_dict()))
+    s = build_strategy(cfg.strategy, cfg.options, seed=cfg.seed, recipe=part_of(LocalRecipe, cfg))
     assert isinstance(s, cls) and s.seed == 4 and s.recipe.lr == 0.02
     if cls is not HFCL:
         assert (s.config.server_train_lr, s.config.server_train_epochs) == (1e-4, 10)

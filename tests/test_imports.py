@@ -114,7 +114,8 @@ def test_the_clientapp_and_the_serverapp_never_name_a_method_or_its_keys():
     """A method lives in its own file: no strategy or client-side name, strategy class, method option key or
     method-specific string (the string constants of a method's file that common/ does not use too) in the code of
     client_app/ or server_app/."""
-    from common.config import RunConfig, specs_of
+    from common.config import specs_of
+    from server_app.config import RunConfig
     from strategies import STRATEGIES
     from strategies.client import CLIENT_SIDES
 

@@ -15,9 +15,9 @@ from client_app.app import app as client_app
 from common.data import data_spec, load_dataset, make_splits
 from common.models import build_model
 from common.params import ParamSpec
-from common.protocol import ARRAYS, MODEL, TRAIN_SEED
-from common.training import LocalRecipe, evaluate
-from server_app.config import load_config
+from common.protocol import ARRAYS, TRAIN_SEED
+from common.training import evaluate
+from server_app.config import client_config, load_config
 from server_app.flower import FlowerStrategy
 from server_app.inprocess import InProcessGrid, run_inprocess
 from strategies import build_strategy
@@ -98,8 +98,7 @@ def test_strategy_runs_under_flowers_start(name, clock):
         pspec.load_into(model, pspec.from_record(arrays))
         return MetricRecord(evaluate(model, test))
 
-    train_config = ConfigRecord({**spec.to_config(), **LocalRecipe.from_config(cfg.to_dict()).to_config(),
-                                 MODEL: "cnn"})
+    train_config = ConfigRecord(client_config(cfg))
     result = FlowerStrategy(strategy, clients_per_round=4, evaluate_clients=4).start(
         grid=grid, initial_arrays=pspec.to_record(pspec.flatten(model)), num_rounds=3, train_config=train_config,
         evaluate_fn=evaluate_fn, clock=clock)
@@ -160,11 +159,10 @@ def test_client_model_cache_carries_nothing_between_messages():
     grid = InProcessGrid(client_app, num_nodes=2)
     cfg = load_config({"dataset": "synthetic", "num-clients": 2, "clients-per-round": 2, "model": "resnet18",
                        "input-size": 32, "batch-norm": "running", "batch-size": 16, "local-epochs": 1})
-    spec, full = data_spec(cfg), load_dataset("synthetic")
+    full = load_dataset("synthetic")
     model = build_from_config(cfg.to_dict(), (1, 8, 8), full.num_classes, seed=0)
     pspec = ParamSpec.of(model)
-    recipe = LocalRecipe.from_config(cfg.to_dict()).to_config()
-    config = ConfigRecord({**spec.to_config(), **model_config(cfg.to_dict()), **recipe, "version": 0, TRAIN_SEED: 1})
+    config = ConfigRecord({**client_config(cfg), "version": 0, TRAIN_SEED: 1})
     node = next(iter(grid.get_node_ids()))
 
     def send(kind: str) -> Message:

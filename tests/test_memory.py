@@ -14,8 +14,8 @@ from flwr.app import Array, Message
 
 from client_app.app import app as client_app
 from server_app.config import load_config
+from server_app.evaluation import client_evaluate
 from server_app.inprocess import InProcessGrid
-from server_app.messaging import client_evaluate
 from server_app.run import build_run
 from server_app.runtime import StepLog
 

@@ -28,7 +28,7 @@ from strategies.mixing import CENTRAL_GRADIENT, CENTRAL_X, CENTRAL_Y
 
 TINY = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 4, "num-rounds": 3, "local-epochs": 1,
         "batch-size": 16, "central-size": 40, "optimizer": "sgd", "lr": 0.05}
-RECIPE = LocalRecipe(epochs=1, batch_size=8, lr=0.05)
+RECIPE = LocalRecipe(local_epochs=1, batch_size=8, lr=0.05)
 
 
 def gen(seed: int) -> torch.Generator:
@@ -188,5 +188,5 @@ def test_payload_counters_match_the_bytes_actually_pushed(tmp_path):
 
 
 def test_mixing_needs_in_domain_central_data_and_says_which_key():
-    with pytest.raises(ConfigError, match="central-size"):
+    with pytest.raises(ConfigError, match="'central-size' = 0 .*strategy 'gradient-transfer'"):
         run_inprocess({**TINY, "central-size": 0, "strategy": "gradient-transfer", "output-dir": "/tmp/x"})

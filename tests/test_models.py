@@ -135,7 +135,7 @@ def test_lenet_is_feddual_codes_network():
 
 
 def test_resnet18_structure_full_fine_tuning():
-    model = build_model("resnet18", 1, 28, 10, seed=0)  # default input 224
+    model = build_model("resnet18", 1, 28, 10, seed=0, batch_norm="running")  # default input 224
     assert model.adapt.size == 224 and model.adapt.channels == 3 and model.adapt.normalize == "imagenet"
     assert sum(p.numel() for p in model.parameters()) == 11_181_642  # torchvision 11_689_512 - fc(1000) + fc(10)
     assert ParamSpec.of(model).numel == 11_181_642  # all trainable
@@ -258,7 +258,8 @@ def test_resnet18_pretrained_weights(tmp_path):
         ref.bn1.running_mean.uniform_()  # buffers load too
     path = tmp_path / "resnet18.pth"
     torch.save(ref.state_dict(), path)
-    model = build_model("resnet18", 3, 32, 10, seed=0, input_size=32, pretrained_weights=str(path))
+    model = build_model("resnet18", 3, 32, 10, seed=0, input_size=32, pretrained_weights=str(path),
+                        batch_norm="running")
     body = model.body.state_dict()
     for k, v in ref.state_dict().items():
         if not k.startswith("fc."):
@@ -313,7 +314,7 @@ def test_lora_model_trains_only_trainable_parameters():
     model = build_model("vit-small", 1, 16, num_classes, seed=0)
     before_train, before_frozen = trainable(model), frozen(model)
     loss0 = evaluate(model, data)["loss"]
-    train(model, data, LocalRecipe(epochs=3, batch_size=16, lr=0.01), seed=0)
+    train(model, data, LocalRecipe(local_epochs=3, batch_size=16, lr=0.01), seed=0)
     loss1 = evaluate(model, data)["loss"]
     assert loss1 < loss0
     for n, p in frozen(model).items():

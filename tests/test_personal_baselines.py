@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from common.config import part_of
 from common.data import client_partition, data_spec
 from common.models import build_from_config
 from common.params import ParamSpec
@@ -64,7 +65,7 @@ def test_fedavg_plus_fine_tunes_the_global_model_on_each_client_before_evaluatin
     out = run_inprocess(job)
     cfg, model, spec, last = clients_and_model(out, job)
     state = read_checkpoint(out)["strategy"]
-    recipe = dataclasses.replace(LocalRecipe.from_config(cfg.to_dict()), epochs=2)
+    recipe = dataclasses.replace(part_of(LocalRecipe, cfg), local_epochs=2)
     tuned = []
     for c in range(4):
         spec.load_into(model, state["params"])

@@ -29,7 +29,8 @@ def test_every_method_and_setting_of_a_family_is_a_preset_of_its_protocol(family
 @pytest.mark.parametrize("family", sorted(R.FAMILIES))
 def test_every_tuning_candidate_sets_keys_its_method_uses(family):
     """A grid over a key the method ignores (HFCL has no server lr) would spend runs on identical results."""
-    from common.config import RunConfig, specs_of
+    from common.config import specs_of
+    from server_app.config import RunConfig
     from strategies import STRATEGIES
 
     for method, grid in R.FAMILIES[family].items():

@@ -14,7 +14,7 @@ from strategies import Scaffold
 from strategies.base import Update
 
 SPEC = ParamSpec(("w",), ((5,),))
-RECIPE = LocalRecipe(epochs=2, batch_size=4, lr=0.1, optimizer="sgd", momentum=0.0)
+RECIPE = LocalRecipe(local_epochs=2, batch_size=4, lr=0.1, optimizer="sgd", momentum=0.0)
 
 
 def vec(seed: int) -> torch.Tensor:
@@ -81,7 +81,7 @@ def test_on_heterogeneous_quadratics_scaffold_reaches_the_optimum_where_fedavg_d
     """f_i(w) = h_i/2 (w − a_i)²: with K local steps FedAvg's fixed point is biased toward the flatter client;
     SCAFFOLD's control variates remove the drift (the paper's motivation), so it converges to Σ h_i a_i / Σ h_i."""
     h, a, lr, k = torch.tensor([1.0, 3.0]), torch.tensor([0.0, 1.0]), 0.1, 5
-    recipe = LocalRecipe(epochs=k, batch_size=4, lr=lr, optimizer="sgd", momentum=0.0)  # 4 examples: K = 5 steps
+    recipe = LocalRecipe(local_epochs=k, batch_size=4, lr=lr, optimizer="sgd", momentum=0.0)  # 4 examples: K = 5 steps
     spec = ParamSpec(("w",), ((1,),))
 
     def local(x: torch.Tensor, i: int, correction: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from client_app.app import app as client_app
-from common.data import ArrayDataset, data_spec, load_dataset
-from common.models import build_from_config, model_config
+from common.data import ArrayDataset, load_dataset
+from common.models import build_from_config
 from common.objectives import Received, build_loss
 from common.params import ParamSpec
 from common.protocol import ARRAYS, TRAIN_SEED
-from common.training import LocalRecipe, evaluate, predict, run_epochs
-from server_app.config import load_config
+from common.training import evaluate, predict, run_epochs
+from server_app.config import client_config, load_config
 from server_app.inprocess import InProcessGrid
 
 
@@ -78,15 +78,14 @@ def test_proximal_objective_adds_mu_times_the_drift_to_the_gradient():
 def test_the_client_trains_with_the_objective_its_message_names():
     cfg = load_config({"dataset": "synthetic", "num-clients": 2, "clients-per-round": 2, "local-epochs": 3,
                        "lr": 0.1})
-    spec, full = data_spec(cfg), load_dataset("synthetic")
+    full = load_dataset("synthetic")
     model = build_from_config(cfg.to_dict(), (1, 8, 8), full.num_classes, seed=0)
     pspec = ParamSpec.of(model)
     grid = InProcessGrid(client_app, num_nodes=2)
     node = next(iter(grid.get_node_ids()))
 
     def delta_norm(objective: str, mu: float) -> float:
-        recipe = LocalRecipe(3, 32, 0.1, objective=objective, objective_options=(("proximal-mu", mu),))
-        config = ConfigRecord({**spec.to_config(), **model_config(cfg.to_dict()), **recipe.to_config(),
+        config = ConfigRecord({**client_config(cfg), "local-objective": objective, "proximal-mu": mu,
                                "version": 0, TRAIN_SEED: 5})
         msg = Message(RecordDict({ARRAYS: pspec.to_record(pspec.flatten(model)), "config": config}),
                       dst_node_id=node, message_type="train")

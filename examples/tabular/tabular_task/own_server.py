@@ -15,9 +15,8 @@ from common.data import data_spec, make_splits, task_data
 from common.models import build_from_config
 from common.params import ParamSpec
 from common.training import evaluate
-from server_app.config import load_config
+from server_app.config import client_config, load_config
 from server_app.flower import FlowerStrategy
-from server_app.run import client_config
 from strategies import FedBuff
 
 app = ServerApp()

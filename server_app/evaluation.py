@@ -1,0 +1,73 @@
+"""Evaluation by the clients: every connected client evaluates the model the strategy has for it, and the
+server sums the replies up, example-weighted (federated) or per client (personalised).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+from flwr.app import Message, MessageType
+from flwr.serverapp import Grid
+
+from common.protocol import METRICS, NUM_EXAMPLES, PARTITION_ID
+from server_app.wire import Dispatcher, NodeDirectory, collect
+from strategies.base import Strategy
+
+
+def weighted_mean(values: Iterable[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """Example-weighted mean of metric dicts: ``[(weight, {name: value})]`` -> ``{name: mean}``."""
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for w, metrics in values:
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + w * v
+            weights[k] = weights.get(k, 0.0) + w
+    return {k: sums[k] / weights[k] for k in sums if weights[k] > 0}
+
+
+# Evaluation messages in the air at once. Each carries a whole model, so a broadcast to every client at once
+# held one model per client (6.6 GB for 1000 clients of a 6.6 MB CNN); in waves memory is O(wave).
+EVAL_WAVE = 64
+
+
+def client_evaluate(grid: Grid, directory: NodeDirectory, dispatcher: Dispatcher, strategy: Strategy,
+                    timeout: float, wave: int = EVAL_WAVE) -> tuple[dict[int, dict[str, float]], int]:
+    """Every connected client evaluates the model the strategy has for it (``model_for``): its metrics
+    (``num-examples``, ``eval-*``, with held-out splits ``val-*``) by client, and how many were asked. The
+    messages go out `wave` at a time, each wave collected before the next is built. Error replies and clients
+    that do not answer within `timeout` of their wave are left out."""
+    connected = directory.poll()
+    targets = [(client, node) for client, node in sorted(directory.node_of.items()) if node in connected]
+    replies: list[Message] = []
+    for start in range(0, len(targets), wave):
+        msgs = [dispatcher.message(node, strategy.model_for(client), strategy.version, MessageType.EVALUATE)
+                for client, node in targets[start:start + wave]]
+        replies += [m for m in collect(grid, grid.push_messages(msgs), timeout) if not m.has_error()]
+    return {int(m.content[METRICS][PARTITION_ID]): {k: float(v) for k, v in m.content[METRICS].items()
+                                                   if k != PARTITION_ID} for m in replies}, len(targets)
+
+
+def federated_evaluate(grid: Grid, directory: NodeDirectory, dispatcher: Dispatcher, strategy: Strategy,
+                       timeout: float) -> dict[str, float]:
+    """:func:`client_evaluate`, as example-weighted means, plus how many replied."""
+    per_client, asked = client_evaluate(grid, directory, dispatcher, strategy, timeout)
+    result = weighted_mean((m[NUM_EXAMPLES], {k: v for k, v in m.items() if k != NUM_EXAMPLES})
+                           for _, m in sorted(per_client.items()))
+    return {**result, "replies": len(per_client), "sampled": asked}
+
+
+def personal_summary(per_client: dict[int, dict[str, float]]) -> dict[str, float]:
+    """Personalised evaluation as the FedMerge paper reports it: the unweighted mean over clients of each
+    client's accuracy on its own test split, with the distribution (min, quartiles) and the mean losses."""
+    acc = np.array([m["eval-accuracy"] for _, m in sorted(per_client.items())])
+    if not len(acc):
+        return {"clients": 0}
+    out = {"accuracy": float(acc.mean()), "accuracy-min": float(acc.min()),
+           **{f"accuracy-{name}": float(np.quantile(acc, q)) for name, q in (("q25", 0.25), ("median", 0.5),
+                                                                           ("q75", 0.75))},
+           "loss": float(np.mean([m["eval-loss"] for m in per_client.values()])), "clients": len(acc)}
+    if all("val-loss" in m for m in per_client.values()):
+        out["val-loss"] = float(np.mean([m["val-loss"] for m in per_client.values()]))
+        out["val-accuracy"] = float(np.mean([m["val-accuracy"] for m in per_client.values()]))
+    return out
