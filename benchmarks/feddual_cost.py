@@ -83,7 +83,7 @@ def client_run(preset: str, n: int, seed: int = 0) -> float:
     recipe = part_of(LocalRecipe, cfg)
     started = time.perf_counter()
     received = Received(model, [p.detach().clone() for p in model.parameters()], accuracy=accuracy_of(model, data))
-    train(model, data, recipe, seed, loss=build_loss(recipe.objective, cfg.to_dict(), received))
+    train(model, data, recipe, seed, loss=build_loss(recipe.local_objective, cfg.to_dict(), received))
     if cfg.options.get("dynamic-source") == "loss-gradient" and cfg.strategy == "feddual":
         loss_gradient(model, data, cfg.options["dynamic-arrays"])
     return time.perf_counter() - started

@@ -80,7 +80,7 @@ def client_run(method: str, n: int, seed: int = 0) -> float:
     started = time.perf_counter()
     spec.load_into(model, payload.params)
     received = Received(model, [p.detach().clone() for p in model.parameters() if p.requires_grad], payload.arrays)
-    loss = build_loss(recipe.objective, config, received)
+    loss = build_loss(recipe.local_objective, config, received)
     train(model, with_central_examples(data, payload.arrays), recipe, seed, loss=loss)
     return time.perf_counter() - started
 

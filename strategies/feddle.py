@@ -235,7 +235,7 @@ class Feddle(Strategy):
     def finetune(self, server: Any) -> dict[str, float]:
         """Fed+FT's server pass on ω after Eq. 7: ``server-finetune-epochs`` of the clients' recipe at
         ``server-train-lr`` on the in-domain server data, seeded apart from the search."""
-        recipe = dataclasses.replace(self.recipe, epochs=self.config.server_finetune_epochs,
+        recipe = dataclasses.replace(self.recipe, local_epochs=self.config.server_finetune_epochs,
                                      lr=self.config.server_train_lr)
         self.params, trained = train_on_server(self.model, self.spec, self.params, server, recipe,
                                                derive_seed(server_seed(self.seed, self.version), 1))

@@ -57,7 +57,7 @@ class _ServerTrained(FedAvg):
             raise RuntimeError(f"{type(self).__name__} trains on the server: initialize it with the model and "
                                "give it the clients' recipe")
         started = time.perf_counter()
-        changes = {k: v for k, v in (("epochs", epochs), ("lr", lr)) if v is not None}
+        changes = {k: v for k, v in (("local_epochs", epochs), ("lr", lr)) if v is not None}
         trained, stats = train_on_server(self.model, self.spec, params, server,
                                          dataclasses.replace(self.recipe, **changes), server_seed(self.seed, version))
         return trained, {"server-train-loss": stats["train-loss"], "server-train-accuracy": stats["train-accuracy"],

@@ -3,7 +3,6 @@ evaluated in place of the global model — in-process, under `flwr run` and on a
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -44,8 +43,7 @@ def _personal_run(task: LocalTask, start: torch.Tensor, w_t: torch.Tensor, lam: 
     anchor = [p.detach().clone() for p in model.parameters() if p.requires_grad]
     task.spec.load_into(model, start)
     loss = build_loss("proximal", {"proximal-mu": lam}, Received(model, anchor))
-    recipe = dataclasses.replace(task.recipe, objective="proximal", objective_options=())
-    train(model, task.parts["train"], recipe, seed=derive_seed(seed, 1), loss=loss)
+    train(model, task.parts["train"], task.recipe, seed=derive_seed(seed, 1), loss=loss)
     return task.spec.flatten(model)
 
 
