@@ -238,8 +238,8 @@ def test_fine_tuning_after_the_search_is_fedft_server_pass_on_the_merged_model()
     tuned = feddle_with(model, spec, anchors, **keys, server_finetune_epochs=2, server_train_lr=1e-3)
     tuned.recipe = recipe
     metrics = tuned.step(server(x, y))
-    expected, _ = train_on_server(model, spec, plain.params, server(x, y),
-                                  dataclasses.replace(recipe, local_epochs=2, lr=1e-3), derive_seed(server_seed(0, 0), 1))
+    finetune = dataclasses.replace(recipe, local_epochs=2, lr=1e-3)
+    expected, _ = train_on_server(model, spec, plain.params, server(x, y), finetune, derive_seed(server_seed(0, 0), 1))
     torch.testing.assert_close(tuned.params, expected, rtol=0, atol=0)
     assert not torch.equal(tuned.params, plain.params) and "server-train-loss" in metrics
 
