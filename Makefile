@@ -28,7 +28,7 @@ data:
 
 # (1) the main job: Feddle-ID on digits with `flwr run .` (local simulation); ARGS='num-rounds=5 ...'
 demo: $(STAMP)
-	$(PY) -m scripts.simulate $(ARGS)
+	$(VENV)/bin/hybridfl run --mode simulation $(ARGS)
 
 # (2) the whole test suite (unit + end-to-end); PYTEST_ARGS='-m "not e2e"' for the fast part only
 # ruff, configured in pyproject.toml ([tool.ruff]); CI runs it before the tests.

@@ -1,6 +1,6 @@
 """Run a preset as a Flower local simulation (``flwr run .`` on a simulation SuperLink) and check it.
 
-    python -m scripts.simulate [KEY=VALUE ...]          e.g. preset="fedbuff-digits" num-rounds=5
+    hybridfl run --mode simulation [PRESET] [KEY=VALUE ...]   (= python -m scripts.simulate [KEY=VALUE ...])
 
 Without a ``preset`` it runs the main job, :data:`MAIN_JOB` (README command (1)); with
 ``resume="<run folder>"`` it continues that run from its checkpoint.
@@ -13,7 +13,6 @@ run *finished:completed* and wrote ``summary.json``, and stops exactly the proce
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import tomllib
@@ -27,7 +26,6 @@ from scripts.flower import (
     flower_env,
     flwr_run,
     free_port,
-    run_and_report,
     wait_healthy,
     write_connection,
 )
@@ -94,14 +92,10 @@ def simulate(overrides: dict[str, Any], flwr_home: Path, app_dir: Path = PROJECT
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    parser.add_argument("--flwr-home", type=Path, default=PROJECT_DIR / ".flwr",
-                        help="FLWR_HOME for this run (default: ./.flwr)")
-    args = parser.parse_args(argv)
-    given = parse_overrides(args.overrides)
-    overrides = given if "resume" in given else {"preset": MAIN_JOB, **given}
-    return run_and_report(lambda: simulate(overrides, args.flwr_home.resolve()))
+    """``hybridfl run --mode simulation`` (scripts/cli.py) with `argv`."""
+    from scripts.cli import main as cli
+
+    return cli(["run", "--mode", "simulation", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ A ``resume`` run takes its configuration from the checkpoint (:func:`resumed_con
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from strategies import STRATEGIES, MethodChoice
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
-def _presets() -> Iterable[str]:
+def preset_names() -> list[str]:
     """Preset names: paths under configs/ without ``.yaml`` (``feddle-animal/feddle-id-dir0.1-n20``)."""
     return sorted(p.relative_to(CONFIG_DIR).with_suffix("").as_posix() for p in CONFIG_DIR.rglob("*.yaml"))
 
@@ -70,7 +70,8 @@ class PresetName(OneOf):
         return path is not None and path.is_file() and ".." not in Path(v.partition(":")[2] or v).parts
 
     def describe(self) -> str:
-        return super().describe() + ", or your own 'package:path' (a YAML file inside an installed package)"
+        return ("a file under configs/ without '.yaml' (`hybridfl presets` lists all "
+                f"{len(self.allowed())}), or your own 'package:path' (a YAML file inside an installed package)")
 
 
 
@@ -80,7 +81,7 @@ class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig):
     declared in the dataclass that carries it, inherited here), the run's own keys below, and ``options``: every
     method option's value (see README "Configuration")."""
 
-    preset: str = option("fedavg-digits", PresetName(_presets), "YAML preset applied before overrides",
+    preset: str = option("fedavg-digits", PresetName(preset_names), "YAML preset applied before overrides",
                          "a file in `configs/`, without `.yaml` (`feddle-animal/fedbuff-dir0.1-n20`), or "
                          "`package:path` in your own package")
     num_rounds: int = option(20, COUNT, "server rounds (steps of the runtime)")
@@ -136,7 +137,7 @@ def read_preset(name: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
     (in order, each with its own bases), then the file's own keys. So a family of presets shares one
     protocol file and each member states only what differs.
     """
-    check = PresetName(_presets)
+    check = PresetName(preset_names)
     if not check.ok(name):
         raise ConfigError("preset", name, check.describe())
     path = preset_path(name)

@@ -17,7 +17,8 @@ from server_app.config import RunConfig
 def run_dir(cfg: RunConfig, root: Path | None = None) -> Path:
     """Create and return ``<root>/<run-name>`` (root defaults to output-dir).
 
-    An empty run-name becomes ``<preset>-s<seed>-<timestamp>`` (a preset's folders joined by '-'),
+    An empty run-name becomes ``<preset>-s<seed>-<timestamp>`` (a preset's folders, and a user preset's
+    ``package:``, joined by '-': no ':' in a folder name),
     with ``-2``, ``-3``… when another run took that name in the same second, so no run writes into
     another's folder.
     """
@@ -26,7 +27,7 @@ def run_dir(cfg: RunConfig, root: Path | None = None) -> Path:
         path = root / cfg.run_name
         path.mkdir(parents=True, exist_ok=True)
         return path
-    base = f"{cfg.preset.replace('/', '-')}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    base = f"{cfg.preset.replace('/', '-').replace(':', '-')}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     path, k = root / base, 1
     while True:
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -165,3 +166,5 @@ def test_default_run_folders_never_collide_and_named_ones_are_reused(tmp_path, m
     assert names == [base, f"{base}-2", f"{base}-3"]
     named = load_config({"run-name": "mine", "output-dir": str(tmp_path)})
     assert outputs.run_dir(named) == outputs.run_dir(named) == tmp_path / "mine"
+    users = dataclasses.replace(cfg, preset="mytask:presets/fedavg")  # a user's package:path preset
+    assert outputs.run_dir(users).name == "mytask-presets-fedavg-s3-20261122-120000"

@@ -1,0 +1,140 @@
+"""The ``hybridfl`` command (typer, like Flower's ``flwr``): run a preset, resume a run, list the presets.
+
+    hybridfl run                                   # the main job (Feddle-ID on digits), in-process
+    hybridfl run fedbuff-digits num-rounds=5 --mode simulation
+    hybridfl run feddle-digits --mode deployment --supernodes 4
+    hybridfl resume outputs/feddle-digits-s0-20261126-101500 num-rounds=200
+    hybridfl presets
+
+KEY=VALUE pairs are run-config overrides with ``flwr run -c`` syntax (TOML values; a bare word is a string). A bad
+key or value stops the command before anything starts, naming the key, the value and what is allowed (exit 2); a
+run that fails exits 1.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import click
+import typer
+import yaml
+
+from scripts.flower import PROJECT_DIR, run_and_report
+from scripts.simulate import MAIN_JOB, parse_overrides
+
+app = typer.Typer(help=__doc__.split("\n\n")[0], no_args_is_help=True, add_completion=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+
+
+class Mode(enum.StrEnum):
+    in_process = "in-process"
+    simulation = "simulation"
+    deployment = "deployment"
+
+
+MODE_HELP = ("in-process: hybridfl's own engine in this process (fastest; no Flower processes); simulation: "
+             "`flwr run .` on a simulation SuperLink, one simulated SuperNode per client; deployment: one SuperLink "
+             "and a SuperNode per client on loopback, the app submitted with `flwr run`")
+FlwrHome = Annotated[Path, typer.Option(help="FLWR_HOME of the Flower processes (simulation, deployment)")]
+Supernodes = Annotated[int | None, typer.Option(help="deployment: SuperNodes to start (default: num-clients)")]
+
+
+@app.callback()
+def _here_first() -> None:
+    """Your own code by import path (`model`, `dataset`, a `package:path` preset) resolves from the current folder
+    first, as with ``python -m`` and ``flwr run .``."""
+    sys.path.insert(0, os.getcwd())
+
+
+def launch(overrides: dict[str, Any], mode: Mode, flwr_home: Path, supernodes: int | None = None) -> int:
+    """Run `overrides` in `mode`; print the summary. Exit code 0 = completed, 1 = the run failed, 2 = bad config."""
+    def go() -> Path:
+        if mode is Mode.in_process:
+            from server_app.inprocess import run_inprocess
+
+            return run_inprocess(overrides)  # output-dir relative to here, as the user typed it
+        if mode is Mode.simulation:
+            from scripts.simulate import simulate
+
+            return simulate(overrides, flwr_home.resolve())
+        from scripts.deploy_local import deploy
+
+        return deploy(overrides, flwr_home.resolve(), supernodes)[0]
+
+    return run_and_report(go)
+
+
+def job(args: list[str]) -> dict[str, Any]:
+    """``[PRESET] [KEY=VALUE ...]`` -> run-config overrides: the preset named first (else a ``preset`` key, else,
+    unless a run is resumed, the main job) and the overrides."""
+    preset = args[0] if args and "=" not in args[0] else None
+    given = parse_overrides(args[1:] if preset else args)
+    if preset:
+        return {**given, "preset": preset}
+    return given if "resume" in given or "preset" in given else {"preset": MAIN_JOB, **given}
+
+
+@app.command()
+def run(args: Annotated[list[str] | None, typer.Argument(metavar="[PRESET] [KEY=VALUE]...",
+                                                        help="a preset (`hybridfl presets`; default: the main job "
+                                                             f"{MAIN_JOB}) and run-config overrides")] = None,
+        mode: Annotated[Mode, typer.Option(help=MODE_HELP)] = Mode.in_process,
+        flwr_home: FlwrHome = PROJECT_DIR / ".flwr", supernodes: Supernodes = None) -> None:
+    """Run a preset, with overrides; outputs go to `<output-dir>/<run-name>/`."""
+    raise typer.Exit(launch(job(args or []), mode, flwr_home, supernodes))
+
+
+@app.command()
+def resume(run_dir: Annotated[Path, typer.Argument(help="a run folder with a checkpoint.pt")],
+           overrides: Annotated[list[str] | None, typer.Argument(metavar="[KEY=VALUE]...",
+                                                                 help="only keys a resumed run may change, such as "
+                                                                      "num-rounds")] = None,
+           mode: Annotated[Mode, typer.Option(help=MODE_HELP)] = Mode.in_process,
+           flwr_home: FlwrHome = PROJECT_DIR / ".flwr", supernodes: Supernodes = None) -> None:
+    """Continue a run from its last checkpoint, in its own folder (any mode resumes a run of any mode)."""
+    raise typer.Exit(launch({**parse_overrides(overrides or []), "resume": str(run_dir.resolve())}, mode, flwr_home,
+                            supernodes))
+
+
+def describe(name: str) -> str:
+    """A preset's one line: the first line of its leading comment, else what it builds on and what it sets."""
+    from server_app.config import preset_path
+
+    text = preset_path(name).read_text()
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        if line.strip("# "):
+            return line.strip("# ")
+    data = yaml.safe_load(text) or {}
+    bases = data.pop("base", [])
+    keys = ", ".join(f"{k}={v}" for k, v in data.items())
+    return " + ".join(filter(None, [", ".join([bases] if isinstance(bases, str) else bases), keys]))
+
+
+@app.command()
+def presets(family: Annotated[str, typer.Argument(help="only presets whose name starts with this")] = "") -> None:
+    """List the presets under configs/, each with its one-line description."""
+    from server_app.config import preset_names
+
+    names = [n for n in preset_names() if n.startswith(family)]
+    width = max((len(n) for n in names), default=0)
+    for name in names:
+        typer.echo(f"{name:<{width}}  {describe(name)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command with `argv` (default: the process's), returning its exit code."""
+    try:
+        return app(args=argv, standalone_mode=False) or 0
+    except click.ClickException as err:  # a usage error: the message, as the command line prints it
+        err.show()
+        return err.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

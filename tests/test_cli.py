@@ -1,0 +1,80 @@
+"""The ``hybridfl`` command (scripts/cli.py): each subcommand in-process, its errors and its help."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from scripts.cli import describe, job, main
+from scripts.flower import PROJECT_DIR
+from scripts.simulate import MAIN_JOB
+from server_app.config import preset_names
+
+SHORT = ["num-rounds=2", "eval-every=1", "checkpoint-every=1"]
+
+
+def _summary(folder: Path) -> dict:
+    return json.loads((folder / "summary.json").read_text())
+
+
+def test_the_arguments_name_a_preset_or_the_main_job_then_overrides():
+    assert job([]) == {"preset": MAIN_JOB}
+    assert job(["fedbuff-digits", "num-rounds=5", "run-name=x"]) == {"preset": "fedbuff-digits", "num-rounds": 5,
+                                                                     "run-name": "x"}
+    assert job(["preset=fedbuff-digits", "lr=0.1"]) == {"preset": "fedbuff-digits", "lr": 0.1}
+    assert job(["resume=outputs/a"]) == {"resume": "outputs/a"}  # a resumed run keeps its own preset
+
+
+def test_run_then_resume_in_process(tmp_path: Path, capsys):
+    out = str(tmp_path)
+    assert main(["run", "fedavg-digits", *SHORT, f"output-dir={out}", "run-name=cli"]) == 0
+    first = _summary(tmp_path / "cli")
+    assert first["final-version"] == 2 and first["config"]["preset"] == "fedavg-digits"
+    assert f"run cli: final test accuracy {first['final-test-accuracy']:.4f}" in capsys.readouterr().out
+    assert main(["resume", str(tmp_path / "cli"), "num-rounds=3"]) == 0
+    resumed = _summary(tmp_path / "cli")
+    assert resumed["final-version"] == 3 and resumed["resumed-after-step"] == 2
+
+
+def test_a_bad_key_or_value_exits_2_naming_it_and_writes_nothing(tmp_path: Path, capsys):
+    assert main(["run", "fedavg-digits", "num-rounds=0", f"output-dir={tmp_path}"]) == 2
+    assert "'num-rounds' = 0" in capsys.readouterr().err
+    assert main(["run", "no-such-preset", f"output-dir={tmp_path}"]) == 2
+    assert "'preset' = 'no-such-preset'" in capsys.readouterr().err
+    assert main(["run", "--mode", "bogus"]) == 2
+    assert "'bogus' is not one of 'in-process', 'simulation', 'deployment'" in capsys.readouterr().err
+    assert main(["resume", str(tmp_path / "nothing-here")]) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_presets_lists_every_preset_with_one_line(capsys):
+    assert main(["presets"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == preset_names()
+    assert all(len(line.split(maxsplit=1)) == 2 for line in lines)  # every one has a description
+    assert main(["presets", "feddle-fmnist/fedbuff"]) == 0
+    assert {line.split()[0] for line in capsys.readouterr().out.splitlines()} == {
+        n for n in preset_names() if n.startswith("feddle-fmnist/fedbuff")}
+    # a preset without its own comment says what it builds on and what it sets
+    assert describe("feddle-fmnist/fedbuff-dir0.1-n20") == ("feddle-fmnist/methods/fedbuff + dirichlet-alpha=0.1, "
+                                                            "delay-sigma=20")
+    assert describe("feddle-digits").startswith("Feddle-ID on digits")
+
+
+def test_the_console_command_is_installed_with_help_on_every_subcommand():
+    scripts = tomllib.loads((PROJECT_DIR / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"hybridfl": "scripts.cli:app"}
+    done = subprocess.run([sys.executable, "-m", "scripts.cli", "--help"], capture_output=True, text=True,
+                          cwd=PROJECT_DIR, timeout=120)
+    assert done.returncode == 0 and all(sub in done.stdout for sub in ("run", "resume", "presets")), done.stderr
+
+
+@pytest.mark.parametrize("argv", [["run", "--help"], ["resume", "--help"], ["presets", "--help"]])
+def test_every_subcommand_has_help(argv, capsys):
+    assert main(argv) == 0
+    assert "Usage:" in capsys.readouterr().out
