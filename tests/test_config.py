@@ -138,7 +138,7 @@ def test_a_preset_builds_on_its_bases_in_order_and_a_cycle_is_an_error(tmp_path,
         ("model", "resnet1000", "'cnn'"),
         ("partitioner", "random", "'dirichlet'"),
         ("optimizer", "lbfgs", "'adam'"),
-        ("preset", "no-such-preset", "'fedavg-digits'"),
+        ("preset", "no-such-preset", "`hybridfl presets` lists all"),
     ],
 )
 def test_bad_value_names_key_value_and_what_is_allowed(key, value, allowed):
