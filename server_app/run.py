@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from logging import INFO
 from pathlib import Path
 
@@ -55,6 +55,7 @@ class Run:
     runner: Runner
     recorder: Recorder
     first_step: int = 1  # > 1 when resumed
+    started: float = field(default_factory=time.perf_counter)  # for the log line's estimate of the time left
 
     # -- every step, under either loop --------------------------------------------------------
     def evaluate(self, entry: StepLog) -> StepLog:
@@ -87,9 +88,12 @@ class Run:
         acc = f"test-accuracy {entry.test['accuracy']:.4f}" if entry.test else ""
         if entry.personal.get("clients"):
             acc += f" personal-accuracy {entry.personal['accuracy']:.4f}"
-        log(INFO, "round %d/%d v%d: %d/%d updates, %d failed, %d rejected, %d timed out, %.2fs %s", entry.round,
-            cfg.num_rounds, entry.version, entry.accepted, entry.sampled, entry.failures, entry.rejected,
-            entry.timeouts, entry.seconds, acc)
+        done = entry.round - self.first_step + 1
+        left = (time.perf_counter() - self.started) / done * (cfg.num_rounds - entry.round)
+        # "step": a server step of the runtime (a round when every update arrives in the step it was sent)
+        log(INFO, "step %d/%d: %d updates accepted, %d clients dispatched, %d failed, %d rejected, %d timed out; "
+            "model v%d; %.2fs, about %s left; %s", entry.round, cfg.num_rounds, entry.accepted, entry.sampled,
+            entry.failures, entry.rejected, entry.timeouts, entry.version, entry.seconds, duration(left), acc)
         if cfg.checkpoint_every and (entry.round % cfg.checkpoint_every == 0 or last):
             self.checkpoint(entry.round)
 
@@ -112,7 +116,7 @@ class Run:
         self.runner.directory.wait_for(cfg.num_clients, cfg.wait_nodes_s, cfg.poll_interval_s)
         if self.first_step == 1:
             self.recorder.round(self.evaluate(StepLog(0, 0)).to_dict())
-        t_train = time.perf_counter()
+        t_train = self.started = time.perf_counter()
         if self.first_step <= cfg.num_rounds:
             if cfg.loop == "flower":
                 adapter = FlowerStrategy(self.strategy, clients_per_round=cfg.clients_per_round, seed=cfg.seed,
@@ -143,6 +147,12 @@ class Run:
                 "%.4f", summary["personal-final-accuracy"], summary["personal-selected-round"],
                 summary["personal-selected-accuracy"])
         return self.out
+
+
+def duration(seconds: float) -> str:
+    """``42s``, ``7m05s``, ``2h13m``."""
+    s = round(seconds)
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def build_run(grid: Grid, cfg: RunConfig) -> Run:

@@ -168,3 +168,9 @@ def test_default_run_folders_never_collide_and_named_ones_are_reused(tmp_path, m
     assert outputs.run_dir(named) == outputs.run_dir(named) == tmp_path / "mine"
     users = dataclasses.replace(cfg, preset="mytask:presets/fedavg")  # a user's package:path preset
     assert outputs.run_dir(users).name == "mytask-presets-fedavg-s3-20261122-120000"
+
+
+def test_the_time_left_reads_in_the_largest_sensible_units():
+    from server_app.run import duration
+
+    assert [duration(s) for s in (0.4, 42, 60, 425, 3599.6, 7980)] == ["0s", "42s", "1m00s", "7m05s", "1h00m", "2h13m"]
