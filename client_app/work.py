@@ -17,7 +17,7 @@ from torch import nn
 
 import strategies  # noqa: F401 - registers every method's client side and client objectives
 from client_app.node_cache import cache_dir, client_parts
-from common.config import make_options
+from common.config import from_keys
 from common.data import DataSpec
 from common.devices import resolve_device
 from common.models import build_from_config, model_config
@@ -36,7 +36,7 @@ def _task(msg: Message, context: Context, pid: int, num_partitions: int, timings
     node's device, with the payload's arrays; the seconds each took in `timings` (``data-s``, ``model-s``)."""
     started = time.time()
     config = msg.content[CONFIG]
-    spec = make_options(DataSpec, config)
+    spec = from_keys(DataSpec, config)
     if "data-root" in context.node_config:  # the node keeps its data where its operator put it
         spec = dataclasses.replace(spec, data_root=str(context.node_config["data-root"]))
     if num_partitions != spec.num_clients:
@@ -100,7 +100,7 @@ def evaluate_reply(msg: Message, context: Context, pid: int, num_partitions: int
     started = time.time()
     side = client_side(task.config)
     side.prepare(task, evaluating=True)
-    spec = make_options(DataSpec, task.config)
+    spec = from_keys(DataSpec, task.config)
     held_out = spec.client_test_fraction > 0
     data = task.parts["test" if held_out else "train"]
     result = side.evaluate(task, data)

@@ -162,6 +162,15 @@ def make_options(cls: type, values: Mapping[str, Any]) -> Any:
     return cls(**{spec.name: validate(spec, values[key]) for key, spec in specs.items() if key in values})
 
 
+def from_keys(cls: type, values: Mapping[str, Any]) -> Any:
+    """:func:`make_options` for a part that must come whole (a message's data spec, model or recipe): a key of
+    `cls` missing from `values` is a malformed message, a KeyError naming every one missing."""
+    missing = sorted(specs_of(cls).keys() - values.keys())
+    if missing:
+        raise KeyError(f"{cls.__name__} keys missing: {', '.join(missing)}")
+    return make_options(cls, values)
+
+
 def check_options(instance: Any) -> None:
     """Validate a config dataclass built in code (``FedBuff(buffer_size=0)``): :class:`ConfigError` if bad."""
     for spec in specs_of(type(instance)).values():

@@ -67,7 +67,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from common.config import COUNT, POSITIVE, OneOf, Range, make_options, option, options_dict, specs_of
+from common.config import COUNT, POSITIVE, OneOf, Range, from_keys, option, options_dict, specs_of
 from common.errors import ConfigError
 from common.user_code import build_user_model, is_import_path
 
@@ -566,7 +566,7 @@ def build_model(name: str, in_channels: int, image_size: int, num_classes: int, 
 
 def model_config(config: Mapping[str, object]) -> dict[str, object]:
     """The model keys of a run's or a message's config, to send to nodes (a run config holds them all)."""
-    return options_dict(make_options(ModelSpec, config))
+    return options_dict(from_keys(ModelSpec, config))
 
 
 def build_from_config(config: Mapping[str, object], input_shape: tuple[int, ...], num_classes: int,
@@ -574,7 +574,7 @@ def build_from_config(config: Mapping[str, object], input_shape: tuple[int, ...]
     """The run's model for samples of `input_shape` — what server and nodes both call: a user's factory
     (``model = "module:function"``, common/user_code.py), or :func:`build_model` with the name and options of
     :func:`model_config` (images ``(C, H, W)`` only)."""
-    chosen = make_options(ModelSpec, config)
+    chosen = from_keys(ModelSpec, config)
     name = chosen.model
     if is_import_path(name):
         return build_user_model(name, input_shape, num_classes, seed)

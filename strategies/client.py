@@ -26,7 +26,7 @@ import torch
 from flwr.app import RecordDict
 from torch import nn
 
-from common.config import make_options
+from common.config import from_keys
 from common.datasets import ArrayDataset
 from common.objectives import Received, build_loss
 from common.params import ParamSpec
@@ -62,7 +62,7 @@ class LocalTask:
 
     @property
     def recipe(self) -> LocalRecipe:
-        return make_options(LocalRecipe, self.config)
+        return from_keys(LocalRecipe, self.config)
 
     @property
     def train_seed(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from common.config import ConfigError, make_options, options_dict
+from common.config import ConfigError, from_keys, options_dict
 from common.data import DataSpec, client_holdout, client_partition, load_dataset, make_splits, partition_indices
 
 
@@ -108,9 +108,11 @@ def test_spec_round_trips_through_message_config():
     s = spec(dataset="synthetic", num_clients=3, label_noise=0.1, data_root="/elsewhere")
     config = options_dict(s)
     assert config["num-clients"] == 3 and config["data-root"] == "/elsewhere"  # the keys of the run config
-    assert make_options(DataSpec, config) == s
+    assert from_keys(DataSpec, config) == s
     with pytest.raises(ConfigError, match="'label-noise' = 2.0"):  # a node checks what it is sent too
-        make_options(DataSpec, {**config, "label-noise": 2.0})
+        from_keys(DataSpec, {**config, "label-noise": 2.0})
+    with pytest.raises(KeyError, match="DataSpec keys missing: data-root, seed"):  # and that it came whole
+        from_keys(DataSpec, {k: v for k, v in config.items() if k not in ("seed", "data-root")})
 
 
 def test_server_data_in_domain_is_the_central_split_and_out_of_domain_another_dataset():
