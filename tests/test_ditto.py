@@ -111,9 +111,11 @@ def test_personal_models_persist_under_flwr_run_and_on_a_deployment_as_in_proces
     would evaluate the received global model instead)."""
     from scripts import deploy_local, simulate
 
-    ref = _personal(run_inprocess({**JOB, "output-dir": str(tmp_path), "run-name": "ref"}))
-    sim = simulate.simulate({**JOB, "output-dir": str(tmp_path), "run-name": "sim"}, tmp_path / "flwr-home")
+    job = {**JOB, "num-clients": 4, "clients-per-round": 4, "num-clusters": 2, "num-rounds": 3, "eval-every": 1,
+           "output-dir": str(tmp_path)}  # four nodes: two evaluations after a personal model was kept
+    ref = _personal(run_inprocess({**job, "run-name": "ref"}))
+    assert len(ref) == 4
+    sim = simulate.simulate({**job, "run-name": "sim"}, tmp_path / "flwr-home")
     assert _personal(sim) == pytest.approx(ref, abs=1e-6)
-    deployed, _ = deploy_local.deploy({**JOB, "output-dir": str(tmp_path), "run-name": "deployed"},
-                                      tmp_path / "flwr-home-deploy")
+    deployed, _ = deploy_local.deploy({**job, "run-name": "deployed"}, tmp_path / "flwr-home-deploy")
     assert _personal(deployed) == pytest.approx(ref, abs=1e-6)
