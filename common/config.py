@@ -13,7 +13,9 @@ raises :class:`ConfigError` naming the key, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -130,12 +132,14 @@ def to_key(name: str) -> str:
     return name.replace("_", "-")
 
 
-def specs_of(cls: type) -> dict[str, OptionSpec]:
-    """The options of config dataclass `cls`, by key (types resolved even under postponed annotations)."""
+@functools.cache  # read for every message a node handles: resolving the type hints each time costs milliseconds
+def specs_of(cls: type) -> Mapping[str, OptionSpec]:
+    """The options of config dataclass `cls`, by key (types resolved even under postponed annotations); read-only."""
     hints = typing.get_type_hints(cls)
-    return {to_key(f.name): OptionSpec(to_key(f.name), f.name, hints[f.name], f.default, f.metadata["check"],
-                                       f.metadata["doc"], f.metadata["allowed"])
-            for f in dataclasses.fields(cls) if "check" in f.metadata}
+    return types.MappingProxyType({
+        to_key(f.name): OptionSpec(to_key(f.name), f.name, hints[f.name], f.default, f.metadata["check"],
+                                   f.metadata["doc"], f.metadata["allowed"])
+        for f in dataclasses.fields(cls) if "check" in f.metadata})
 
 
 _KIND = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
