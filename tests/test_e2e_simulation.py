@@ -97,7 +97,8 @@ def test_serverapp_killed_under_flwr_run_resumes_to_the_model_of_an_uninterrupte
     def kill_the_server_after_a_checkpoint() -> None:
         metrics, deadline = out / "metrics.jsonl", time.monotonic() + 600
         while time.monotonic() < deadline:
-            if (out / CHECKPOINT).exists() and metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+            # step 5's line: step 4's checkpoint is complete (a step's metrics line comes before its checkpoint)
+            if (out / CHECKPOINT).exists() and metrics.exists() and len(metrics.read_text().splitlines()) >= 6:
                 tree = process_tree([os.getpid()]) - {os.getpid()}
                 serverapp = [pid for pid, args in command_lines(tree).items() if "flwr-simulation" in args]
                 for pid in [*serverapp, *sorted(tree - set(serverapp))]:
