@@ -2,12 +2,12 @@
 
 A key is declared once, as an :func:`option` field of the frozen dataclass that carries it to where it
 is used: the data spec (``common.data.DataSpec``), the model (``common.models.ModelSpec``), the clients'
-local recipe (``common.training.LocalRecipe``), the runtime (``server_app.runtime.RuntimeConfig``), each
-method's options (a strategy's or a client objective's ``Config``), and the run itself
-(``server_app.config.RunConfig``, which inherits the first four). A key is spelled the same everywhere:
-YAML, pyproject, ``-c``, messages and the README use ``num-rounds``, the dataclass field is ``num_rounds``
-(hyphens become underscores, nothing else changes). Every value is checked at start-up; a bad one
-raises :class:`ConfigError` naming the key, the value and what is allowed.
+local recipe (``common.training.LocalRecipe``), the runtime (``server_app.runtime.RuntimeConfig``), the
+method's name (``strategies.MethodChoice``), each method's options (a strategy's or a client objective's
+``Config``), and the run itself (``server_app.config.RunConfig``, which inherits the first five). A key is
+spelled the same everywhere: YAML, pyproject, ``-c``, messages and the README use ``num-rounds``, the dataclass
+field is ``num_rounds`` (hyphens become underscores, nothing else changes). Every value is checked at
+start-up; a bad one raises :class:`ConfigError` naming the key, the value and what is allowed.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ from typing import Annotated, Any
 
 import click
 import typer
-import yaml
 
 from scripts.flower import PROJECT_DIR, run_and_report
 from scripts.simulate import MAIN_JOB, parse_overrides
@@ -102,18 +101,15 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="a run folder with a che
 
 def describe(name: str) -> str:
     """A preset's one line: the first line of its leading comment, else what it builds on and what it sets."""
-    from server_app.config import preset_path
+    from server_app.config import preset_file, preset_path
 
-    text = preset_path(name).read_text()
-    for line in text.splitlines():
+    for line in preset_path(name).read_text().splitlines():
         if not line.startswith("#"):
             break
         if line.strip("# "):
             return line.strip("# ")
-    data = yaml.safe_load(text) or {}
-    bases = data.pop("base", [])
-    keys = ", ".join(f"{k}={v}" for k, v in data.items())
-    return " + ".join(filter(None, [", ".join([bases] if isinstance(bases, str) else bases), keys]))
+    bases, data = preset_file(name)
+    return " + ".join(filter(None, [", ".join(bases), ", ".join(f"{k}={v}" for k, v in data.items())]))
 
 
 @app.command()

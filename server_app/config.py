@@ -74,7 +74,6 @@ class PresetName(OneOf):
                 f"{len(self.allowed())}), or your own 'package:path' (a YAML file inside an installed package)")
 
 
-
 @dataclass(frozen=True, kw_only=True)
 class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig):
     """Every key of a run: the method, the data spec, the model, the clients' local recipe and the runtime (each
@@ -107,7 +106,7 @@ class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig):
     options: dict[str, Any] = field(default_factory=dict, compare=True, hash=False)
 
     @staticmethod
-    def specs() -> dict[str, OptionSpec]:
+    def specs() -> Mapping[str, OptionSpec]:
         return specs_of(RunConfig)
 
     def to_dict(self) -> dict[str, Any]:
@@ -137,20 +136,26 @@ def read_preset(name: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
     (in order, each with its own bases), then the file's own keys. So a family of presets shares one
     protocol file and each member states only what differs.
     """
+    if name in _seen:
+        raise ConfigError("base", name, f"a preset that does not include itself (cycle {' -> '.join(_seen + (name,))})")
+    bases, data = preset_file(name)
+    layered: dict[str, Any] = {}
+    for base in bases:
+        layered.update(read_preset(base, _seen + (name,)))
+    return {**layered, **data}
+
+
+def preset_file(name: str) -> tuple[list[str], dict[str, Any]]:
+    """What the YAML file of preset `name` itself says: the presets it builds on (``base``) and its own keys."""
     check = PresetName(preset_names)
     if not check.ok(name):
         raise ConfigError("preset", name, check.describe())
     path = preset_path(name)
-    if name in _seen:
-        raise ConfigError("base", name, f"a preset that does not include itself (cycle {' -> '.join(_seen + (name,))})")
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ConfigError("preset", name, f"a YAML mapping in {path}")
     bases = data.pop("base", [])
-    layered: dict[str, Any] = {}
-    for base in [bases] if isinstance(bases, str) else bases:
-        layered.update(read_preset(base, _seen + (name,)))
-    return {**layered, **data}
+    return [bases] if isinstance(bases, str) else list(bases), data
 
 
 

@@ -270,7 +270,7 @@ class Runner:
         return bool(got or late)
 
     def _hand_over(self, flight: Flight, reply: Message | None, step: int, entry: StepLog,
-                  accepted: list[Update]) -> bool:
+                   accepted: list[Update]) -> bool:
         """Give `flight`'s reply (None: timed out) to the strategy, stepping whenever it is ready; False if
         the update is lost (error, unusable, late)."""
         self.flights.pop(flight.client, None)
