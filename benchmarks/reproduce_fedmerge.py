@@ -1,63 +1,47 @@
-"""FedMerge's classic-FL experiment (paper §4.1, Fig. 3, Table 2), on Fashion-MNIST (``configs/fedmerge-fmnist/``).
+"""FedMerge's classic-FL experiment (paper §4.1, Fig. 3, Table 2), on Fashion-MNIST (``configs/fedmerge-fmnist/``):
+what a run records and how the table reads. The runs are the sweep ``benchmarks/sweeps/fedmerge-fmnist.yaml``.
 
 Two settings, ``cluster`` (5 clusters of clients, 3 classes each as the code draws them) and ``personal``
 (Dirichlet 0.1); 50 clients, all in every round. Rows: FedMerge, the Fixed (k/15) ablation, FedAvg,
 FedAvg+, Local, IFCA, FedEM and Ditto (not in the paper: hybridfl's worked example of a method with client
-state), at the protocol's d (``global-models``) with ``--seeds`` (3 for the table),
-and FedMerge's d sweep ({1, 5, 10, 15}, ``--sweep-seeds``). Metric: the mean over clients of each client's
-accuracy on its own test split at the evaluation with the lowest mean validation loss (the paper's model
-selection; ``personal-selected-accuracy``). For FedMerge on the cluster split the table also says whether
-the learned weights found the ground-truth clusters: the adjusted Rand index of the rows' argmax against
-each client's class set, and the mean L1 distance of weight rows within and between true clusters.
+state), at the protocol's d (``global-models``) over 3 seeds, and FedMerge's d sweep ({1, 5, 10, 15}, seed 0).
+Metric: the mean over clients of each client's accuracy on its own test split at the evaluation with the lowest
+mean validation loss (the paper's model selection; ``personal-selected-accuracy``). For FedMerge on the cluster
+split the table also says whether the learned weights found the ground-truth clusters: the adjusted Rand index of
+the rows' argmax against each client's class set, and the mean L1 distance of weight rows within and between true
+clusters. The tuning sweep (``fedmerge-fmnist-tune.yaml``: seed 100, cluster setting, validation split) takes the
+clients' lr with FedAvg, then Ditto's λ at that lr.
 
-``--tune`` runs the tuning grids on the validation split (seed 100, cluster setting): the clients' lr with FedAvg,
-then Ditto's λ (at the tuned lr).
+The table is ``table.md``, the curves ``personal.png``, seed 0's FedMerge heatmaps (d > 1) copied to
+``merge-weights-<setting>-d<d>.png``, all beside the results; the paper's numbers are
+``benchmarks/sweeps/fedmerge-fmnist.paper.yaml``.
 
-Runs are resumable and parallel (benchmarks/runs.py); results in ``<results>/runs.jsonl``, the tables in
-``table.md``, the curves in ``personal.png``, seed 0's FedMerge heatmaps (d > 1) copied to
-``merge-weights-<setting>-d<d>.png``.
-
-    python -m benchmarks.reproduce_fedmerge --tune --jobs 2
-    python -m benchmarks.reproduce_fedmerge --jobs 2
-    python -m benchmarks.reproduce_fedmerge --report
+    hybridfl sweep benchmarks/sweeps/fedmerge-fmnist-tune.yaml --jobs 2
+    hybridfl sweep benchmarks/sweeps/fedmerge-fmnist.yaml --jobs 2
+    hybridfl report benchmarks/sweeps/fedmerge-fmnist.yaml
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.runs import config_digest, finished_run, mean_std, pyplot, run_all
+import yaml
+
+from benchmarks.runs import pyplot
+from scripts.sweep import Results, Sweep, mean_std
 
 FAMILY = "fedmerge-fmnist"
 SETTINGS = ("cluster", "personal")
-# (preset method, label) in the table's and the runs' order: the goal's comparisons first, FedEM (d x the
-# client work) last
+# (preset method, label) in the table's order
 METHODS: list[tuple[str, str]] = [("fedmerge", "FedMerge"), ("fedavg", "FedAvg"), ("ifca", "IFCA"),
                                   ("fedmerge-fixed", "Fixed (5/15)"), ("fedavg-plus", "FedAvg+"), ("local", "Local"),
                                   ("fedem", "FedEM"), ("ditto", "Ditto")]
-SWEEP = (1, 5, 10, 15)
-TUNE_SEED = 100
-TUNE_GRIDS: dict[str, list[dict[str, Any]]] = {"fedavg": [{"lr": lr} for lr in (0.1, 0.3, 0.03)],
-                                               "ditto": [{"ditto-lambda": lam} for lam in (0.01, 0.1, 1.0)]}
-# The paper's Table 2 (CIFAR-100, d = 15): the only numbers it prints for this experiment
-PAPER_TABLE_2 = {"cluster": {"fedavg": "30.29", "fedmerge-fixed": "32.52 (5/15)", "fedmerge": "53.27"},
-                 "personal": {"fedavg": "29.20", "fedmerge-fixed": "44.70 (5/15)", "fedmerge": "51.18"}}
-
-
-def job(method: str, setting: str, seed: int, extra: dict[str, Any] | None = None,
-        rounds: int | None = None) -> tuple[str, dict[str, Any]]:
-    extra = {**(extra or {}), **({"num-rounds": rounds} if rounds else {})}
-    tail = ",".join(f"{k}={v}" for k, v in sorted(extra.items()))
-    key = f"{FAMILY}/{method}-{setting}/s{seed}" + (f"/{tail}" if tail else "")
-    root = Path("outputs") / "reproduce-fedmerge"
-    return key, {"preset": f"{FAMILY}/{method}-{setting}", "seed": seed, **extra, "output-dir": str(root.resolve()),
-                 "run-name": key.replace("/", "_"), "eval-every": 10, "checkpoint-every": 10}
+SWEEP = (1, 5, 10, 15)  # FedMerge's d; 5 is the protocol's
+PAPER = Path(__file__).resolve().parent / "sweeps" / f"{FAMILY}.paper.yaml"
 
 
 def cluster_recovery(out: Path) -> dict[str, float]:
@@ -85,16 +69,15 @@ def cluster_recovery(out: Path) -> dict[str, float]:
             "between": float(dist[~same].mean()) if (~same).any() else float("nan")}
 
 
-def _one(key: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """One run in this worker (one torch thread): its personalised headline, curve and cost."""
-    out, summary, rows = finished_run(overrides)
+def record(out: Path, summary: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run's personalised numbers (the sweep records the headline, ``personal-selected-accuracy``, and its
+    validation score): the final and the worst client's accuracy, the payload, the personalised curve, and the
+    cluster recovery."""
     selected = next(r for r in rows if r["round"] == summary["personal-selected-round"])
-    return {"key": key, "config": config_digest(overrides), "test": summary["personal-selected-accuracy"],
-            "val": selected["personal-val-accuracy"], "final": summary["personal-final-accuracy"],
-            "worst": selected["personal-accuracy-min"], "seconds": summary["wall-seconds"],
+    return {"final": summary["personal-final-accuracy"], "worst": selected["personal-accuracy-min"],
             "bytes-down": summary["bytes-down-per-dispatch"], "bytes-up": summary["bytes-up-per-update"],
             "curve": [[r["round"], r["personal-accuracy"]] for r in rows if "personal-accuracy" in r],
-            "folder": str(out), **cluster_recovery(out)}
+            **cluster_recovery(out)}
 
 
 def _cells(results: dict[str, dict[str, Any]], method: str, setting: str, extra: str = "") -> list[dict[str, Any]]:
@@ -103,13 +86,15 @@ def _cells(results: dict[str, dict[str, Any]], method: str, setting: str, extra:
             and k[len(prefix):].partition("/")[2] == extra and k[len(prefix):].split("/")[0].isdigit()]
 
 
-def table(results: dict[str, dict[str, Any]]) -> str:
+def table(results: Results, sweep: Sweep | None = None) -> str:
+    """The table (and, given the `sweep`, its figures beside its report: the curves and seed 0's heatmaps)."""
+    paper_table_2 = yaml.safe_load(PAPER.read_text())
     lines = ["| Method | Cluster | Personal | worst client (cluster) | MB down / up per client-round | "
              "paper Table 2, CIFAR-100 (cluster; personal) |", "|---|---|---|---|---|---|"]
     for method, label in METHODS:
         got = {s: _cells(results, method, s) for s in SETTINGS}
         cost = next((f"{r['bytes-down'] / 1e6:.2f} / {r['bytes-up'] / 1e6:.2f}" for r in got["cluster"]), "—")
-        paper = "; ".join(PAPER_TABLE_2[s].get(method, "—") for s in SETTINGS)
+        paper = "; ".join(paper_table_2[s].get(method, "—") for s in SETTINGS)
         lines.append(f"| {label} | " + " | ".join(mean_std([r["test"] for r in got[s]]) if got[s] else "—"
                                                   for s in SETTINGS)
                      + f" | {mean_std([r['worst'] for r in got['cluster']]) if got['cluster'] else '—'} | {cost} "
@@ -124,10 +109,13 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         fmt = lambda k: f"{statistics.fmean([r[k] for r in rec]):.2f}" if rec and k in rec[0] else "—"
         accuracy = (mean_std([r["test"] for r in got[s]]) if got[s] else "—" for s in SETTINGS)
         lines.append(f"| {d} | " + " | ".join(accuracy) + f" | {fmt('ari')} | {fmt('within')} | {fmt('between')} |")
+    if sweep is not None:
+        plot(results, sweep.report.parent / "personal.png")
+        heatmaps(results, sweep.report.parent)
     return "\n".join(lines)
 
 
-def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
+def plot(results: Results, path: Path) -> None:
     import numpy as np
 
     plt = pyplot()
@@ -147,50 +135,12 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def jobs(seeds: Sequence[int], sweep_seeds: Sequence[int], rounds: int | None) -> list[tuple[str, dict[str, Any]]]:
-    """The first seed of every row, the sweep, then the later seeds with FedEM's last: a FedEM run costs ~5×
-    another run here (each client trains all d models), so an interrupted table has every cheaper row whole."""
-    first = [job(m, s, seeds[0], rounds=rounds) for m, _ in METHODS for s in SETTINGS]
-    sweep = [job("fedmerge", s, seed, {"global-models": d}, rounds) for d in SWEEP if d != 5
-             for s in SETTINGS for seed in sweep_seeds]
-    later = [job(m, s, seed, rounds=rounds) for fedem in (False, True) for seed in seeds[1:]
-             for m, _ in METHODS if (m == "fedem") == fedem for s in SETTINGS]
-    return first + sweep + later
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes, one torch thread each)")
-    ap.add_argument("--seeds", default="0,1,2", help="seeds of the table's rows")
-    ap.add_argument("--sweep-seeds", default="0", help="seeds of FedMerge's d sweep")
-    ap.add_argument("--rounds", type=int, default=None, help="override the presets' num-rounds (quick looks)")
-    ap.add_argument("--tune", action="store_true", help="the clients' lr grid with FedAvg (validation split)")
-    ap.add_argument("--report", action="store_true", help="run nothing: tabulate and plot the results so far")
-    ap.add_argument("--results", type=Path, default=Path(__file__).resolve().parent / "results" / FAMILY)
-    args = ap.parse_args(argv)
-    seeds = [int(s) for s in args.seeds.split(",")]
-    sweep = [int(s) for s in args.sweep_seeds.split(",")]
-    args.results.mkdir(parents=True, exist_ok=True)
-    if args.tune:
-        grid = [job(m, "cluster", TUNE_SEED, extra, args.rounds)
-                for m, extras in TUNE_GRIDS.items() for extra in extras]
-        done = run_all([] if args.report else grid, args.results / "tuning.jsonl", args.jobs, _one)
-        for key, _ in grid:
-            r = done.get(key)
-            print(f"{key}: " + (f"val {100 * r['val']:.1f}, test {100 * r['test']:.1f}" if r else "not run"))
-        return
-    results = run_all([] if args.report else jobs(seeds, sweep, args.rounds), args.results / "runs.jsonl",
-                      args.jobs, _one)
-    (args.results / "table.md").write_text(table(results) + "\n")
-    plot(results, args.results / "personal.png")
-    for setting in SETTINGS:  # seed 0's heatmaps, while this machine still has the runs' folders
+def heatmaps(results: Results, folder: Path) -> None:
+    """Seed 0's FedMerge weight heatmaps (d > 1) copied into `folder`, while this machine still has the runs'
+    folders (a copy whose run is gone stays)."""
+    for setting in SETTINGS:
         for d in SWEEP[1:]:
-            run = results.get(job("fedmerge", setting, 0, None if d == 5 else {"global-models": d})[0])
-            heatmap = Path(run["folder"]) / "merge-weights.png" if run else None
+            run = results.get(f"{FAMILY}/fedmerge-{setting}/s0" + ("" if d == 5 else f"/global-models={d}"))
+            heatmap = Path(run["folder"]) / "merge-weights.png" if run and "folder" in run else None
             if heatmap and heatmap.is_file():
-                shutil.copy(heatmap, args.results / f"merge-weights-{setting}-d{d}.png")
-    print(table(results))
-
-
-if __name__ == "__main__":
-    main()
+                shutil.copy(heatmap, folder / f"merge-weights-{setting}-d{d}.png")

@@ -38,7 +38,8 @@ from typing import Any
 
 import psutil
 
-from benchmarks.runs import append, config_digest, load_results, pending, pyplot
+from benchmarks.runs import pyplot
+from scripts.sweep import append, config_digest, load_results, pending
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scale"
 PRESET = {"fedavg": "feddle-animal/fedavg-dir0.1-n20", "fedasync": "feddle-animal/fedasync-dir0.1-n20",

@@ -1,10 +1,12 @@
-"""The ``hybridfl`` command (typer, like Flower's ``flwr``): run a preset, resume a run, list the presets.
+"""The ``hybridfl`` command (typer, like Flower's ``flwr``): run a preset, resume a run, list the presets, sweep.
 
     hybridfl run                                   # the main job (Feddle-ID on digits), in-process
     hybridfl run fedbuff-digits num-rounds=5 --mode simulation
     hybridfl run feddle-digits --mode deployment --supernodes 4
     hybridfl resume outputs/feddle-digits-s0-20261126-101500 num-rounds=200
     hybridfl presets
+    hybridfl sweep benchmarks/sweeps/fedmerge-fmnist.yaml --jobs 2
+    hybridfl report benchmarks/sweeps/fedmerge-fmnist.yaml
 
 KEY=VALUE pairs are run-config overrides with ``flwr run -c`` syntax (TOML values; a bare word is a string). A bad
 key or value stops the command before anything starts, naming the key, the value and what is allowed (exit 2); a
@@ -16,6 +18,7 @@ from __future__ import annotations
 import enum
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -121,6 +124,38 @@ def presets(family: Annotated[str, typer.Argument(help="only presets whose name 
     width = max((len(n) for n in names), default=0)
     for name in names:
         typer.echo(f"{name:<{width}}  {describe(name)}")
+
+
+SweepSpec = Annotated[Path, typer.Argument(help="a sweep spec (YAML; README \"Sweeps and tracking\")")]
+
+
+@app.command()
+def sweep(spec: SweepSpec,
+          jobs: Annotated[int, typer.Option(min=1, help="runs in parallel (processes, one torch thread each)")] = 1
+          ) -> None:
+    """Run a sweep's runs that have no current result (resumable: run it again after a stop), then report it."""
+    from scripts import sweep as sweeps
+
+    _echo_or_exit_2(lambda: sweeps.run(sweeps.load(spec), jobs, progress=typer.echo))
+
+
+@app.command()
+def report(spec: SweepSpec) -> None:
+    """Tabulate a sweep from its results file, running nothing."""
+    from scripts import sweep as sweeps
+
+    _echo_or_exit_2(lambda: sweeps.report(sweeps.load(spec)))
+
+
+def _echo_or_exit_2(make: Callable[[], str]) -> None:
+    """Print what `make` returns; a bad spec or configuration is one line on stderr and exit code 2."""
+    from common.errors import ConfigError
+
+    try:
+        typer.echo(make())
+    except ConfigError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
 
 
 def main(argv: list[str] | None = None) -> int:

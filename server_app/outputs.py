@@ -70,7 +70,8 @@ def personal_selection(rows: list[dict[str, Any]]) -> dict[str, Any]:
     selectable = [r for r in evals if "personal-val-loss" in r]
     if selectable:
         best = min(selectable, key=lambda r: r["personal-val-loss"])  # ties: the earliest
-        out.update({"personal-selected-accuracy": best["personal-accuracy"], "personal-selected-round": best["round"]})
+        out.update({"personal-selected-accuracy": best["personal-accuracy"], "personal-selected-round": best["round"],
+                    "val-personal-selected-accuracy": best.get("personal-val-accuracy")})
     return out
 
 

@@ -1,15 +1,16 @@
-"""benchmarks/reproduce_feddual.py: its presets resolve to the paper's protocol, and what it tabulates."""
+"""FedDUAL's sweeps (benchmarks/sweeps/feddual-fmnist*.yaml): its presets resolve to the paper's protocol, and what
+benchmarks/reproduce_feddual.py tabulates."""
 
 from __future__ import annotations
 
 from benchmarks import reproduce_feddual as F
-from benchmarks.runs import ranking
+from scripts import sweep as S
 from server_app.config import load_config
 
 
 def test_every_job_resolves_to_the_protocol_with_its_method_and_partition():
-    jobs = F.jobs([m for m, _, _ in F.METHODS], [0, 1], [0], None)
-    assert len(jobs) == len(F.METHODS) * 2 + (len(F.METHODS) - len(F.ASYNC))
+    jobs = S.load("benchmarks/sweeps/feddual-fmnist.yaml").jobs()
+    assert len(jobs) == len(F.METHODS) * 3 + (len(F.METHODS) - len(F.ASYNC))
     assert [k.rsplit("/", 1)[1] for k, _ in jobs[:3]] == ["s0", "s0", "s0"]  # every method's first seed first
     for key, overrides in jobs:
         cfg = load_config(overrides)
@@ -17,8 +18,8 @@ def test_every_job_resolves_to_the_protocol_with_its_method_and_partition():
         assert (cfg.model, cfg.optimizer, cfg.batch_size, cfg.dirichlet_alpha) == ("lenet", "adam", 32, 0.01)
         assert cfg.partitioner == ("feddual" if "-code/" in key else "dirichlet")
         assert cfg.delay_sigma == (5.0 if "-async-" in key else 0.0)
-    options = {m: load_config(F.job(m, "code", 0)[1]) for m in ("feddual", "feddual-reference", "feddual-loss",
-                                                                "feddual-aggregation", "mean")}
+    ablation = ("feddual", "feddual-reference", "feddual-loss", "feddual-aggregation", "mean")
+    options = {m: load_config(dict(jobs)[f"{F.FAMILY}/{m}-code/s0"]) for m in ablation}
     switches = {m: (c.local_objective, c.options["dynamic-arrays"], c.options["beta-mode"],
                     c.options["dynamic-source"], c.options["wb-stable"]) for m, c in options.items()}
     assert switches == {"feddual": ("feddual", 2, "epoch", "delta", True),
@@ -28,14 +29,15 @@ def test_every_job_resolves_to_the_protocol_with_its_method_and_partition():
                         "mean": ("cross-entropy", 0, "epoch", "delta", True)}
 
 
-def test_the_tuning_grid_is_ranked_on_the_validation_split_only():
-    results = {}
-    for extra, val, test in (({"lr": 1e-3}, 0.70, 0.60), ({"lr": 3e-4}, 0.80, 0.50), ({"lr": 3e-3}, 0.80, 0.90)):
-        key, overrides = F.job("fedavg", "code", F.TUNE_SEED, extra)
-        results[key] = {"key": key, "config": F.config_digest(overrides), "val": val, "test": test}
-    lines = ranking(results, F.tuning_jobs(["fedavg"], None)).splitlines()
-    assert lines[2:] == ["| fedavg | lr=0.0003 * | 80.0 | 50.0 |", "|  | lr=0.003 | 80.0 | 90.0 |",
-                         "|  | lr=0.001 | 70.0 | 60.0 |"]  # tied on validation: grid order, never test
+def test_the_tuning_sweep_takes_the_protocols_values_from_the_committed_runs():
+    """The best validation score (these grids ran before the one-standard-error rule), read without running."""
+    sweep = S.load("benchmarks/sweeps/feddual-fmnist-tune.yaml")
+    results = S.load_results(sweep.results)
+    assert S.pending(sweep.jobs(), results) == []
+    chosen = S.choices(sweep, results)
+    assert chosen[f"{F.FAMILY}/fedavg-code"].point == {"lr": load_config({"preset": f"{F.FAMILY}/fedavg-code"}).lr}
+    mu = load_config({"preset": f"{F.FAMILY}/fedprox-code"}).options["proximal-mu"]
+    assert chosen[f"{F.FAMILY}/fedprox-code"].point == {"proximal-mu": mu}
 
 
 def test_the_table_reports_both_partitions_and_the_feddual_diagnostics():

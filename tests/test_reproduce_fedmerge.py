@@ -1,4 +1,5 @@
-"""benchmarks/reproduce_fedmerge.py: its presets resolve, and what it measures (cluster recovery, the table)."""
+"""FedMerge's sweep (benchmarks/sweeps/fedmerge-fmnist*.yaml) and benchmarks/reproduce_fedmerge.py: its presets
+resolve, and what it measures (cluster recovery, the table)."""
 
 from __future__ import annotations
 
@@ -7,27 +8,42 @@ import json
 import pytest
 
 from benchmarks import reproduce_fedmerge as F
+from scripts import sweep as S
 from server_app.config import load_config
 from server_app.inprocess import run_inprocess
 
+SPEC = "benchmarks/sweeps/fedmerge-fmnist.yaml"
+
 
 def test_every_job_resolves_to_the_protocol_with_its_method_and_setting():
-    jobs = F.jobs([0, 1, 2], [0], None)
+    jobs = S.load(SPEC).jobs()
     assert len(jobs) == len(F.METHODS) * 2 * 3 + 3 * 2  # the table and the d sweep without the protocol's d
     seeds = [int(key.split("/s")[1].split("/")[0]) for key, _ in jobs]
-    rows = len(F.METHODS) * 2
-    assert seeds[:rows] == [0] * rows and ["global-models" in o for _, o in jobs].index(True) == rows
-    later = [key for key, _ in jobs[rows + 6:]]  # seeds 1 and 2: every cheaper row by seed, then FedEM's four
-    assert [k.split("/s")[1] for k in later[:-4]] == ["1"] * (rows - 2) + ["2"] * (rows - 2)
-    assert all("/fedem-" in k for k in later[-4:]) and not any("/fedem-" in k for k in later[:-4])
+    rows = (len(F.METHODS) - 1) * 2
+    assert seeds[:rows] == [0] * rows  # every cheaper row's first seed first
+    assert all("/fedem-" in k for k, _ in jobs[-6:]) and not any("/fedem-" in k for k, _ in jobs[:-6])
     for key, overrides in jobs:
         cfg = load_config(overrides)
         assert cfg.num_clients == 50 and cfg.clients_per_round == 50 and cfg.client_test_fraction > 0
         assert cfg.partitioner == ("clusters" if "-cluster/" in key else "dirichlet")
         assert cfg.data_fraction == 0.1 and cfg.input_size == 14 and cfg.num_rounds == 200 and cfg.cnn_norm == "group"
-    fixed = load_config(F.job("fedmerge-fixed", "cluster", 0)[1])
+        assert (cfg.eval_every, cfg.checkpoint_every) == (10, 10)
+    fixed = load_config(dict(jobs)["fedmerge-fmnist/fedmerge-fixed-cluster/s0"])
     assert fixed.options["fixed-models"] == 5 and fixed.options["global-models"] == 15
-    assert load_config(F.job("fedmerge", "personal", 0)[1]).local_objective == "proximal"
+    assert load_config(dict(jobs)["fedmerge-fmnist/fedmerge-personal/s0"]).local_objective == "proximal"
+
+
+def test_the_tuning_sweep_takes_the_documented_choices_from_the_committed_runs():
+    """lr 0.03 (within one standard error of 0.1's validation score on ~525 samples: the protocol's) and Ditto's
+    λ 0.1, chosen on validation from benchmarks/results/fedmerge-fmnist/tuning.jsonl without running anything."""
+    sweep = S.load("benchmarks/sweeps/fedmerge-fmnist-tune.yaml")
+    results = S.load_results(sweep.results)
+    assert S.pending(sweep.jobs(), results) == []
+    chosen = S.choices(sweep, results)
+    assert chosen["fedmerge-fmnist/fedavg-cluster"].point == {"lr": 0.03}
+    assert load_config({"preset": "fedmerge-fmnist/fedavg-cluster"}).lr == 0.03
+    assert chosen["fedmerge-fmnist/ditto-cluster"].point == {"ditto-lambda": 0.1}
+    assert load_config({"preset": "fedmerge-fmnist/ditto-cluster"}).options["ditto-lambda"] == 0.1
 
 
 def test_cluster_recovery_scores_weights_against_the_clients_class_sets(tmp_path):
@@ -65,20 +81,18 @@ def test_report_copies_seed_0_heatmaps_by_d_and_keeps_a_copy_whose_run_folder_is
     results = tmp_path / "results"
     results.mkdir()
     (results / "merge-weights-cluster-d15.png").write_bytes(b"kept")  # committed from an earlier machine
-    runs = []
+    runs = {}
     for setting, d, seed, has_png in (("cluster", 5, 0, True), ("personal", 10, 0, True), ("cluster", 15, 0, False),
                                       ("cluster", 10, 1, True)):
-        key = F.job("fedmerge", setting, seed, None if d == 5 else {"global-models": d})[0]
+        key = S.job(f"{F.FAMILY}/fedmerge-{setting}", seed, None if d == 5 else {"global-models": d})[0]
         folder = tmp_path / key.replace("/", "_")
         folder.mkdir()
         if has_png:
             (folder / "merge-weights.png").write_bytes(key.encode())
-        runs.append({"key": key, "test": 0.9, "worst": 0.7, "bytes-down": 4e5, "bytes-up": 4e5,
-                     "curve": [[0, 0.1], [10, 0.9]], "folder": str(folder)})
-    (results / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
-    F.main(["--report", "--results", str(results)])
-    assert (results / "merge-weights-cluster-d5.png").read_bytes() == runs[0]["key"].encode()
-    assert (results / "merge-weights-personal-d10.png").read_bytes() == runs[1]["key"].encode()
+        runs[key] = {"key": key, "folder": str(folder)}
+    F.heatmaps(runs, results)
+    keys = list(runs)
+    assert (results / "merge-weights-cluster-d5.png").read_bytes() == keys[0].encode()
+    assert (results / "merge-weights-personal-d10.png").read_bytes() == keys[1].encode()
     assert (results / "merge-weights-cluster-d15.png").read_bytes() == b"kept"
     assert not (results / "merge-weights-cluster-d10.png").exists()  # seed 1's run is not the figure's
-    assert (results / "table.md").is_file() and (results / "personal.png").is_file()

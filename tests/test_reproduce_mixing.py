@@ -1,4 +1,5 @@
-"""benchmarks/reproduce_mixing.py: its presets resolve to the label-shift protocol, and what it measures."""
+"""The mixing sweeps (benchmarks/sweeps/mixing-fmnist*.yaml): its presets resolve to the label-shift protocol, and what
+benchmarks/reproduce_mixing.py measures."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from helpers import write_jpg, write_leaf
 
 from benchmarks import reproduce_mixing as M
+from scripts import sweep as S
 from server_app.config import load_config
 from server_app.inprocess import run_inprocess
 
@@ -17,17 +19,26 @@ from server_app.inprocess import run_inprocess
 def test_every_preset_resolves_to_the_protocol_with_its_label_shift(setting):
     lacking = {"binary": "0", "classes10": "7,8,9"}[setting]
     assert M.lacking_classes(setting) == tuple(int(c) for c in lacking.split(","))
+    jobs = dict(S.load("benchmarks/sweeps/mixing-fmnist.yaml").jobs())
     for method, _ in M.METHODS:
-        cfg = load_config(M.job(method, setting, 0)[1])
+        cfg = load_config(jobs[f"{M.FAMILY}/{method}-{setting}/s0"])
         assert (cfg.num_clients, cfg.clients_per_round, cfg.num_rounds, cfg.dataset) == (100, 10, 100, "fashion-mnist")
         assert cfg.binary_positive == ("0,2,3,4,6" if setting == "binary" else "")
         assert cfg.central_classes == ("" if method == "oracle" else lacking)  # the oracle federates everything
-    strategies = {m: load_config(M.job(m, setting, 0)[1]).strategy for m, _ in M.METHODS}
+    strategies = {m: load_config(jobs[f"{M.FAMILY}/{m}-{setting}/s0"]).strategy for m, _ in M.METHODS}
     assert strategies == {"nomix": "fedavg", "parallel": "parallel-training", "example": "example-transfer",
                           "gradient": "gradient-transfer", "oracle": "fedavg", "fedft": "fedft", "hfcl": "hfcl"}
-    for grid in M.tuning_jobs(list(M.GRIDS), None).values():
-        for _, overrides in grid:
-            load_config(overrides)  # every candidate is a valid configuration
+
+
+def test_the_tuning_sweep_takes_the_protocols_values_from_the_committed_runs():
+    """Each variant's open choice as the protocol has it: by the one-standard-error rule, and parallel training's
+    pair as the best validation score (it ran before the rule), read without running anything."""
+    sweep = S.load("benchmarks/sweeps/mixing-fmnist-tune.yaml")
+    results = S.load_results(sweep.results)
+    assert S.pending(sweep.jobs(), results) == []
+    for preset, chosen in S.choices(sweep, results).items():
+        cfg = load_config({"preset": preset}).to_dict()
+        assert chosen is not None and all(cfg[k] == v for k, v in chosen.point.items()), preset
 
 
 def test_the_lacking_classes_accuracy_is_measured_on_those_test_samples_only(tmp_path):

@@ -1,0 +1,157 @@
+"""Sweeps (scripts/sweep.py, ``hybridfl sweep`` / ``hybridfl report``): the spec's checks, the jobs it names, the
+one-standard-error rule on validation, and a real two-point sweep over two seeds killed mid-run and resumed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from common.errors import ConfigError
+from scripts import sweep as sweeps
+from scripts.cli import main
+
+SPEC = {"runs": [{"presets": "fedavg-digits", "grid": {"lr": [0.05, 0.1]}, "seeds": [0, 1]}],
+        "overrides": {"num-rounds": 4, "eval-every": 1, "checkpoint-every": 1, "validation-size": 100}}
+
+
+def _spec(tmp_path: Path, spec: dict, name: str = "s") -> Path:
+    spec = {**spec, "results": str(tmp_path / "out" / "runs.jsonl")}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.mark.parametrize(("change", "key", "allowed"), [
+    ({"colour": 1}, "colour", "a sweep spec key"),
+    ({"select": "median"}, "select", "'one-se', 'best', 'none'"),
+    ({"runs": [{"presets": "fedavg-digits", "select": "worst"}]}, "runs[0].select", "'one-se', 'best', 'none'"),
+    ({"runs": []}, "runs", "a non-empty list"),
+    ({"runs": [{"presets": "fedavg-digits", "seeds": [-1]}]}, "runs[0].seeds", "integers ≥ 0"),
+    ({"runs": [{"presets": "x/{method}"}]}, "runs[0].presets", "keys of `vars`"),
+    ({"runs": [{"presets": "fedavg-digits", "gird": {}}]}, "runs[0].gird", "a block key"),
+    ({"record": "no.such.module:f"}, "record", "`module:function`"),
+    ({"runs": [{"presets": "no-such-preset"}]}, "preset", "hybridfl presets"),
+    ({"runs": [{"presets": "fedavg-digits", "grid": {"lr": [0.1, -1]}}]}, "lr", "a value in"),
+    ({"runs": [{"presets": "fedavg-digits", "grid": {"search-lr": [0.1]}}]}, "search-lr", "a key the run uses"),
+])
+def test_a_bad_spec_fails_before_anything_runs_naming_the_key(tmp_path: Path, change, key, allowed):
+    with pytest.raises(ConfigError) as err:
+        sweeps.parse({**SPEC, **change}, "bad")
+    assert err.value.key == key and allowed in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_jobs_are_presets_by_grid_points_by_seeds_named_as_the_reproductions_name_them():
+    sweep = sweeps.parse({"runs": [{"presets": "fedmerge-fmnist/{method}-{setting}",
+                                    "vars": {"method": ["fedavg", "ifca"], "setting": ["cluster"]}, "seeds": [0, 2]},
+                                   {"presets": "fedmerge-fmnist/fedmerge-cluster", "grid": {"global-models": [1, 10]}}],
+                          "overrides": {"eval-every": 10}, "run-dir": "outputs/x"}, "s")
+    keys = [k for k, _ in sweep.jobs()]
+    assert keys == ["fedmerge-fmnist/fedavg-cluster/s0", "fedmerge-fmnist/ifca-cluster/s0",  # seed by seed
+                    "fedmerge-fmnist/fedavg-cluster/s2", "fedmerge-fmnist/ifca-cluster/s2",
+                    "fedmerge-fmnist/fedmerge-cluster/s0/global-models=1",
+                    "fedmerge-fmnist/fedmerge-cluster/s0/global-models=10"]
+    overrides = dict(sweep.jobs())["fedmerge-fmnist/fedmerge-cluster/s0/global-models=10"]
+    assert overrides["global-models"] == 10 and overrides["eval-every"] == 10 and overrides["seed"] == 0
+    assert overrides["run-name"] == "fedmerge-fmnist_fedmerge-cluster_s0_global-models=10"
+    assert Path(overrides["output-dir"]) == Path("outputs/x").resolve()
+
+
+def _candidate(val: list[float], test: list[float], lr: float) -> sweeps.Candidate:
+    runs = [{"val": v, "test": t} for v, t in zip(val, test)]
+    return sweeps.Candidate("fedavg-digits", {"lr": lr}, runs, len(runs))
+
+
+def test_one_standard_error_takes_the_first_candidate_near_the_best_on_validation_never_on_test():
+    # seeds' spread: the best (0.80, 0.84) has SE 0.02; the first at or above 0.80 is the second candidate
+    group = [_candidate([0.70, 0.74], [0.99, 0.99], 0.01), _candidate([0.81, 0.81], [0.10, 0.10], 0.03),
+             _candidate([0.80, 0.84], [0.20, 0.20], 0.1)]
+    assert sweeps.choose(group, "one-se").point == {"lr": 0.03}
+    assert sweeps.choose(group, "best").point == {"lr": 0.1}  # the first candidate's best test never counts
+    assert sweeps.choose(group, "none") is None
+    # one seed: the binomial SE on fedavg-digits' validation-size (0 there: an error, not a silent pick)
+    single = [_candidate([0.80], [0.5], 0.01), _candidate([0.81], [0.5], 0.1)]
+    with pytest.raises(ValueError, match="no validation-size"):
+        sweeps.choose(single, "one-se")
+    assert sweeps.standard_error([0.81], 1000) == pytest.approx((0.81 * 0.19 / 1000) ** 0.5)
+    # nothing is chosen until every candidate has all its seeds
+    assert sweeps.choose([*group, sweeps.Candidate("fedavg-digits", {"lr": 1}, [], 2)], "one-se") is None
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.e2e
+def test_a_sweep_killed_mid_run_resumes_then_reports_its_choice(tmp_path: Path, capsys):
+    spec = _spec(tmp_path, SPEC)
+    results, folders = tmp_path / "out" / "runs.jsonl", tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "scripts.cli", "sweep", str(spec)], env=env, cwd=tmp_path,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:  # kill it once the first run is recorded and the second has checkpointed past its first step
+        second = folders / "fedavg-digits_s1_lr=0.05" / "metrics.jsonl"
+        deadline = time.monotonic() + 600
+        while not (len(_lines(results)) == 1 and len(_lines(second)) >= 3) and time.monotonic() < deadline:
+            assert proc.poll() is None, "the sweep ended before it could be interrupted"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert [r["key"] for r in _lines(results)] == ["fedavg-digits/s0/lr=0.05"]
+    assert not (second.parent / "summary.json").exists()
+
+    assert main(["sweep", str(spec), "--jobs", "2"]) == 0
+    done = _lines(results)
+    assert sorted(r["key"] for r in done) == sorted(k for k, _ in sweeps.load(spec).jobs())  # each once
+    resumed = json.loads((second.parent / "summary.json").read_text())
+    assert resumed["resumed-after-step"] >= 1  # picked up at its checkpoint, not started afresh
+    out = capsys.readouterr().out
+    assert "3 runs to do (1 already in" in out
+
+    # the choice is the rule's on the recorded validation scores
+    sweep = sweeps.load(spec)
+    chosen = sweeps.choices(sweep, sweeps.load_results(results))["fedavg-digits"]
+    group = sweeps.candidates(sweep, sweeps.load_results(results))
+    assert chosen == sweeps.choose(group, "one-se") and chosen is not None
+    report = (tmp_path / "out" / "runs.md").read_text()
+    assert f"| {chosen.label} * | 2/2 |" in report and (tmp_path / "out" / "runs.png").is_file()
+    # running it again runs nothing; report alone prints the same table
+    assert main(["sweep", str(spec)]) == 0
+    assert "0 runs to do (4 already in" in capsys.readouterr().out
+    assert len(_lines(results)) == 4
+    assert main(["report", str(spec)]) == 0
+    assert capsys.readouterr().out.strip() == report.strip()
+
+
+def test_the_cli_refuses_a_bad_spec_with_exit_2(tmp_path: Path, capsys):
+    assert main(["sweep", str(_spec(tmp_path, {**SPEC, "select": "median"}))]) == 2
+    assert "'select' = 'median'" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "missing.yaml")]) == 2
+    assert "'spec'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("spec", "table"), [
+    ("feddle-fmnist", "feddle-fmnist/table.md"), ("feddle-animal", "feddle-animal/table.md"),
+    ("feddle-animal-ablation", "feddle-animal/ablation.md"), ("feddle-fmnist-analysis", "feddle-fmnist/analysis.md"),
+    ("fedmerge-fmnist", "fedmerge-fmnist/table.md"), ("feddual-fmnist", "feddual-fmnist/table.md"),
+    ("mixing-fmnist", "mixing-fmnist/table.md")])
+def test_the_reproduction_sweeps_regenerate_their_committed_tables_running_nothing(tmp_path: Path, spec, table):
+    """Each family's spec reads its committed results (the digests of the runs as they were made: nothing is
+    pending but what never ran) and writes its table as BENCHMARKS.md has it."""
+    root = Path(__file__).resolve().parents[1]
+    sweep = sweeps.load(root / "benchmarks" / "sweeps" / f"{spec}.yaml")
+    sweep = dataclasses.replace(sweep, report=tmp_path / "table.md",
+                                results=root / sweep.results if not sweep.results.is_absolute() else sweep.results)
+    results = sweeps.load_results(sweep.results)
+    assert results and not [key for key, _ in sweeps.pending(sweep.jobs(), results) if key in results]  # no re-run
+    assert sweeps.report(sweep) + "\n" == (root / "benchmarks" / "results" / table).read_text()
