@@ -59,14 +59,18 @@ SELECT_RULES = ("one-se", "best", "none")
 # -- the results file and the configurations' digests ----------------------------------------------------------------
 
 
+# where a run writes and what else watches it: never a different result
+UNDIGESTED = frozenset({"output-dir", "run-name", "resume", "tracking", "experiment", "tracking-uri"})
+
+
 def digest(config: Mapping[str, Any]) -> str:
-    """A digest of the keys that differ from their defaults (output folder aside): an option added later, at
+    """A digest of the keys that differ from their defaults (:data:`UNDIGESTED` aside): an option added later, at
     a default that reproduces the old behaviour, leaves the digests of finished runs as they were."""
     from server_app.config import RunConfig, option_specs
 
     defaults = {k: spec.default for k, spec in {**RunConfig.specs(), **option_specs()}.items()}
     kept = {k: v for k, v in config.items()
-            if k not in ("output-dir", "run-name", "resume") and (k not in defaults or v != defaults[k])}
+            if k not in UNDIGESTED and (k not in defaults or v != defaults[k])}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -249,14 +253,20 @@ class Sweep:
     def jobs(self) -> list[Job]:
         """Every block's jobs, in order; in a block, seed by seed (an interrupted sweep has each candidate's first
         seed before any second one)."""
-        return [job(preset, seed, point, self.run_dir, self.overrides)
+        return [job(preset, seed, point, self.run_dir, self.job_overrides())
                 for block in self.blocks for seed in block.seeds for preset in block.presets
                 for point in block.points()]
 
     def rows(self) -> list[tuple[Block, str, dict[str, Any], list[Job]]]:
         """Each block's presets and candidates in spec order, with their jobs (one per seed)."""
-        return [(block, preset, point, [job(preset, s, point, self.run_dir, self.overrides) for s in block.seeds])
+        return [(block, preset, point, [job(preset, s, point, self.run_dir, self.job_overrides())
+                                        for s in block.seeds])
                 for block in self.blocks for preset in block.presets for point in block.points()]
+
+    def job_overrides(self) -> dict[str, Any]:
+        """What every job gets: the spec's overrides; a tracked sweep is one experiment, named after the sweep."""
+        tracked = self.overrides.get("tracking") and not self.overrides.get("experiment")
+        return {**self.overrides, "experiment": self.name} if tracked else dict(self.overrides)
 
     def worker(self) -> Callable[..., dict[str, Any]]:
         """What a worker process runs for one job (picklable)."""

@@ -37,6 +37,7 @@ from common.training import LocalRecipe
 from common.user_code import is_import_path, resolve
 from server_app.checkpoint import read_config
 from server_app.runtime import RuntimeConfig
+from server_app.tracking import TrackingConfig, check_tracking
 from strategies import STRATEGIES, MethodChoice
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -75,8 +76,9 @@ class PresetName(OneOf):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig):
-    """Every key of a run: the method, the data spec, the model, the clients' local recipe and the runtime (each
+class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig, TrackingConfig):
+    """Every key of a run: the method, the data spec, the model, the clients' local recipe, the runtime and the
+    tracking (each
     declared in the dataclass that carries it, inherited here), the run's own keys below, and ``options``: every
     method option's value (see README "Configuration")."""
 
@@ -117,7 +119,7 @@ class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig):
 # The parts a run's keys are declared in, in the README's order (the run's own keys are the rest); data, model
 # and local recipe travel in every message to the clients (client_config).
 PARTS: dict[str, type] = {"method": MethodChoice, "data": DataSpec, "model": ModelSpec, "local recipe": LocalRecipe,
-                          "runtime": RuntimeConfig}
+                          "runtime": RuntimeConfig, "tracking": TrackingConfig}
 
 
 def client_config(cfg: RunConfig) -> dict[str, Any]:
@@ -161,7 +163,8 @@ def preset_file(name: str) -> tuple[list[str], dict[str, Any]]:
 
 # Keys a resumed run may change: they do not touch what is computed (or, `device`, where).
 MAY_CHANGE_ON_RESUME = frozenset({"num-rounds", "checkpoint-every", "eval-every", "reply-timeout-s", "poll-interval-s",
-                                  "wait-nodes-s", "data-root", "device", "resume", "output-dir", "run-name"})
+                                  "wait-nodes-s", "data-root", "device", "resume", "output-dir", "run-name",
+                                  *specs_of(TrackingConfig)})
 
 
 def option_owners() -> dict[str, list[str]]:
@@ -215,6 +218,7 @@ def make_config(values: Mapping[str, Any]) -> RunConfig:
         bad = ("delay-sigma", cfg.delay_sigma) if cfg.delay_sigma > 0 else ("clock", cfg.clock)
         raise ConfigError(*bad, "no delay on the virtual clock with loop = 'flower' (Flower's rounds end with a "
                                 "barrier); use loop = 'hybridfl' for asynchrony")
+    check_tracking(cfg)
     return cfg
 
 

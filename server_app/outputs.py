@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from server_app.config import RunConfig
+from server_app.tracking import Tracker
 
 
 def run_dir(cfg: RunConfig, root: Path | None = None) -> Path:
@@ -79,11 +80,13 @@ class Recorder:
     """Appends one JSON line per round and per event, and writes the summary, the model and the plots at the end.
 
     `position` (from :meth:`state_dict`) resumes a run: both files are cut back to what the checkpoint
-    had recorded, and what the rest of the run writes follows on.
+    had recorded, and what the rest of the run writes follows on. `tracker` gets every row as it is written
+    (``tracking``).
     """
 
-    def __init__(self, path: Path, position: dict[str, int] | None = None) -> None:
+    def __init__(self, path: Path, position: dict[str, int] | None = None, tracker: Tracker | None = None) -> None:
         self.path = path
+        self.tracker = tracker or Tracker()
         self.rows: list[dict[str, Any]] = []
         self.staleness: list[int] = []
         self.outcomes: dict[str, int] = {}
@@ -111,12 +114,14 @@ class Recorder:
         self.rows.append(row)
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
+        self.tracker.step(row)
 
     def clients(self, row: dict[str, Any]) -> None:
         """One personalised evaluation: each client's metrics (and the strategy's per-client report)."""
         self.client_rows.append(row)
         with open(self.path / "clients.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
+        self.tracker.clients(row)
 
     def _count(self, event: dict[str, Any]) -> None:
         if event["outcome"] == "accepted":
@@ -161,6 +166,7 @@ class Recorder:
         if len(models) > 1:
             torch.save(models, self.path / "models.pt")
         self._plots(evals, figures)
+        self.tracker.finish(summary)
         return summary
 
     def _rate(self) -> float | None:

@@ -30,6 +30,7 @@ from server_app.evaluation import client_evaluate, federated_evaluate, personal_
 from server_app.flower import FlowerStrategy
 from server_app.outputs import Recorder, run_dir
 from server_app.runtime import Runner, RuntimeConfig, StepLog
+from server_app.tracking import open_tracker
 from strategies import Strategy, build_strategy
 
 
@@ -180,6 +181,6 @@ def build_run(grid: Grid, cfg: RunConfig) -> Run:
         runner.load_state_dict(resumed["runner"])
         torch.set_rng_state(resumed["torch-rng"])
         first_step = int(resumed["step"]) + 1
-    recorder = Recorder(out, resumed["recorder"] if resumed is not None else None)
+    recorder = Recorder(out, resumed["recorder"] if resumed is not None else None, open_tracker(cfg, out))
     runner.on_event = recorder.event
     return Run(grid, cfg, out, splits, server_data, model, pspec, strategy, runner, recorder, first_step)
