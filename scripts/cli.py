@@ -15,10 +15,12 @@ run that fails exits 1.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -43,6 +45,7 @@ MODE_HELP = ("in-process: hybridfl's own engine in this process (fastest; no Flo
              "and a SuperNode per client on loopback, the app submitted with `flwr run`")
 FlwrHome = Annotated[Path, typer.Option(help="FLWR_HOME of the Flower processes (simulation, deployment)")]
 Supernodes = Annotated[int | None, typer.Option(help="deployment: SuperNodes to start (default: num-clients)")]
+Verbose = Annotated[bool, typer.Option(help="in-process on a terminal: the per-step log lines, not a progress line")]
 
 
 @app.callback()
@@ -52,13 +55,16 @@ def _here_first() -> None:
     sys.path.insert(0, os.getcwd())
 
 
-def launch(overrides: dict[str, Any], mode: Mode, flwr_home: Path, supernodes: int | None = None) -> int:
-    """Run `overrides` in `mode`; print the summary. Exit code 0 = completed, 1 = the run failed, 2 = bad config."""
+def launch(overrides: dict[str, Any], mode: Mode, flwr_home: Path, supernodes: int | None = None,
+           verbose: bool = False) -> int:
+    """Run `overrides` in `mode`; print the summary. Exit code 0 = completed, 1 = the run failed, 2 = bad config.
+    In-process on a terminal, a progress line replaces the per-step log lines unless `verbose`."""
     def go() -> Path:
         if mode is Mode.in_process:
             from server_app.inprocess import run_inprocess
 
-            return run_inprocess(overrides)  # output-dir relative to here, as the user typed it
+            with progress_line(verbose):
+                return run_inprocess(overrides)  # output-dir relative to here, as the user typed it
         if mode is Mode.simulation:
             from scripts.simulate import simulate
 
@@ -68,6 +74,28 @@ def launch(overrides: dict[str, Any], mode: Mode, flwr_home: Path, supernodes: i
         return deploy(overrides, flwr_home.resolve(), supernodes)[0]
 
     return run_and_report(go)
+
+
+@contextlib.contextmanager
+def progress_line(verbose: bool) -> Iterator[None]:
+    """On a terminal (and unless `verbose`): the runs of this process report to a progress line, and Flower's
+    INFO lines (the per-step log, device timings) stay quiet meanwhile; warnings and errors still print."""
+    from scripts.progress import Line, RunProgress
+    from server_app.tracking import watching
+
+    line = Line()
+    if verbose or not line.tty:
+        yield
+        return
+    flwr = logging.getLogger("flwr")
+    level = flwr.level
+    flwr.setLevel(logging.WARNING)
+    try:
+        with watching(lambda cfg, out: RunProgress(cfg, out, line)):
+            yield
+    finally:
+        flwr.setLevel(level)
+        line.close()
 
 
 def job(args: list[str]) -> dict[str, Any]:
@@ -85,9 +113,9 @@ def run(args: Annotated[list[str] | None, typer.Argument(metavar="[PRESET] [KEY=
                                                         help="a preset (`hybridfl presets`; default: the main job "
                                                              f"{MAIN_JOB}) and run-config overrides")] = None,
         mode: Annotated[Mode, typer.Option(help=MODE_HELP)] = Mode.in_process,
-        flwr_home: FlwrHome = PROJECT_DIR / ".flwr", supernodes: Supernodes = None) -> None:
+        flwr_home: FlwrHome = PROJECT_DIR / ".flwr", supernodes: Supernodes = None, verbose: Verbose = False) -> None:
     """Run a preset, with overrides; outputs go to `<output-dir>/<run-name>/`."""
-    raise typer.Exit(launch(job(args or []), mode, flwr_home, supernodes))
+    raise typer.Exit(launch(job(args or []), mode, flwr_home, supernodes, verbose))
 
 
 @app.command()
@@ -96,10 +124,11 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="a run folder with a che
                                                                  help="only keys a resumed run may change, such as "
                                                                       "num-rounds")] = None,
            mode: Annotated[Mode, typer.Option(help=MODE_HELP)] = Mode.in_process,
-           flwr_home: FlwrHome = PROJECT_DIR / ".flwr", supernodes: Supernodes = None) -> None:
+           flwr_home: FlwrHome = PROJECT_DIR / ".flwr", supernodes: Supernodes = None,
+           verbose: Verbose = False) -> None:
     """Continue a run from its last checkpoint, in its own folder (any mode resumes a run of any mode)."""
     raise typer.Exit(launch({**parse_overrides(overrides or []), "resume": str(run_dir.resolve())}, mode, flwr_home,
-                            supernodes))
+                            supernodes, verbose))
 
 
 def describe(name: str) -> str:
@@ -135,8 +164,9 @@ def sweep(spec: SweepSpec,
           ) -> None:
     """Run a sweep's runs that have no current result (resumable: run it again after a stop), then report it."""
     from scripts import sweep as sweeps
+    from scripts.progress import Line, SweepProgress
 
-    _echo_or_exit_2(lambda: sweeps.run(sweeps.load(spec), jobs, progress=typer.echo))
+    _echo_or_exit_2(lambda: sweeps.run(sweeps.load(spec), jobs, progress=SweepProgress(Line(sys.stdout))))
 
 
 @app.command()

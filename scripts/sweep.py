@@ -188,11 +188,19 @@ def record(key: str, overrides: dict[str, Any], metric: str, val_metric: str, ex
     return {**result, **(resolve(extra)(out, summary, rows) if extra else {})}
 
 
+Progress = Callable[..., None]  # (text, runs done, runs to do): scripts.progress.SweepProgress
+
+
+def plain(text: str, done: int = 0, total: int = 0) -> None:
+    print(text, flush=True)
+
+
 def run_all(jobs: Iterable[Job], path: Path, workers: int, one: Callable[..., dict[str, Any]],
-            progress: Callable[[str], None] = print) -> Results:
+            progress: Progress = plain) -> Results:
     """Run the jobs without a current result in `path` (`workers` processes), appending each result as it
-    finishes; ``one(key, overrides)`` runs a job in a worker (a module-level function, or a partial of one).
-    Returns every result in `path` at the end, those another process appended meanwhile included."""
+    finishes; ``one(key, overrides)`` runs a job in a worker (a module-level function, or a partial of one);
+    ``progress(text, done, total)`` hears of each. Returns every result in `path` at the end, those another process
+    appended meanwhile included."""
     done = load_results(path)
     todo = pending(list(dict(jobs).items()), done)  # a job listed twice runs once
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -207,7 +215,7 @@ def run_all(jobs: Iterable[Job], path: Path, workers: int, one: Callable[..., di
             append(path, result)
             val = f"{result['val']:.4f}" if result.get("val") is not None else "—"
             progress(f"[{n}/{len(todo)}] {result['key']}: test {result['test']:.4f} val {val} "
-                     f"({result['seconds']:.0f} s)")
+                     f"({result['seconds']:.0f} s)", n, len(todo))
     return load_results(path)
 
 
@@ -526,6 +534,6 @@ def report(sweep: Sweep, results: Results | None = None) -> str:
     return text
 
 
-def run(sweep: Sweep, workers: int = 1, progress: Callable[[str], None] = print) -> str:
+def run(sweep: Sweep, workers: int = 1, progress: Progress = plain) -> str:
     """Run the sweep's jobs that have no current result (`workers` in parallel), then :func:`report`."""
     return report(sweep, run_all(sweep.jobs(), sweep.results, workers, sweep.worker(), progress))

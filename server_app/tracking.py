@@ -17,6 +17,8 @@ import importlib.util
 import json
 import math
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,12 +132,47 @@ class Mlflow(Tracker):
         self.mlflow.end_run()
 
 
+class Trackers(Tracker):
+    """Several trackers, each told everything in turn."""
+
+    def __init__(self, trackers: list[Tracker]) -> None:
+        self.trackers = trackers
+
+    def step(self, row: dict[str, Any]) -> None:
+        for t in self.trackers:
+            t.step(row)
+
+    def clients(self, row: dict[str, Any]) -> None:
+        for t in self.trackers:
+            t.clients(row)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        for t in self.trackers:
+            t.finish(summary)
+
+
+Watcher = Callable[[Any, Path], Tracker]  # (the run's configuration, its folder) -> a tracker
+_WATCHERS: list[Watcher] = []
+
+
+@contextmanager
+def watching(watcher: Watcher) -> Iterator[None]:
+    """Every run started in this process meanwhile also reports to ``watcher(cfg, out)`` (the command's
+    progress line for an in-process run: the engine runs the ServerApp in this process)."""
+    _WATCHERS.append(watcher)
+    try:
+        yield
+    finally:
+        _WATCHERS.remove(watcher)
+
+
 def open_tracker(cfg: Any, out: Path) -> Tracker:
-    """The run's tracker (`cfg` is the run's configuration)."""
+    """The run's tracker (`cfg` is the run's configuration), with whatever is watching this process's runs."""
     check_tracking(cfg)
+    trackers = [watcher(cfg, out) for watcher in _WATCHERS]
     if cfg.tracking == "tensorboard":
-        return TensorBoard(out)
-    if cfg.tracking == "mlflow":
+        trackers.append(TensorBoard(out))
+    elif cfg.tracking == "mlflow":
         uri = cfg.tracking_uri or Path(cfg.output_dir, "mlruns").resolve().as_uri()
-        return Mlflow(out, cfg.to_dict(), cfg.experiment or cfg.preset, uri)
-    return Tracker()
+        trackers.append(Mlflow(out, cfg.to_dict(), cfg.experiment or cfg.preset, uri))
+    return Trackers(trackers)

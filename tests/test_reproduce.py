@@ -150,7 +150,7 @@ def _lane_result(key, overrides):
 
 def test_run_all_returns_the_results_another_process_appended_while_it_ran(tmp_path):
     path = tmp_path / "runs.jsonl"
-    got = S.run_all([("mine", {"path": str(path)})], path, 1, _lane_result, progress=lambda _: None)
+    got = S.run_all([("mine", {"path": str(path)})], path, 1, _lane_result, progress=lambda *_: None)
     assert sorted(got) == ["mine", "other-lane"]
     assert got["other-lane"]["test"] == 0.5
 

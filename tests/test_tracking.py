@@ -74,7 +74,7 @@ def test_a_tracked_sweep_is_one_experiment_with_one_run_per_job_and_keeps_its_di
     untracked = sweeps.parse({**spec, "overrides": SHORT}, "tracked")
     assert [sweeps.config_digest(o) for _, o in sweep.jobs()] == [sweeps.config_digest(o) for _, o in
                                                                    untracked.jobs()]  # tracking changes no result
-    sweeps.run(sweep, workers=1, progress=lambda _: None)
+    sweeps.run(sweep, workers=1, progress=lambda *_: None)
     client = mlflow.tracking.MlflowClient(tracking_uri=(tmp_path / "store").as_uri())
     experiment = client.get_experiment_by_name("tracked")
     runs = client.search_runs([experiment.experiment_id])
