@@ -40,7 +40,7 @@ test: $(STAMP)
 
 # Local deployment: one SuperLink and N SuperNodes on loopback; ARGS='--supernodes 3 num-rounds=5'
 deploy: $(STAMP)
-	$(PY) -m scripts.deploy_local $(ARGS)
+	$(VENV)/bin/hybridfl run --mode deployment $(ARGS)
 
 # Docker: docker/compose.yml up (app image built), the main job run through it, outputs copied to
 # outputs/compose/. TLS=1 adds TLS + SuperNode authentication, GPU=1 the CUDA ServerApp, HOST=1 host networking

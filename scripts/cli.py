@@ -3,6 +3,8 @@
     hybridfl run                                   # the main job (Feddle-ID on digits), in-process
     hybridfl run fedbuff-digits num-rounds=5 --mode simulation
     hybridfl run feddle-digits --mode deployment --supernodes 4
+    hybridfl run fedasync-digits --mode deployment --supernodes 3 --latency 2=4 --tls --auth clock=wall concurrency=3
+    hybridfl certs docker/certs --nodes 2
     hybridfl resume outputs/feddle-digits-s0-20261126-101500 num-rounds=200
     hybridfl presets
     hybridfl sweep benchmarks/sweeps/fedmerge-fmnist.yaml --jobs 2
@@ -21,6 +23,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -45,6 +48,10 @@ MODE_HELP = ("in-process: hybridfl's own engine in this process (fastest; no Flo
              "and a SuperNode per client on loopback, the app submitted with `flwr run`")
 FlwrHome = Annotated[Path, typer.Option(help="FLWR_HOME of the Flower processes (simulation, deployment)")]
 Supernodes = Annotated[int | None, typer.Option(help="deployment: SuperNodes to start (default: num-clients)")]
+Latency = Annotated[list[str] | None, typer.Option(metavar="I=SECONDS",
+                                                   help="deployment: slow SuperNode I's train replies (repeatable)")]
+Tls = Annotated[bool, typer.Option(help="deployment: HTTPS with a private CA (kept in <flwr-home>/pki)")]
+Auth = Annotated[bool, typer.Option(help="deployment: only registered SuperNode keys are admitted (needs --tls)")]
 Verbose = Annotated[bool, typer.Option(help="in-process on a terminal: the per-step log lines, not a progress line")]
 
 
@@ -55,11 +62,35 @@ def _here_first() -> None:
     sys.path.insert(0, os.getcwd())
 
 
-def launch(overrides: dict[str, Any], mode: Mode, flwr_home: Path, supernodes: int | None = None,
+@dataclass(frozen=True)
+class Deployment:
+    """A local deployment's switches (``--mode deployment``)."""
+
+    supernodes: int | None = None
+    latency: tuple[str, ...] = ()
+    tls: bool = False
+    auth: bool = False
+
+    def slow_nodes(self) -> dict[int, float]:
+        """``--latency I=SECONDS`` items as {node: seconds}, or a ConfigError naming the bad item."""
+        from common.errors import ConfigError
+
+        try:
+            return {int(i): float(sec) for i, sec in (item.split("=", 1) for item in self.latency)}
+        except ValueError:
+            raise ConfigError("--latency", list(self.latency), "I=SECONDS items (node index = seconds)") from None
+
+
+def launch(overrides: dict[str, Any], mode: Mode, flwr_home: Path, deployment: Deployment = Deployment(),
            verbose: bool = False) -> int:
     """Run `overrides` in `mode`; print the summary. Exit code 0 = completed, 1 = the run failed, 2 = bad config.
     In-process on a terminal, a progress line replaces the per-step log lines unless `verbose`."""
     def go() -> Path:
+        if mode is not Mode.deployment and deployment != Deployment():
+            from common.errors import ConfigError
+
+            raise ConfigError("--mode", str(mode), "deployment, the only mode with --supernodes, --latency, --tls "
+                              "and --auth")
         if mode is Mode.in_process:
             from server_app.inprocess import run_inprocess
 
@@ -71,7 +102,8 @@ def launch(overrides: dict[str, Any], mode: Mode, flwr_home: Path, supernodes: i
             return simulate(overrides, flwr_home.resolve())
         from scripts.deploy_local import deploy
 
-        return deploy(overrides, flwr_home.resolve(), supernodes)[0]
+        return deploy(overrides, flwr_home.resolve(), deployment.supernodes, deployment.slow_nodes(),
+                      tls=deployment.tls, auth=deployment.auth)[0]
 
     return run_and_report(go)
 
@@ -113,9 +145,11 @@ def run(args: Annotated[list[str] | None, typer.Argument(metavar="[PRESET] [KEY=
                                                         help="a preset (`hybridfl presets`; default: the main job "
                                                              f"{MAIN_JOB}) and run-config overrides")] = None,
         mode: Annotated[Mode, typer.Option(help=MODE_HELP)] = Mode.in_process,
-        flwr_home: FlwrHome = PROJECT_DIR / ".flwr", supernodes: Supernodes = None, verbose: Verbose = False) -> None:
+        flwr_home: FlwrHome = PROJECT_DIR / ".flwr", supernodes: Supernodes = None, latency: Latency = None,
+        tls: Tls = False, auth: Auth = False, verbose: Verbose = False) -> None:
     """Run a preset, with overrides; outputs go to `<output-dir>/<run-name>/`."""
-    raise typer.Exit(launch(job(args or []), mode, flwr_home, supernodes, verbose))
+    raise typer.Exit(launch(job(args or []), mode, flwr_home, Deployment(supernodes, tuple(latency or ()), tls, auth),
+                            verbose))
 
 
 @app.command()
@@ -124,11 +158,11 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="a run folder with a che
                                                                  help="only keys a resumed run may change, such as "
                                                                       "num-rounds")] = None,
            mode: Annotated[Mode, typer.Option(help=MODE_HELP)] = Mode.in_process,
-           flwr_home: FlwrHome = PROJECT_DIR / ".flwr", supernodes: Supernodes = None,
-           verbose: Verbose = False) -> None:
+           flwr_home: FlwrHome = PROJECT_DIR / ".flwr", supernodes: Supernodes = None, latency: Latency = None,
+           tls: Tls = False, auth: Auth = False, verbose: Verbose = False) -> None:
     """Continue a run from its last checkpoint, in its own folder (any mode resumes a run of any mode)."""
     raise typer.Exit(launch({**parse_overrides(overrides or []), "resume": str(run_dir.resolve())}, mode, flwr_home,
-                            supernodes, verbose))
+                            Deployment(supernodes, tuple(latency or ()), tls, auth), verbose))
 
 
 def describe(name: str) -> str:
@@ -153,6 +187,19 @@ def presets(family: Annotated[str, typer.Argument(help="only presets whose name 
     width = max((len(n) for n in names), default=0)
     for name in names:
         typer.echo(f"{name:<{width}}  {describe(name)}")
+
+
+@app.command()
+def certs(directory: Annotated[Path, typer.Argument(help="where the files go (kept if they exist)")],
+          name: Annotated[list[str] | None, typer.Option(help="a name the SuperLink is reached by (repeatable; "
+                                                                "default: superlink, localhost, 127.0.0.1)")] = None,
+          nodes: Annotated[int, typer.Option(min=0, help="SuperNode key pairs to create")] = 0) -> None:
+    """Certificates and SuperNode keys for a secured deployment (TLS + SuperNode authentication): a CA, the
+    SuperLink's certificate and `supernode-I` key pairs (README "Deployment")."""
+    from scripts.pki import DEFAULT_NAMES, make_pki
+
+    make_pki(directory, tuple(name or DEFAULT_NAMES), nodes)
+    typer.echo(f"certificates and keys in {directory}")
 
 
 SweepSpec = Annotated[Path, typer.Argument(help="a sweep spec (YAML; README \"Sweeps and tracking\")")]

@@ -1,13 +1,12 @@
 """Run a preset on a local Flower deployment (one SuperLink + N SuperNodes on loopback) and check it.
 
-    python -m scripts.deploy_local [--supernodes N] [--latency I=SECONDS ...] [--tls [--auth]] [--flwr-home PATH]
-                                   [KEY=VALUE ...]
-    e.g.  python -m scripts.deploy_local --supernodes 2 clients-per-round=2 num-rounds=2
-          python -m scripts.deploy_local --supernodes 2 --tls --auth clients-per-round=2 num-rounds=2
-          python -m scripts.deploy_local --supernodes 3 --latency 2=4 strategy="fedasync" clock="wall" concurrency=3
+    hybridfl run [PRESET] [KEY=VALUE ...] --mode deployment [--supernodes N] [--latency I=SECONDS ...] [--tls [--auth]]
+    e.g.  hybridfl run --mode deployment --supernodes 2 clients-per-round=2 num-rounds=2
+          hybridfl run --mode deployment --supernodes 2 --tls --auth clients-per-round=2 num-rounds=2
+          hybridfl run fedasync-digits --mode deployment --supernodes 3 --latency 2=4 clock="wall" concurrency=3
 
-KEY=VALUE pairs are run-config overrides with ``flwr run -c`` syntax, as in scripts/simulate.py.
-The script validates the config first, then starts ``flower-superlink`` (subprocess isolation, in-memory
+KEY=VALUE pairs are run-config overrides with ``flwr run -c`` syntax.
+:func:`deploy` validates the config first, then starts ``flower-superlink`` (subprocess isolation, in-memory
 state) and N ``flower-supernode`` processes on free loopback ports, node i holding partition i of N (N
 defaults to num-clients; a different --supernodes sets num-clients=N). Plain HTTP by default; ``--tls``
 serves every API over HTTPS with a private CA (scripts/pki.py, kept in <flwr-home>/pki), ``--auth`` also
@@ -19,8 +18,6 @@ Expect a few seconds per message: a SuperNode polls the SuperLink every 3 s.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,12 +31,11 @@ from scripts.flower import (
     flwr_run,
     free_port,
     register_supernode,
-    run_and_report,
     wait_healthy,
     write_connection,
 )
 from scripts.pki import make_pki
-from scripts.simulate import parse_overrides, prepare
+from scripts.simulate import prepare
 from server_app.config import load_config
 
 CONNECTION = "hybridfl-local"
@@ -112,25 +108,3 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
     for (run_id, status), path in outcomes:
         check_completed(run_id, status, path)
     return [path for _, path in outcomes], procs.pids
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    parser.add_argument("--supernodes", type=int, default=None, metavar="N",
-                        help="SuperNodes to start, one per client partition (default: num-clients)")
-    parser.add_argument("--latency", action="append", default=[], metavar="I=SECONDS",
-                        help="slow SuperNode I's train replies by SECONDS (repeatable)")
-    parser.add_argument("--tls", action="store_true", help="HTTPS with a private CA (kept in <flwr-home>/pki)")
-    parser.add_argument("--auth", action="store_true",
-                        help="SuperNode authentication: only registered node keys are admitted (needs --tls)")
-    parser.add_argument("--flwr-home", type=Path, default=PROJECT_DIR / ".flwr",
-                        help="FLWR_HOME for this run (default: ./.flwr)")
-    args = parser.parse_args(argv)
-    latency = {int(i): float(sec) for i, sec in (item.split("=", 1) for item in args.latency)}
-    return run_and_report(lambda: deploy(parse_overrides(args.overrides), args.flwr_home.resolve(),
-                                         args.supernodes, latency, tls=args.tls, auth=args.auth)[0])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

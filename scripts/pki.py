@@ -1,6 +1,6 @@
 """Certificates and SuperNode keys for a secured deployment (TLS + SuperNode authentication).
 
-    python -m scripts.pki DIR [--name superlink --name localhost ...] [--nodes N]
+    hybridfl certs DIR [--name superlink --name localhost ...] [--nodes N]
 
 writes into DIR:
   ca.crt, ca.key                  a private certificate authority (10 years)
@@ -17,10 +17,8 @@ second call adds nodes without changing the CA or the keys already registered.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import ipaddress
-import sys
 from pathlib import Path
 
 from cryptography import x509
@@ -101,19 +99,3 @@ def node_key(directory: Path, name: str) -> Path:
         public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
         (directory / f"{name}.pub").write_bytes(public + f" {name}\n".encode())
     return private
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("directory", type=Path)
-    parser.add_argument("--name", action="append", default=None,
-                        help=f"a name the SuperLink is reached by (repeatable; default: {' '.join(DEFAULT_NAMES)})")
-    parser.add_argument("--nodes", type=int, default=0, help="SuperNode key pairs to create")
-    args = parser.parse_args(argv)
-    make_pki(args.directory, tuple(args.name or DEFAULT_NAMES), args.nodes)
-    print(f"certificates and keys in {args.directory}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scripts.deploy_local import deploy, main
+from scripts.cli import main
+from scripts.deploy_local import deploy
 from scripts.flower import device_timings, free_port
 from scripts.pki import node_key
 
@@ -75,13 +76,17 @@ def test_local_deployment_with_tls_and_auth_runs_refuses_intruders_and_stops_its
 
 
 def test_auth_without_tls_is_refused_before_starting_anything(tmp_path: Path, capsys) -> None:
-    assert main(["--flwr-home", str(tmp_path / "flwr-home"), "--auth"]) == 2
+    assert main(["run", "--mode", "deployment", "--flwr-home", str(tmp_path / "flwr-home"), "--auth"]) == 2
     assert "--auth together with --tls" in capsys.readouterr().err
+    assert main(["run", "--flwr-home", str(tmp_path / "flwr-home"), "--tls"]) == 2  # in-process: no TLS to set
+    assert "'--mode' = 'in-process'" in capsys.readouterr().err
+    assert main(["run", "--mode", "deployment", "--flwr-home", str(tmp_path / "flwr-home"), "--latency", "x"]) == 2
+    assert "I=SECONDS" in capsys.readouterr().err
     assert not (tmp_path / "flwr-home").exists()
 
 
 def test_bad_config_exits_2_before_starting_anything(tmp_path: Path) -> None:
-    assert main(["--flwr-home", str(tmp_path / "flwr-home"), "num-rounds=0"]) == 2
+    assert main(["run", "--mode", "deployment", "--flwr-home", str(tmp_path / "flwr-home"), "num-rounds=0"]) == 2
     assert not (tmp_path / "flwr-home").exists()
 
 

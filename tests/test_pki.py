@@ -10,7 +10,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from scripts.pki import main, make_pki
+from scripts.cli import main
+from scripts.pki import make_pki
 
 
 def test_the_server_certificate_is_signed_by_the_ca_for_every_name(tmp_path: Path) -> None:
@@ -29,7 +30,7 @@ def test_the_server_certificate_is_signed_by_the_ca_for_every_name(tmp_path: Pat
 
 
 def test_supernode_keys_are_openssh_ecdsa_pairs_and_kept_on_a_second_call(tmp_path: Path) -> None:
-    assert main([str(tmp_path), "--nodes", "1"]) == 0
+    assert main(["certs", str(tmp_path), "--nodes", "1"]) == 0
     private = serialization.load_ssh_private_key((tmp_path / "supernode-0").read_bytes(), password=None)
     public = serialization.load_ssh_public_key((tmp_path / "supernode-0.pub").read_bytes())
     assert isinstance(private, ec.EllipticCurvePrivateKey) and private.curve.name == "secp384r1"
