@@ -29,7 +29,6 @@ from benchmarks.runs import mean_curves, pyplot, seeded
 from scripts.sweep import Results, Sweep, mean_std
 
 FAMILY = "feddual-fmnist"
-PARTITIONS = ("code", "dirichlet")
 # (preset method, label) in the table's order
 METHODS: list[tuple[str, str]] = [
     ("fedavg", "FedAvg"), ("fedprox", "FedProx"), ("feddual", "FedDUAL (paper's reading)"),
