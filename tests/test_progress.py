@@ -63,10 +63,11 @@ def test_an_in_process_run_on_a_terminal_shows_its_line_and_quiets_flowers_info(
     stream = Terminal()
     monkeypatch.setattr(sys, "stderr", stream)
     level = logging.getLogger("flwr").level
-    assert main(["run", "fedavg-digits", "num-rounds=2", f"output-dir={tmp_path}", "run-name=p"]) == 0
-    assert "step 2/2 [####################] 20 updates accepted · test accuracy" in stream.getvalue()
+    small = ["dataset=synthetic", "num-clients=4", "clients-per-round=4", "local-epochs=1", f"output-dir={tmp_path}"]
+    assert main(["run", "fedavg-digits", "num-rounds=2", *small, "run-name=p"]) == 0
+    assert "step 2/2 [####################] 8 updates accepted · test accuracy" in stream.getvalue()
     assert logging.getLogger("flwr").level == level  # restored
     out = io.StringIO()
     monkeypatch.setattr(sys, "stderr", out)
-    assert main(["run", "fedavg-digits", "num-rounds=1", f"output-dir={tmp_path}", "run-name=q"]) == 0
+    assert main(["run", "fedavg-digits", "num-rounds=1", *small, "run-name=q"]) == 0
     assert "updates accepted ·" not in out.getvalue()  # not a terminal: the log lines are the plain form

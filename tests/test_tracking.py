@@ -14,7 +14,8 @@ from scripts import sweep as sweeps
 from server_app.config import load_config
 from server_app.inprocess import run_inprocess
 
-SHORT = {"num-rounds": 2, "eval-every": 1}
+SHORT = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 4, "local-epochs": 1, "batch-size": 16,
+         "num-rounds": 2, "eval-every": 1}
 
 
 def _rows(out: Path) -> list[dict]:
@@ -24,7 +25,7 @@ def _rows(out: Path) -> list[dict]:
 def test_tensorboard_holds_every_steps_metrics_and_the_merging_weights_as_an_image(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = run_inprocess({"preset": "fedmerge-digits", **SHORT, "tracking": "tensorboard",
+    out = run_inprocess({"preset": "fedmerge-digits", **SHORT, "num-clusters": 2, "tracking": "tensorboard",
                          "output-dir": str(tmp_path), "run-name": "tb"})
     events = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0, "scalars": 0})
     events.Reload()
@@ -35,7 +36,7 @@ def test_tensorboard_holds_every_steps_metrics_and_the_merging_weights_as_an_ima
     assert [e.value for e in events.Scalars("accepted")] == [r["accepted"] for r in rows]
     assert [e.step for e in events.Scalars("personal-accuracy")] == [0, 1, 2]
     weights = events.Images("merge-weights")  # one image per personalised evaluation: clients x global models
-    assert [e.step for e in weights] == [0, 1, 2] and weights[-1].height == 10
+    assert [e.step for e in weights] == [0, 1, 2] and weights[-1].height == 4
 
 
 def test_mlflow_holds_params_metrics_and_artifacts_and_a_resumed_run_goes_on_in_it(tmp_path):
