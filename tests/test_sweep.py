@@ -99,7 +99,7 @@ def test_a_sweep_killed_mid_run_resumes_then_reports_its_choice(tmp_path: Path, 
     proc = subprocess.Popen([sys.executable, "-m", "scripts.cli", "sweep", str(spec)], env=env, cwd=tmp_path,
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:  # kill it once the first run is recorded and the second has checkpointed past its first step
-        second = folders / "fedavg-digits_s1_lr=0.05" / "metrics.jsonl"
+        second = folders / "fedavg-digits_s0_lr=0.1" / "metrics.jsonl"  # seed by seed: s0 lr 0.1 runs second
         deadline = time.monotonic() + 600
         while not (len(_lines(results)) == 1 and len(_lines(second)) >= 3) and time.monotonic() < deadline:
             assert proc.poll() is None, "the sweep ended before it could be interrupted"
