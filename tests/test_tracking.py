@@ -39,8 +39,17 @@ def test_tensorboard_holds_every_steps_metrics_and_the_merging_weights_as_an_ima
     assert [e.step for e in weights] == [0, 1, 2] and weights[-1].height == 4
 
 
-def test_mlflow_holds_params_metrics_and_artifacts_and_a_resumed_run_goes_on_in_it(tmp_path):
+@pytest.fixture
+def mlflow_reader(monkeypatch):
+    """MLflow's client in this process reads the local file store (mlflow ≥ 3 asks to opt in, as the runs do)."""
     import mlflow
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    return mlflow
+
+
+def test_mlflow_holds_params_metrics_and_artifacts_and_a_resumed_run_goes_on_in_it(tmp_path, mlflow_reader):
+    mlflow = mlflow_reader
 
     overrides = {"preset": "fedavg-digits", **SHORT, "tracking": "mlflow", "checkpoint-every": 1,
                  "output-dir": str(tmp_path), "run-name": "ml"}
@@ -64,8 +73,9 @@ def test_mlflow_holds_params_metrics_and_artifacts_and_a_resumed_run_goes_on_in_
     assert len(client.search_runs([run.info.experiment_id])) == 1
 
 
-def test_a_tracked_sweep_is_one_experiment_with_one_run_per_job_and_keeps_its_digests(tmp_path, monkeypatch):
-    import mlflow
+def test_a_tracked_sweep_is_one_experiment_with_one_run_per_job_and_keeps_its_digests(tmp_path, monkeypatch,
+                                                                                       mlflow_reader):
+    mlflow = mlflow_reader
 
     monkeypatch.chdir(tmp_path)
     spec = {"runs": [{"presets": "fedavg-digits", "grid": {"lr": [0.05, 0.1]}}],
