@@ -34,8 +34,8 @@ accuracy on its ``validation-size`` samples. Test scores are reported, never use
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
-import importlib
 import itertools
 import json
 import math
@@ -50,8 +50,10 @@ from typing import Any
 import yaml
 
 from common.errors import ConfigError
+from common.user_code import resolve
 
 Job = tuple[str, dict[str, Any]]
+IMPORTABLE = "`module:function`, importable from here"  # what a spec's `record` and `table` name
 Results = dict[str, dict[str, Any]]
 SELECT_RULES = ("one-se", "best", "none")
 
@@ -168,12 +170,6 @@ def hardware() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def resolve(path: str) -> Callable[..., Any]:
-    """The function a spec names by ``module:function``."""
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def record(key: str, overrides: dict[str, Any], metric: str, val_metric: str, extra: str | None = None
            ) -> dict[str, Any]:
     """Run one job in this worker process and return its result line: the digest, the metric on test and
@@ -185,7 +181,7 @@ def record(key: str, overrides: dict[str, Any], metric: str, val_metric: str, ex
               "curve": [[r["round"], r["test-accuracy"]] for r in rows if "test-accuracy" in r],
               "val-curve": [[r["round"], r["val-accuracy"]] for r in rows if "val-accuracy" in r],
               "folder": str(out)}
-    return {**result, **(resolve(extra)(out, summary, rows) if extra else {})}
+    return {**result, **(resolve("record", extra, IMPORTABLE)(out, summary, rows) if extra else {})}
 
 
 Progress = Callable[..., None]  # (text, runs done, runs to do): scripts.progress.SweepProgress
@@ -278,14 +274,7 @@ class Sweep:
 
     def worker(self) -> Callable[..., dict[str, Any]]:
         """What a worker process runs for one job (picklable)."""
-        import functools
-
-        return functools.partial(_record_job, metric=self.metric, val_metric=self.val_metric, extra=self.record)
-
-
-def _record_job(key: str, overrides: dict[str, Any], *, metric: str, val_metric: str,
-                extra: str | None) -> dict[str, Any]:
-    return record(key, overrides, metric, val_metric, extra)
+        return functools.partial(record, metric=self.metric, val_metric=self.val_metric, extra=self.record)
 
 
 SPEC_KEYS = ("runs", "overrides", "metric", "val-metric", "select", "validation-samples", "results", "report",
@@ -358,8 +347,8 @@ def parse(raw: Any, name: str) -> Sweep:
         if key in raw and not isinstance(raw[key], str):
             raise ConfigError(key, raw[key], "a string")
     for key in ("record", "table"):
-        if key in raw and not _importable(raw[key]):
-            raise ConfigError(key, raw[key], "`module:function`, importable from here")
+        if key in raw:
+            resolve(key, raw[key], IMPORTABLE)
     samples = raw.get("validation-samples", 0)
     if type(samples) is not int or samples < 0:
         raise ConfigError("validation-samples", samples, "an integer ≥ 0")
@@ -377,14 +366,6 @@ def parse(raw: Any, name: str) -> Sweep:
         except ConfigError as err:
             raise ConfigError(err.key, err.value, err.allowed, f"sweep {name}, job {key}: {err}") from err
     return sweep
-
-
-def _importable(path: str) -> bool:
-    module, _, name = path.partition(":")
-    try:
-        return bool(name) and callable(getattr(importlib.import_module(module), name, None))
-    except ImportError:
-        return False
 
 
 def load(path: str | Path) -> Sweep:
@@ -471,10 +452,11 @@ def choose(group: Sequence[Candidate], rule: str, validation_samples: int = 0) -
     return next(c for c in group if c.val() >= threshold)
 
 
-def choices(sweep: Sweep, results: Results) -> dict[str, Candidate | None]:
-    """Per preset, the chosen candidate (None where the rule has nothing to choose from yet)."""
+def choices(sweep: Sweep, results: Results, found: list[Candidate] | None = None) -> dict[str, Candidate | None]:
+    """Per preset, the chosen candidate (None where the rule has nothing to choose from yet); `found`: the
+    sweep's :func:`candidates`, when already at hand."""
     by_preset: dict[str, list[Candidate]] = {}
-    for c in candidates(sweep, results):
+    for c in candidates(sweep, results) if found is None else found:
         by_preset.setdefault(c.preset, []).append(c)
     return {p: choose(group, group[0].rule, sweep.validation_samples) for p, group in by_preset.items()}
 
@@ -482,12 +464,13 @@ def choices(sweep: Sweep, results: Results) -> dict[str, Candidate | None]:
 def table(results: Results, sweep: Sweep) -> str:
     """The generic report: one row per preset and grid point, validation and test mean ± std over its seeds,
     seconds per run; * marks each preset's choice by the spec's rule."""
-    chosen = choices(sweep, results)
-    rules = sorted({c.rule for c in candidates(sweep, results)})
+    found = candidates(sweep, results)
+    chosen = choices(sweep, results, found)
+    rules = sorted({c.rule for c in found})
     lines = [f"Sweep {sweep.name}: {sweep.metric}; chosen on validation (*) by {' or '.join(rules)}", "",
              "| preset | candidate | runs | val % | test % | s per run |", "|---|---|---:|---|---|---:|"]
     last = None
-    for c in candidates(sweep, results):
+    for c in found:
         mark = " *" if chosen.get(c.preset) == c else ""
         vals = [r["val"] for r in c.runs if r.get("val") is not None]
         cells = [mean_std(vals) if vals else "—", mean_std([r["test"] for r in c.runs]) if c.runs else "—",
@@ -526,7 +509,7 @@ def report(sweep: Sweep, results: Results | None = None) -> str:
     results = load_results(sweep.results) if results is None else results
     sweep.report.parent.mkdir(parents=True, exist_ok=True)
     if sweep.table:
-        text = resolve(sweep.table)(results, sweep)
+        text = resolve("table", sweep.table, IMPORTABLE)(results, sweep)
     else:
         text = table(results, sweep)
         plot(results, sweep, sweep.report.with_suffix(".png"))

@@ -167,8 +167,8 @@ def watching(watcher: Watcher) -> Iterator[None]:
 
 
 def open_tracker(cfg: Any, out: Path) -> Tracker:
-    """The run's tracker (`cfg` is the run's configuration), with whatever is watching this process's runs."""
-    check_tracking(cfg)
+    """The run's tracker (`cfg`: the run's configuration, its backend checked by ``load_config``), with whatever
+    is watching this process's runs."""
     trackers = [watcher(cfg, out) for watcher in _WATCHERS]
     if cfg.tracking == "tensorboard":
         trackers.append(TensorBoard(out))
