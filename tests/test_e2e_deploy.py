@@ -62,7 +62,8 @@ def test_local_deployment_with_tls_and_auth_runs_refuses_intruders_and_stops_its
     assert code != 0 and "Failed to activate SuperNode" in log
     assert "No SuperNode found with the given public key" in (run_path / "flower-logs" / "superlink.log").read_text()
     code, log = refused["plain-http"]
-    assert code != 0 and "Server disconnected without sending a response" in log
+    # The reason line varies with timing (a closed or a reset connection); Flower's exit code 305 does not.
+    assert code != 0 and "Exit Code: 305" in log and "could not establish a connection to the SuperLink" in log
     # One ClientApp process per message: each logs where its time went, and each node's partition was built
     # once for the run and kept in its cache-dir (client_app/node_cache.py).
     for i in range(2):
