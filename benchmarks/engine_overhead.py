@@ -1,6 +1,6 @@
 """Engine overhead: the same federated job through the in-process engine and as a bare PyTorch loop.
 
-    python -m benchmarks.engine_overhead [--rounds 10] [--repeats 3] [--flwr-run]
+    python -m benchmarks.engine_overhead [--rounds 10] [--repeats 3] [--threads 1] [--flwr-run]
 
 The job is a preset (default ``fedavg-digits``: 10 clients, Dirichlet 0.5, 2 local epochs, batch 32,
 SGD) for ``--rounds`` rounds. It runs, in this one process:
@@ -17,10 +17,12 @@ SGD) for ``--rounds`` rounds. It runs, in this one process:
 
 Each path is warmed up once untimed, then timed ``--repeats`` times (wall clock, perf_counter) in
 alternating order (engine, bare, bare, engine, ...). It prints the median of each, the ratio
-engine/bare (goal: <= 1.10), and checks that both paths end with bitwise the same global model
-and the same evaluations. ``--flwr-run`` also runs the job through ``flwr run`` on a simulation
-SuperLink (``scripts.simulate``, temporary FLWR_HOME) and prints its total wall time (SuperLink,
-Ray, FAB install included) and the ServerApp's own ``wall-seconds`` from its summary.json.
+engine/bare (goal: <= 1.10), the median of the paired ratios (repeat i's engine over repeat i's bare,
+CPU time: neighbours in time share the machine's state, so drift between invocations cancels), and
+checks that both paths end with bitwise the same global model and the same evaluations.
+``--flwr-run`` also runs the job through ``flwr run`` on a simulation SuperLink (``scripts.simulate``,
+temporary FLWR_HOME) and prints its total wall time (SuperLink, Ray, FAB install included) and the
+ServerApp's own ``wall-seconds`` from its summary.json.
 Exits 1 if the engine and bare runs disagree (the comparison would not be like with like).
 """
 
@@ -178,11 +180,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10, help="server rounds (default: 10)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each path (default: 3)")
     parser.add_argument("--flwr-run", action="store_true", help="also time the job through `flwr run` (~30 s)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: one core runs the job, the other absorbs the machine's noise)")
     parser.add_argument("--verbose", action="store_true", help="keep Flower's INFO logs of the engine runs")
     args = parser.parse_args(argv)
     if not args.verbose:
         logging.getLogger("flwr").setLevel(logging.WARNING)
 
+    torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="engine-overhead-"))
     base = {"preset": args.preset, "num-rounds": args.rounds, "output-dir": str(tmp)}
     cfg = load_config(base)
@@ -216,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio engine/bare: {wall['engine'] / wall['bare']:.3f} (medians; goal <= 1.10), "
           f"{best['engine'] / best['bare']:.3f} (minima), {cpu['engine'] / cpu['bare']:.3f} (CPU medians); "
           f"{args.repeats} repeats, load average now {os.getloadavg()[0]:.2f}")
+    paired = sorted(e.cpu / b.cpu for e, b in zip(runs["engine"], runs["bare"], strict=True))
+    quartiles = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
+    print(f"paired ratio engine/bare (CPU, repeat by repeat): median {statistics.median(paired):.3f}, "
+          f"quartiles {quartiles[0]:.3f}-{quartiles[2]:.3f}, range {paired[0]:.3f}-{paired[-1]:.3f}")
 
     diffs = same(reference["engine"], reference["bare"])
     e = reference["engine"]
