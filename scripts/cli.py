@@ -213,7 +213,11 @@ def sweep(spec: SweepSpec,
     from scripts import sweep as sweeps
     from scripts.progress import Line, SweepProgress
 
-    _echo_or_exit_2(lambda: sweeps.run(sweeps.load(spec), jobs, progress=SweepProgress(Line(sys.stdout))))
+    try:
+        _echo_or_exit_2(lambda: sweeps.run(sweeps.load(spec), jobs, progress=SweepProgress(Line(sys.stdout))))
+    except sweeps.RunsFailed as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
 
 
 @app.command()

@@ -195,8 +195,9 @@ def run_all(jobs: Iterable[Job], path: Path, workers: int, one: Callable[..., di
             progress: Progress = plain) -> Results:
     """Run the jobs without a current result in `path` (`workers` processes), appending each result as it
     finishes; ``one(key, overrides)`` runs a job in a worker (a module-level function, or a partial of one);
-    ``progress(text, done, total)`` hears of each. Returns every result in `path` at the end, those another process
-    appended meanwhile included."""
+    ``progress(text, done, total)`` hears of each. A run that raises is reported and the others go on (their
+    results are kept); then :class:`RunsFailed` names each failed run and its error. Returns every result in `path`
+    at the end, those another process appended meanwhile included."""
     done = load_results(path)
     todo = pending(list(dict(jobs).items()), done)  # a job listed twice runs once
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -206,13 +207,32 @@ def run_all(jobs: Iterable[Job], path: Path, workers: int, one: Callable[..., di
     # spawned, not forked: a worker that trains on a GPU needs its own CUDA context
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {pool.submit(one, k, o): k for k, o in todo}
+        failed: dict[str, str] = {}
         for n, fut in enumerate(as_completed(futures), 1):
-            result = fut.result()
+            try:
+                result = fut.result()
+            except Exception as err:  # noqa: BLE001 - one run's failure is reported; the other runs go on
+                failed[futures[fut]] = f"{type(err).__name__}: {err}"
+                progress(f"[{n}/{len(todo)}] {futures[fut]}: FAILED, {failed[futures[fut]]}", n, len(todo))
+                continue
             append(path, result)
             val = f"{result['val']:.4f}" if result.get("val") is not None else "—"
             progress(f"[{n}/{len(todo)}] {result['key']}: test {result['test']:.4f} val {val} "
                      f"({result['seconds']:.0f} s)", n, len(todo))
+    if failed:
+        raise RunsFailed(failed, path)
     return load_results(path)
+
+
+class RunsFailed(RuntimeError):
+    """Runs of a sweep that raised: ``failed`` maps each run's name to its error; the others' results are in the
+    results file, and running the sweep again retries only what has no result."""
+
+    def __init__(self, failed: Mapping[str, str], path: Path) -> None:
+        self.failed = dict(failed)
+        lines = "\n".join(f"  {key}: {error}" for key, error in self.failed.items())
+        super().__init__(f"{len(self.failed)} run(s) failed (the other results are in {path}; run the sweep "
+                         f"again to retry them):\n{lines}")
 
 
 # -- the spec --------------------------------------------------------------------------------------------------------
@@ -518,5 +538,11 @@ def report(sweep: Sweep, results: Results | None = None) -> str:
 
 
 def run(sweep: Sweep, workers: int = 1, progress: Progress = plain) -> str:
-    """Run the sweep's jobs that have no current result (`workers` in parallel), then :func:`report`."""
-    return report(sweep, run_all(sweep.jobs(), sweep.results, workers, sweep.worker(), progress))
+    """Run the sweep's jobs that have no current result (`workers` in parallel), then :func:`report` (also when
+    some failed: then :class:`RunsFailed` follows)."""
+    try:
+        results = run_all(sweep.jobs(), sweep.results, workers, sweep.worker(), progress)
+    except RunsFailed:
+        report(sweep)
+        raise
+    return report(sweep, results)

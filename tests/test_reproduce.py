@@ -155,6 +155,25 @@ def test_run_all_returns_the_results_another_process_appended_while_it_ran(tmp_p
     assert got["other-lane"]["test"] == 0.5
 
 
+def _fails_on_odd(key, overrides):
+    if overrides["n"] % 2:
+        raise RuntimeError(f"Expected all tensors to be on the same device ({key})")
+    return {"key": key, "test": 0.5 + overrides["n"] / 10, "val": None, "seconds": 1.0}
+
+
+def test_a_run_that_raises_is_named_and_the_other_runs_results_are_kept(tmp_path):
+    """One failing run (a device error on a GPU, a missing dataset) must not lose the runs beside it."""
+    path = tmp_path / "runs.jsonl"
+    heard: list[str] = []
+    jobs = [(f"run{n}", {"n": n}) for n in range(4)]
+    with pytest.raises(S.RunsFailed) as failed:
+        S.run_all(jobs, path, 2, _fails_on_odd, progress=lambda text, *_: heard.append(text))
+    assert sorted(failed.value.failed) == ["run1", "run3"]
+    assert "RuntimeError: Expected all tensors to be on the same device (run1)" in str(failed.value)
+    assert sorted(S.load_results(path)) == ["run0", "run2"]  # the others ran to the end and were kept
+    assert sum("FAILED" in text for text in heard) == 2
+
+
 def test_select_takes_the_first_candidate_within_one_standard_error_of_the_best_validation_score():
     """The one-standard-error rule on seed 100's validation split (1000 samples: SE ≈ 1.3 points at 80 %):
     the simplest candidate within it wins over a better but costlier one; test scores never matter; nothing is
