@@ -272,7 +272,8 @@ class Feddle(Strategy):
         if self.theta is None or self.theta.out_features < classes:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(self.seed)
-                self.theta = nn.Linear(feats.shape[1], classes).to(x.device)
+                self.theta = nn.Linear(feats.shape[1], classes)
+        self.theta.to(x.device)  # in place; a head restored from a checkpoint comes back on the CPU
         self.theta.requires_grad_(True)
         run_epochs(torch.optim.Adam(self.theta.parameters(), lr=self.config.head_lr), len(y),
                    self.config.search_batch_size, self.config.head_epochs, seed,
