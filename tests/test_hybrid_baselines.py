@@ -126,7 +126,11 @@ def test_train_on_server_returns_cpu_params_and_is_deterministic():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_train_on_server_on_cuda_matches_cpu_closely():
+def test_train_on_server_on_cuda_matches_cpu_closely(monkeypatch):
+    # cuDNN's convolutions default to TF32 (10-bit mantissa) on Ampere and later: on an H200 that alone put 12 % of
+    # the weights more than 1e-4 apart after these 10 SGD steps. The comparison is of the code path, in fp32.
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     model, spec, server, _ = setup()
     flat = spec.flatten(model)
     cpu, _ = train_on_server(copy.deepcopy(model), spec, flat, server, RECIPE, 11)
