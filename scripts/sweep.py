@@ -212,8 +212,9 @@ def run_all(jobs: Iterable[Job], path: Path, workers: int, one: Callable[..., di
             try:
                 result = fut.result()
             except Exception as err:  # noqa: BLE001 - one run's failure is reported; the other runs go on
-                failed[futures[fut]] = f"{type(err).__name__}: {err}"
-                progress(f"[{n}/{len(todo)}] {futures[fut]}: FAILED, {failed[futures[fut]]}", n, len(todo))
+                key = futures[fut]
+                failed[key] = f"{type(err).__name__}: {err}"
+                progress(f"[{n}/{len(todo)}] {key}: FAILED, {failed[key]}", n, len(todo))
                 continue
             append(path, result)
             val = f"{result['val']:.4f}" if result.get("val") is not None else "—"

@@ -133,6 +133,18 @@ def test_a_sweep_killed_mid_run_resumes_then_reports_its_choice(tmp_path: Path, 
     assert capsys.readouterr().out.strip() == report.strip()
 
 
+def _no_device(key, overrides):
+    raise RuntimeError("device 'cuda' asked for, but torch sees no CUDA device")
+
+
+def test_the_cli_exits_1_naming_each_failed_run_after_writing_the_report(tmp_path: Path, capsys, monkeypatch):
+    monkeypatch.setattr(sweeps.Sweep, "worker", lambda self: _no_device)
+    assert main(["sweep", str(_spec(tmp_path, SPEC))]) == 1
+    err = capsys.readouterr().err
+    assert "4 run(s) failed" in err and "fedavg-digits/s1/lr=0.1: RuntimeError: device 'cuda' asked for" in err
+    assert (tmp_path / "out" / "runs.md").is_file() and not (tmp_path / "out" / "runs.jsonl").exists()
+
+
 def test_the_cli_refuses_a_bad_spec_with_exit_2(tmp_path: Path, capsys):
     assert main(["sweep", str(_spec(tmp_path, {**SPEC, "select": "median"}))]) == 2
     assert "'select' = 'median'" in capsys.readouterr().err
