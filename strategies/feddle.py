@@ -69,9 +69,9 @@ class FeddleConfig(FedBuffConfig):
                                          "merged model on the (in-domain) server data at server-train-lr, with the "
                                          "clients' optimizer and batch size; 0 = off (not in the papers)")
     server_train_lr: float = SERVER_TRAIN_LR.field()
-    step_length: str = option("searched", OneOf(("searched", "fallback")), "`fallback`: the found ĉ rescaled so that "
-                              "Σĉ = Σc′, the length of FedBuff's step, keeping the search's direction (not in the "
-                              "papers; c′ itself where Σĉ ≤ 0)")
+    step_length: str = option("searched", OneOf(("searched", "fallback")), "`fallback`: the found step Σĉ_m ā_m "
+                              "rescaled to the ℓ2 length of FedBuff's Σc′_m ā_m, keeping the search's direction "
+                              "(not in the papers; c′ itself where the found step is 0)")
     search_every: str = option("buffer", OneOf(("buffer", "step")), "when to search: `buffer` = when FedBuff "
                                "would step (buffer-size arrivals; c′ = its step), `step` = at the end of every "
                                "server step with a new update (c′ = FedBuff's weights over that step's arrivals)")
@@ -191,8 +191,9 @@ class Feddle(Strategy):
                 raise RuntimeError("Feddle needs the model (initialize(..., model)) to search on server data")
             c, stats = self.search(bar, c, c_prime, server)
         if self.config.step_length == "fallback":
-            total = float(c.sum())
-            c = c * (float(c_prime.sum()) / total) if total > 0 else c_prime.clone()
+            # ‖·‖ of the steps in weight space: a ratio of Σĉ to Σc′ explodes where the signs of ĉ cancel.
+            found = float((c @ bar).norm())
+            c = c * (float((c_prime @ bar).norm()) / found) if found > 0 else c_prime.clone()
         self.params = self.params + c @ bar  # Eq. 7
         if self.config.server_finetune_epochs:
             stats.update(self.finetune(server))

@@ -253,8 +253,9 @@ def test_fine_tuning_refuses_out_of_domain_server_data_at_start():
 
 
 def test_step_length_fallback_keeps_the_searched_direction_at_fedbuffs_length():
-    """step-length = fallback: ĉ rescaled so that Σĉ = Σc′; the direction is the search's (a multiple of the
-    searched ĉ); with Σĉ ≤ 0 the step is c′ itself."""
+    """step-length = fallback: the found step ĉ·ā rescaled to the ℓ2 length of FedBuff's c′·ā, in the search's
+    direction, also where ĉ's signs cancel (Σĉ ≈ 0, which a rescaling of Σĉ to Σc′ blows up); a zero step
+    gives c′ itself."""
     model, spec, anchors, x, y = cnn_setup()
     keys = {"server_epochs": 2, "search_batch_size": 20, "search_lr": 0.05, "server_lr": 0.3}
     searched = feddle_with(model, spec, anchors, **keys)
@@ -263,12 +264,17 @@ def test_step_length_fallback_keeps_the_searched_direction_at_fedbuffs_length():
     rescaled = feddle_with(model, spec, anchors, **keys, step_length="fallback")
     rescaled.step(server(x, y))
     bar, norms = median_normalize(torch.stack(anchors))
-    c_prime = feddle_with(model, spec, anchors, **keys).fallback(norms)  # before a step empties the buffer
-    c_hat = torch.linalg.lstsq(bar.T, searched.params - start).solution
-    c_new = torch.linalg.lstsq(bar.T, rescaled.params - start).solution
-    torch.testing.assert_close(c_new.sum(), c_prime.sum(), rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(c_new, c_hat * (c_prime.sum() / c_hat.sum()), rtol=1e-3, atol=1e-6)
-    negative = feddle_with(model, spec, anchors, **keys, step_length="fallback")
-    negative.search = lambda bar, c, c_prime, srv: (-c_prime.abs() - 1, {})
-    negative.step(server(x, y))
-    torch.testing.assert_close(negative.params, start + c_prime @ bar, rtol=1e-5, atol=1e-7)
+    fedbuff = feddle_with(model, spec, anchors, **keys).fallback(norms) @ bar  # before a step empties the buffer
+    found, new = searched.params - start, rescaled.params - start
+    torch.testing.assert_close(new.norm(), fedbuff.norm(), rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(new, found * (fedbuff.norm() / found.norm()), rtol=1e-4, atol=1e-7)
+    assert not torch.allclose(found.norm(), fedbuff.norm(), rtol=1e-2)  # the rescaling did something
+    cancelling = feddle_with(model, spec, anchors, **keys, step_length="fallback")
+    c_hat = torch.tensor([5.0, -5.0, 1e-6])  # Σĉ ≈ 0, a large step
+    cancelling.search = lambda bar, c, c_prime, srv: (c_hat, {})
+    cancelling.step(server(x, y))
+    torch.testing.assert_close((cancelling.params - start).norm(), fedbuff.norm(), rtol=1e-4, atol=1e-7)
+    zero = feddle_with(model, spec, anchors, **keys, step_length="fallback")
+    zero.search = lambda bar, c, c_prime, srv: (torch.zeros_like(c), {})
+    zero.step(server(x, y))
+    torch.testing.assert_close(zero.params, start + fedbuff, rtol=1e-5, atol=1e-7)
