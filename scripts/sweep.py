@@ -175,9 +175,12 @@ def record(key: str, overrides: dict[str, Any], metric: str, val_metric: str, ex
     """Run one job in this worker process and return its result line: the digest, the metric on test and
     validation, the final test accuracy, cost, the accuracy curves, and what the spec's `record` function adds."""
     out, summary, rows = finished_run(overrides)
+    # the whole run's wall time over its resumes; this process's alone after a resume from an older checkpoint
+    seconds = summary.get("run-wall-seconds")
     result = {"key": key, "config": config_digest(overrides), "test": summary[metric],
               "val": summary.get(val_metric), "final": summary.get("final-test-accuracy"),
-              "seconds": summary["wall-seconds"], "accepted": summary["total-accepted"], "hardware": hardware(),
+              "seconds": summary["wall-seconds"] if seconds is None else seconds,
+              "accepted": summary["total-accepted"], "hardware": hardware(),
               "curve": [[r["round"], r["test-accuracy"]] for r in rows if "test-accuracy" in r],
               "val-curve": [[r["round"], r["val-accuracy"]] for r in rows if "val-accuracy" in r],
               "folder": str(out)}

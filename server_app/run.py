@@ -57,6 +57,13 @@ class Run:
     recorder: Recorder
     first_step: int = 1  # > 1 when resumed
     started: float = field(default_factory=time.perf_counter)  # for the log line's estimate of the time left
+    # wall seconds of the processes before this one (a resumed run); None where the checkpoint did not keep them
+    earlier_seconds: float | None = 0.0
+    t_start: float = field(default_factory=time.perf_counter)
+
+    def run_seconds(self) -> float | None:
+        """Wall seconds of the whole run so far, over every process that worked on it."""
+        return None if self.earlier_seconds is None else self.earlier_seconds + time.perf_counter() - self.t_start
 
     # -- every step, under either loop --------------------------------------------------------
     def evaluate(self, entry: StepLog) -> StepLog:
@@ -103,12 +110,13 @@ class Run:
             "step": step, "config": self.cfg.to_dict(),
             "layout": {"names": list(self.pspec.names), "shapes": [list(s) for s in self.pspec.shapes]},
             "strategy": self.strategy.state_dict(), "runner": self.runner.state_dict(),
-            "recorder": self.recorder.state_dict(), "torch-rng": torch.get_rng_state()})
+            "recorder": self.recorder.state_dict(), "torch-rng": torch.get_rng_state(),
+            "run-seconds": self.run_seconds()})
 
     # -- the run ------------------------------------------------------------------------------
     def execute(self) -> Path:
         """Train from `first_step` to ``num-rounds``, evaluate on the clients, write the outputs; return the folder."""
-        cfg, t_start = self.cfg, time.perf_counter()
+        cfg, self.t_start = self.cfg, time.perf_counter()
         log(INFO, "run %s: %s on %s (%d train / %d test), server data: %s, %d clients, %d rounds%s, %s clock (σ=%g), "
             "%s loop -> %s", self.out.name, cfg.strategy, cfg.dataset, len(self.splits.train), len(self.splits.test),
             describe(self.server_data), cfg.num_clients, cfg.num_rounds,
@@ -139,7 +147,8 @@ class Run:
             "final-version": self.strategy.version, "client-eval": client_eval,
             "server-data": describe(self.server_data), "resumed-after-step": self.first_step - 1,
             "reply-to-dispatch-s": self.runner.latency_summary(),
-            "wall-seconds": time.perf_counter() - t_start, "train-seconds": train_seconds}, models,
+            "wall-seconds": time.perf_counter() - self.t_start, "run-wall-seconds": self.run_seconds(),
+            "train-seconds": train_seconds}, models,
             type(self.strategy).figures)
         log(INFO, "run %s finished: final test accuracy %.4f (max of last 5 evals %.4f); outputs in %s", self.out.name,
             summary["final-test-accuracy"], summary["max-last-5-evals"], self.out)
@@ -174,13 +183,15 @@ def build_run(grid: Grid, cfg: RunConfig) -> Run:
     strategy.initialize(pspec.flatten(model), pspec, copy.deepcopy(model))
     runner = Runner(grid, strategy, client_config(cfg), part_of(RuntimeConfig, cfg), seed=cfg.seed,
                     server_data=server_data)
-    first_step = 1
+    first_step, earlier = 1, 0.0
     if resumed is not None:
         check_layout(out, resumed, pspec.names, pspec.shapes)
         strategy.load_state_dict(resumed["strategy"])
         runner.load_state_dict(resumed["runner"])
         torch.set_rng_state(resumed["torch-rng"])
         first_step = int(resumed["step"]) + 1
+        earlier = resumed.get("run-seconds")
     recorder = Recorder(out, resumed["recorder"] if resumed is not None else None, open_tracker(cfg, out))
     runner.on_event = recorder.event
-    return Run(grid, cfg, out, splits, server_data, model, pspec, strategy, runner, recorder, first_step)
+    return Run(grid, cfg, out, splits, server_data, model, pspec, strategy, runner, recorder, first_step,
+               earlier_seconds=earlier)

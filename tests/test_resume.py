@@ -16,7 +16,7 @@ from helpers import Crash, crashing, digest, rows
 
 from common.config import ConfigError
 from scripts.flower import PROJECT_DIR
-from server_app.checkpoint import CHECKPOINT, read_checkpoint
+from server_app.checkpoint import CHECKPOINT, read_checkpoint, write_checkpoint
 from server_app.config import MAY_CHANGE_ON_RESUME, load_config
 from server_app.inprocess import run_inprocess
 
@@ -100,6 +100,23 @@ def test_a_run_under_flowers_loop_resumes_identically(tmp_path):
         run_inprocess(job(tmp_path, "killed", **flower), client_app=crashing(5, tmp_path / "killed"))
     resumed = run_inprocess({"resume": str(tmp_path / "killed")})
     assert digest(resumed / "model.pt") == digest(whole / "model.pt") and rows(resumed) == rows(whole)
+
+
+def test_a_resumed_runs_wall_time_counts_every_process_that_worked_on_it(tmp_path):
+    """summary.json's run-wall-seconds adds the checkpoint's time to the resumed process's wall-seconds; a
+    checkpoint written before the field existed gives null, not this process's time alone."""
+    for name in ("killed", "old"):
+        with pytest.raises(Crash):
+            run_inprocess(job(tmp_path, name), client_app=crashing(5, tmp_path / name))
+    before = read_checkpoint(tmp_path / "killed")["run-seconds"]
+    assert before > 0
+    summary = json.loads((run_inprocess({"resume": str(tmp_path / "killed")}) / "summary.json").read_text())
+    assert summary["run-wall-seconds"] >= before + summary["wall-seconds"]
+    old = read_checkpoint(tmp_path / "old")
+    del old["run-seconds"]
+    write_checkpoint(tmp_path / "old", old)
+    assert json.loads((run_inprocess({"resume": str(tmp_path / "old")}) / "summary.json").read_text())[
+        "run-wall-seconds"] is None
 
 
 def test_sigkill_of_the_serverapp_process_then_resume_is_byte_identical(tmp_path):
