@@ -21,12 +21,15 @@
    plain-HTTP SuperNode is refused. compose.gpu.yml is validated by ``docker compose config``.
 
 Where no engine can start here (not root, no overlay or cgroups), it says why and skips (exit 0), or fails with
---require (CI). Outputs: <workdir>/ (default outputs/compose-test/): the runs, each service's log, timings.json.
+--require (CI). Outputs: <workdir>/ (default outputs/compose-test/): the runs, each service's log, timings.json,
+and on success passed.json: the digest of the tracked tree it built and ran (tests/test_compose.py's native twin
+runs stand in for this test, and skip where it passed on this very tree).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.metadata
 import json
 import os
@@ -64,6 +67,8 @@ DOCKER = "/usr/bin/docker"  # the CLI of Debian's docker.io: the engine's versio
 DOCKERD_FLAGS = ["--bridge=none", "--iptables=false", "--ip6tables=false", "--ip-forward=false", "--ip-masq=false",
                  "--storage-driver=overlay2", "--exec-opt", "native.cgroupdriver=cgroupfs"]
 HOST_PORTS = (8000, 9094, 9095)  # the SuperLink's and the SuperNodes' ports, on the host's network
+WORKDIR = PROJECT_DIR / "outputs" / "compose-test"
+PASSED = "passed.json"
 TRIXIE = "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie main"
 
 
@@ -452,9 +457,35 @@ def ports_free() -> None:
                                    f"networking (ports {HOST_PORTS})")
 
 
+def tree_digest() -> str | None:
+    """A digest of every tracked file (path and bytes): what the images are built from and the services run;
+    None outside a git checkout."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=PROJECT_DIR, capture_output=True, check=False)
+    except OSError:  # no git
+        return None
+    if listed.returncode != 0:
+        return None
+    digest = hashlib.sha256()
+    for name in sorted(filter(None, listed.stdout.decode().split("\0"))):
+        path = PROJECT_DIR / name
+        digest.update(name.encode() + b"\0" + (path.read_bytes() if path.is_file() else b"") + b"\0")
+    return digest.hexdigest()
+
+
+def passed_here(workdir: Path = WORKDIR) -> bool:
+    """Whether this test passed on a real engine for the tracked tree as it is now."""
+    try:
+        tree = json.loads((workdir / PASSED).read_text())["tree"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return tree is not None and tree == tree_digest()
+
+
 def compose_test(workdir: Path, keep_engine: bool = False) -> dict[str, Any]:
-    """Everything above, in order; returns the timings (also written to <workdir>/timings.json)."""
-    start = time.monotonic()
+    """Everything above, in order; returns the timings (also written to <workdir>/timings.json) and, when every
+    check passed, writes <workdir>/passed.json with the digest of the tree it started from."""
+    start, tree = time.monotonic(), tree_digest()
     ensure_tools()
     ports_free()
     CACHE.mkdir(parents=True, exist_ok=True)
@@ -474,6 +505,7 @@ def compose_test(workdir: Path, keep_engine: bool = False) -> dict[str, Any]:
         gpu_config(engine, version)
         plain_deployment(engine, workdir, version, timings)
         tls_deployment(engine, workdir, version, timings)
+        (workdir / PASSED).write_text(json.dumps({"tree": tree}) + "\n")
     finally:
         if not keep_engine:
             engine.stop()
@@ -485,7 +517,7 @@ def compose_test(workdir: Path, keep_engine: bool = False) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--require", action="store_true", help="fail (exit 1) instead of skipping without an engine")
-    parser.add_argument("--workdir", type=Path, default=PROJECT_DIR / "outputs" / "compose-test")
+    parser.add_argument("--workdir", type=Path, default=WORKDIR)
     parser.add_argument("--keep-engine", action="store_true", help="leave dockerd running (debugging)")
     args = parser.parse_args(argv)
     try:

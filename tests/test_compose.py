@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scripts import flower
+from scripts import compose_engine, flower
 from scripts.compose import (
     COMPOSE_DIR,
     ComposeError,
@@ -35,6 +35,10 @@ from scripts.compose import (
 )
 from scripts.flower import PROJECT_DIR
 from server_app.inprocess import run_inprocess
+
+# The twin stands in for the real engine; CI runs `make compose-test` first, on the same files and code.
+TWIN = pytest.mark.skipif(compose_engine.passed_here(), reason="make compose-test passed on a real Docker engine "
+                          "for this very tree (outputs/compose-test/passed.json)")
 
 
 def test_the_compose_files_load_and_merge_as_compose_does() -> None:
@@ -190,6 +194,7 @@ def _summary(path: Path) -> dict:
 
 
 @pytest.mark.e2e
+@TWIN
 def test_the_compose_twin_runs_fedavg_through_a_superlink_restart_then_an_asynchronous_strategy(tmp_path: Path) -> None:
     """compose.yml natively. During the FedAvg run the SuperLink is killed after the first evaluated round and
     started again with the same command (its state in SQLite on the volume): the SuperNodes and the ServerApp
@@ -226,6 +231,7 @@ def test_the_compose_twin_runs_fedavg_through_a_superlink_restart_then_an_asynch
 
 
 @pytest.mark.e2e
+@TWIN
 def test_the_tls_compose_twin_admits_the_registered_supernodes(tmp_path: Path) -> None:
     """with-tls.yml natively, running the demo's job (Feddle-ID, shortened): the virtual clock's run, the same
     arrivals and versions as in-process."""
@@ -279,6 +285,14 @@ def test_the_engine_test_skips_where_no_engine_can_start_and_fails_so_under_requ
     assert "SKIPPED: no Docker engine can run here: not root" in capsys.readouterr().out
     assert compose_engine.main(["--workdir", str(tmp_path / "ct"), "--require"]) == 1
     assert not (tmp_path / "ct").exists()  # nothing was started or written
+
+
+def test_the_twin_stands_down_only_for_an_engine_pass_on_this_very_tree(tmp_path) -> None:
+    assert not compose_engine.passed_here(tmp_path)  # no passed.json
+    (tmp_path / compose_engine.PASSED).write_text(json.dumps({"tree": compose_engine.tree_digest()}))
+    assert compose_engine.passed_here(tmp_path)
+    (tmp_path / compose_engine.PASSED).write_text(json.dumps({"tree": "0" * 64}))  # another tree
+    assert not compose_engine.passed_here(tmp_path)
 
 
 def test_flower_processes_get_the_superexec_poll_unless_the_environment_sets_one(monkeypatch, tmp_path) -> None:
