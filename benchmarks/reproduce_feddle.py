@@ -49,6 +49,11 @@ METHODS: list[tuple[str, str, bool]] = [
     ("feddle-id", "Feddle-ID", True), ("fedavg", "FedAvg", False), ("fedasync", "FedAsync", False),
     ("fedbuff", "FedBuff", False), ("ca2fl", "CA2FL", False), ("feddf-ood", "FedDF-OOD", False),
     ("feddle-ood", "Feddle-OOD", False)]
+# Configurations chosen on validation that the papers do not have (issue 36; ‡ in the table): rows of the families
+# with presets for them
+VALIDATED: list[tuple[str, str, bool]] = [
+    ("feddle-ft-id", "Feddle-ID + Fed+FT's pass ‡", True),
+    ("feddle-step-ood", "Feddle-OOD at FedBuff's step length ‡", False)]
 SETTING_FREE = {"center"}  # no clients: the same number in every column, and no client updates
 PAPER = Path(__file__).resolve().parent / "sweeps" / "feddle.paper.yaml"
 CHECKPOINTS = (10, 20, 50, 100, 150, 200)  # steps at which the analysis tabulates the accuracy curves
@@ -61,6 +66,14 @@ SERIES_KEYS = ("loss-before", "loss-after", "c-negative", "c-mean", "server-trai
 def preset(family: str, method: str, setting: tuple[float, int]) -> str:
     alpha, sigma = setting
     return f"{family}/{method}-dir{alpha:g}-n{sigma:g}"
+
+
+def methods(family: str) -> list[tuple[str, str, bool]]:
+    """The family's rows: the papers' :data:`METHODS`, then those of :data:`VALIDATED` it has presets for."""
+    from server_app.config import preset_names
+
+    names = set(preset_names())
+    return METHODS + [m for m in VALIDATED if preset(family, m[0], MAIN) in names]
 
 
 def series(rows: Sequence[dict[str, Any]]) -> list[dict[str, float]]:
@@ -102,16 +115,18 @@ def table(results: Results, sweep: Sweep) -> str:
     head = " | ".join(f"Dir({a:g}),N({s})" for a, s in SETTINGS)
     lines = [f"| Method | ID | {head} | papers' FMNIST CNN ({', '.join(f'D({a:g}),N({s})' for a, s in SETTINGS)}) |",
              "|---|---|" + "---|" * len(SETTINGS) + "---|"]
-    for method, label, in_domain in METHODS:
+    rows = methods(family)
+    for method, label, in_domain in rows:
         ours = [cell(results, family, method, st) for st in SETTINGS]
+        theirs = "; ".join(paper.get(method, ["not in the papers"]))
         lines.append(f"| {label} | {'✓' if in_domain else '✗'} | "
-                     + " | ".join(mean_std(v) if v else "—" for v in ours) + f" | {'; '.join(paper[method])} |")
+                     + " | ".join(mean_std(v) if v else "—" for v in ours) + f" | {theirs} |")
     # How many client updates the protocol delivered: accepted updates per server step, over every run with
     # clients; the clients' schedule depends on the setting and seed, not on the method.
     delivered = []
     for st in SETTINGS:
         steps = load_config({"preset": preset(family, "fedbuff", st)}).num_rounds
-        per_step = [a / steps for method, _, _ in METHODS if method not in SETTING_FREE
+        per_step = [a / steps for method, _, _ in rows if method not in SETTING_FREE
                     for a in cell(results, family, method, st, "accepted")]
         delivered.append(f"{statistics.mean(per_step):.2f}" if per_step else "—")
     lines.append(f"| accepted updates per step (runs with clients) | | {' | '.join(delivered)} | papers: ~10 |")
@@ -140,7 +155,7 @@ def plot(results: Results, family: str, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     ood = load_config({"preset": preset(family, "feddle-ood", MAIN)}).server_dataset
     for ax, group in zip(axes, (True, False)):
-        curves = {label: cell(results, family, method, MAIN, "curve") for method, label, in_domain in METHODS
+        curves = {label: cell(results, family, method, MAIN, "curve") for method, label, in_domain in methods(family)
                   if in_domain == group or method == "fedavg"}
         draw_curves(ax, {k: v for k, v in curves.items() if v},
                     ("with ID server data" if group else f"without ID data (OOD: {ood})") + ", Dir(0.1), N(20)")
