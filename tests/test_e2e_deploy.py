@@ -98,6 +98,7 @@ def test_async_deployment_survives_a_slow_and_a_lost_supernode(tmp_path: Path) -
     timeout leaves the slow node room on a loaded 2-core machine, where 30 s timed all its updates out.)"""
     overrides = {"num-clients": 3, "clients-per-round": 3, "num-rounds": 5, "dataset": "digits",
                  "strategy": "fedasync", "clock": "wall", "concurrency": 3, "reply-timeout-s": 60.0,
+                 "local-epochs": 1, "cnn-width": 8,  # light work: the nodes' speeds differ by the 10 s alone
                  "output-dir": str(tmp_path / "out"), "run-name": "async"}
     killed_at: list[float] = []
 
