@@ -487,7 +487,8 @@ def choices(sweep: Sweep, results: Results, found: list[Candidate] | None = None
 
 def table(results: Results, sweep: Sweep) -> str:
     """The generic report: one row per preset and grid point, validation and test mean ± std over its seeds,
-    seconds per run; * marks each preset's choice by the spec's rule."""
+    seconds per run and where they ran (results of a CPU and of a GPU sit in one table); * marks each preset's
+    choice by the spec's rule."""
     found = candidates(sweep, results)
     chosen = choices(sweep, results, found)
     rules = sorted({c.rule for c in found})
@@ -497,8 +498,10 @@ def table(results: Results, sweep: Sweep) -> str:
     for c in found:
         mark = " *" if chosen.get(c.preset) == c else ""
         vals = [r["val"] for r in c.runs if r.get("val") is not None]
+        where = ", ".join(sorted({r["hardware"] for r in c.runs if r.get("hardware")}))
         cells = [mean_std(vals) if vals else "—", mean_std([r["test"] for r in c.runs]) if c.runs else "—",
-                 f"{statistics.fmean(r['seconds'] for r in c.runs):.0f}" if c.runs else "—"]
+                 f"{statistics.fmean(r['seconds'] for r in c.runs):.0f}" + (f" ({where})" if where else "")
+                 if c.runs else "—"]
         lines.append(f"| {c.preset if c.preset != last else ''} | {c.label}{mark} | {len(c.runs)}/{c.seeds} | "
                      + " | ".join(cells) + " |")
         last = c.preset

@@ -170,3 +170,14 @@ def test_the_reproduction_sweeps_regenerate_their_committed_tables_running_nothi
     results = sweeps.load_results(sweep.results)
     assert results and not [key for key, _ in sweeps.pending(sweep.jobs(), results) if key in results]  # no re-run
     assert sweeps.report(sweep) + "\n" == (root / "benchmarks" / "results" / table).read_text()
+
+
+def test_the_report_says_where_each_candidates_runs_ran():
+    """A results file may hold runs made here and on a lent GPU: their seconds are only comparable beside where."""
+    sweep = sweeps.parse(SPEC, "s")
+    (k1, _), (k2, _), (k3, _), (k4, _) = sweep.jobs()  # lr 0.05 / 0.1 at seed 0, then at seed 1
+    run = lambda key, where, s: {"key": key, "test": 0.8, "val": 0.8, "seconds": s, **where}
+    results = {k1: run(k1, {"hardware": "cpu"}, 100.0), k3: run(k3, {"hardware": "NVIDIA H200"}, 20.0),
+               k2: run(k2, {}, 30.0), k4: run(k4, {}, 50.0)}
+    rows = sweeps.table(results, sweep).splitlines()[4:]
+    assert [r.split("|")[-2].strip() for r in rows] == ["60 (NVIDIA H200, cpu)", "40"]
