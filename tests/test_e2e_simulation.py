@@ -41,22 +41,6 @@ def events(out) -> list[tuple]:
 
 
 @pytest.mark.e2e
-def test_flwr_run_simulation_completes_and_matches_in_process(tmp_path):
-    out = simulate.simulate({**JOB, "output-dir": str(tmp_path), "run-name": "sim"}, tmp_path / "flwr-home")
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["final-version"] == 2 and summary["total-accepted"] == 6 and summary["total-failures"] == 0
-    assert summary["client-eval"]["replies"] == 3
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
-    # The -c overrides reached the ServerApp (the run used 3 clients, not the preset's 10).
-    assert summary["config"]["num-clients"] == 3 and summary["config"]["dataset"] == "synthetic"
-    # Same job in-process: same partitions, seeds and aggregation order. Ray actors run torch with one
-    # thread, this process with more, so float sums may differ in the last bits; the runs agree closely.
-    ref = run_inprocess({**JOB, "output-dir": str(tmp_path), "run-name": "ref"})
-    a, b = torch.load(out / "model.pt"), torch.load(ref / "model.pt")
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-3
-
-
-@pytest.mark.e2e
 def test_fedmerge_under_flwr_run_sends_each_client_its_own_model(tmp_path):
     """Personalised evaluation under `flwr run`: every client's loss on its own test split matches the in-process
     run's, where tests/test_fedmerge.py checks each is its own merge softmax(A_i)·Θ; the merges differ."""
@@ -74,14 +58,23 @@ def test_fedmerge_under_flwr_run_sends_each_client_its_own_model(tmp_path):
 
 
 @pytest.mark.e2e
-def test_virtual_clock_events_are_the_same_under_flwr_run_and_in_process(tmp_path):
-    """The virtual clock decides the event sequence from the seed alone, whatever order Ray's workers
-    physically answer in."""
+def test_flwr_run_simulation_is_the_in_process_run_event_for_event(tmp_path):
+    """One `flwr run` of an asynchronous job: its -c overrides reach the ServerApp, and the virtual clock decides
+    the event sequence from the seed alone, whatever order Ray's workers physically answer in, so the run is the
+    in-process one: the same events, counts and client evaluation. Ray's actors run torch with one thread, this
+    process with more, so float sums may differ in the last bits; the models agree closely."""
     sim = simulate.simulate({**ASYNC_JOB, "output-dir": str(tmp_path), "run-name": "sim"}, tmp_path / "flwr-home")
     ref = run_inprocess({**ASYNC_JOB, "output-dir": str(tmp_path), "run-name": "ref"})
     assert events(sim) == events(ref)
     raw = [json.loads(line) for line in (ref / "events.jsonl").read_text().splitlines()]
     assert len(raw) >= 8 and any(e["staleness"] > 0 for e in raw)  # a real asynchronous sequence
+    got, want = (json.loads((out / "summary.json").read_text()) for out in (sim, ref))
+    assert got["config"]["num-clients"] == 4 and got["config"]["dataset"] == "synthetic"  # not the preset's
+    count = lambda s: (s["final-version"], s["total-accepted"], s["total-failures"], s["client-eval"]["replies"])
+    assert count(got) == count(want) and got["total-failures"] == 0 and got["client-eval"]["replies"] == 4
+    assert len(rows(sim)) == len(rows(ref)) == ASYNC_JOB["num-rounds"] + 1
+    a, b = torch.load(sim / "model.pt"), torch.load(ref / "model.pt")
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-3
 
 
 @pytest.mark.e2e
