@@ -20,6 +20,7 @@ from client_app.app import app as client_app
 from common.config import ConfigError, specs_of
 from common.datasets import ArrayDataset
 from common.server_data import ServerData
+from scripts.sweep import config_digest
 from server_app.config import load_config
 from server_app.inprocess import InProcessGrid, run_inprocess
 from server_app.run import Run, build_run
@@ -50,9 +51,24 @@ def config(name: str, **kw: Any) -> dict[str, Any]:
     return {**BASE, **{k: v for k, v in METHOD_KEYS.items() if k in own}, "strategy": name, **kw}
 
 
-def run(tmp_path: Path, name: str, run_name: str, client_app: ClientApp | None = None, **kw: Any) -> Path:
-    return run_inprocess(config(name, **{"output-dir": str(tmp_path), "run-name": run_name, **kw}),
-                         client_app=client_app)
+# Finished runs of the stock ClientApp by configuration (its digest: output folder aside, defaults dropped): the
+# battery's tests that need the very same run (an uninterrupted run, the runtime's and Flower's loop at the central
+# split's default size) share one
+_FINISHED: dict[str, Path] = {}
+
+
+def run(tmp_path: Path, name: str, run_name: str, client_app: ClientApp | None = None, fresh: bool = False,
+        **kw: Any) -> Path:
+    """The battery's run of `name` (made in `tmp_path`, or one made earlier with the same configuration unless
+    `fresh`: a test that compares two runs of one configuration needs both made)."""
+    cfg = config(name, **{"output-dir": str(tmp_path), "run-name": run_name, **kw})
+    key = None if client_app is not None else config_digest(cfg)
+    if key in _FINISHED and not fresh:
+        return _FINISHED[key]
+    out = run_inprocess(cfg, client_app=client_app)
+    if key is not None:
+        _FINISHED.setdefault(key, out)
+    return out
 
 
 def same(a: Any, b: Any) -> bool:
@@ -157,7 +173,8 @@ def test_bad_replies_are_rejected_counted_and_the_run_goes_on(tmp_path, name, ex
 
 @pytest.mark.parametrize("name,extra", CASES, ids=IDS)
 def test_the_seed_fixes_the_run(tmp_path, name, extra):
-    a, b, c = (run(tmp_path, name, n, **ASYNC, **extra, seed=s) for n, s in (("a", 3), ("b", 3), ("c", 4)))
+    a, b, c = (run(tmp_path, name, n, fresh=n == "b", **ASYNC, **extra, seed=s)
+               for n, s in (("a", 0), ("b", 0), ("c", 4)))
     assert digest(a / "model.pt") == digest(b / "model.pt") != digest(c / "model.pt")
     assert rows(a) == rows(b) and rows(a, "events.jsonl") == rows(b, "events.jsonl")
 
