@@ -23,6 +23,17 @@ def rows(out: Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]:
     return [{k: v for k, v in json.loads(line).items() if not drop(k)} for line in lines]
 
 
+# Ditto on two nodes for two rounds, evaluated at the start and the end: the personal accuracies at the end come
+# from a model the node kept from round 1 and trained on in round 2, so a node state lost between rounds changes
+# them (the Flower runtimes' runs compare them with the in-process run's)
+DITTO_TWO_NODES = {"preset": "ditto-digits", "num-clients": 2, "clients-per-round": 2, "num-clusters": 2,
+                   "num-rounds": 2, "eval-every": 2}
+
+
+def personal_accuracies(out: Path) -> list[float]:
+    return [r["personal-accuracy"] for r in rows(out) if "personal-accuracy" in r]
+
+
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 

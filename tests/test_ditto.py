@@ -1,13 +1,13 @@
 """Ditto (strategies/ditto.py): the personal model's objective, kept in the node's Context.state across rounds, and
-evaluated in place of the global model — in-process, under `flwr run` and on a local deployment."""
+evaluated in place of the global model — in-process, under `flwr run` and on a local deployment
+(tests/test_e2e_deploy.py)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 from flwr.app import RecordDict
+from helpers import DITTO_TWO_NODES, personal_accuracies
 
 from client_app.app import app as client_app
 from common.config import options_dict, part_of
@@ -89,11 +89,6 @@ def test_an_evaluation_evaluates_the_kept_personal_model_or_the_received_one_bef
     assert evaluate(fresh.model, fresh.parts["test"]) != evaluate(received.model, received.parts["test"])
 
 
-def _personal(out) -> list[float]:
-    return [r["personal-accuracy"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-            if "personal-accuracy" in r]
-
-
 def test_in_process_every_node_keeps_its_personal_model_across_rounds_and_it_beats_the_global_one(tmp_path):
     cfg = load_config(JOB)
     grid = InProcessGrid(client_app, cfg.num_clients)
@@ -101,21 +96,19 @@ def test_in_process_every_node_keeps_its_personal_model_across_rounds_and_it_bea
     kept = [ctx.state[PERSONAL] for ctx in grid.contexts.values()]
     assert len(kept) == cfg.num_clients  # every node trained and kept one
     fedavg = run_inprocess({**JOB, "strategy": "fedavg", "output-dir": str(tmp_path), "run-name": "fedavg"})
-    assert _personal(out)[-1] > _personal(fedavg)[-1]  # clusters of 2 classes: the personal models fit them
+    # clusters of 2 classes: the personal models fit them
+    assert personal_accuracies(out)[-1] > personal_accuracies(fedavg)[-1]
 
 
 @pytest.mark.e2e
-def test_personal_models_persist_under_flwr_run_and_on_a_deployment_as_in_process(tmp_path):
+def test_personal_models_persist_under_flwr_run_as_in_process(tmp_path):
     """The personalised accuracies equal the in-process run's, where the nodes' states are known to persist: under
-    Flower's runtimes too each node's Context.state carries its personal model from round to round (a lost state
-    would evaluate the received global model instead)."""
-    from scripts import deploy_local, simulate
+    `flwr run` too each node's Context.state carries its personal model from round to round (a lost state would
+    evaluate the received global model instead). On a deployment: tests/test_e2e_deploy.py's TLS run."""
+    from scripts import simulate
 
-    job = {**JOB, "num-clients": 2, "clients-per-round": 2, "num-clusters": 2, "num-rounds": 2, "eval-every": 1,
-           "output-dir": str(tmp_path)}  # two evaluations after a personal model was kept, the second after its
-    ref = _personal(run_inprocess({**job, "run-name": "ref"}))  # node trained it on from the kept one
-    assert len(ref) == 3
+    job = {**DITTO_TWO_NODES, "output-dir": str(tmp_path)}
+    ref = personal_accuracies(run_inprocess({**job, "run-name": "ref"}))
+    assert len(ref) == 2
     sim = simulate.simulate({**job, "run-name": "sim"}, tmp_path / "flwr-home")
-    assert _personal(sim) == pytest.approx(ref, abs=1e-6)
-    deployed, _ = deploy_local.deploy({**job, "run-name": "deployed"}, tmp_path / "flwr-home-deploy")
-    assert _personal(deployed) == pytest.approx(ref, abs=1e-6)
+    assert personal_accuracies(sim) == pytest.approx(ref, abs=1e-6)

@@ -11,11 +11,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import DITTO_TWO_NODES, personal_accuracies
 
 from scripts.cli import main
 from scripts.deploy_local import deploy
 from scripts.flower import device_timings, free_port
 from scripts.pki import node_key
+from server_app.inprocess import run_inprocess
 
 
 def running(pid: int) -> bool:
@@ -25,11 +27,12 @@ def running(pid: int) -> bool:
 
 
 @pytest.mark.e2e
-def test_local_deployment_with_tls_and_auth_runs_refuses_intruders_and_stops_its_processes(tmp_path: Path) -> None:
-    """``--tls --auth``: the two registered SuperNodes train; a SuperNode with its own unregistered key and a
-    plain-HTTP one are refused by the SuperLink (their own exit and the SuperLink's reason are asserted)."""
-    overrides = {"num-clients": 2, "clients-per-round": 2, "num-rounds": 2, "dataset": "digits",
-                 "output-dir": str(tmp_path / "out"), "run-name": "e2e"}
+def test_local_deployment_with_tls_and_auth_runs_keeps_node_state_refuses_intruders_and_stops(tmp_path: Path) -> None:
+    """``--tls --auth``: the two registered SuperNodes train, and each keeps its own state from round to round
+    (Ditto's personal models: the accuracies are the in-process run's); a SuperNode with its own unregistered key
+    and a plain-HTTP one are refused by the SuperLink (their own exit and the SuperLink's reason are asserted).
+    One deployment for both claims: each costs a SuperLink, SuperNodes and a process per message."""
+    overrides = {**DITTO_TWO_NODES, "output-dir": str(tmp_path / "out"), "run-name": "e2e"}
     home = tmp_path / "flwr-home"
     refused: dict[str, tuple[int | None, str]] = {}
 
@@ -52,6 +55,8 @@ def test_local_deployment_with_tls_and_auth_runs_refuses_intruders_and_stops_its
                             node_config=f'cache-dir="{tmp_path / "cache"}"')
 
     assert run_path == tmp_path / "out" / "e2e"
+    ref = run_inprocess({**overrides, "run-name": "ref"})
+    assert personal_accuracies(run_path) == pytest.approx(personal_accuracies(ref), abs=1e-6)
     summary = json.loads((run_path / "summary.json").read_text())
     assert summary["final-version"] == 2
     assert summary["total-accepted"] == 4

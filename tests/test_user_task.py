@@ -131,8 +131,8 @@ def test_the_example_project_runs_on_a_local_deployment(tmp_path):
     from scripts import deploy_local
 
     out, _ = deploy_local.deploy({"preset": "tabular_task:presets/fedbuff", "output-dir": str(tmp_path),
-                                  "run-name": "deployed", "num-rounds": 6, "clients-per-round": 3},
-                                 tmp_path / "flwr-home", supernodes=4, app_dir=EXAMPLE)
+                                  "run-name": "deployed", "num-rounds": 4, "clients-per-round": 3},
+                                 tmp_path / "flwr-home", supernodes=3, app_dir=EXAMPLE)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["config"]["dataset"] == "tabular_task.task:breast_cancer" and summary["total-accepted"] > 0
-    assert summary["total-failures"] == 0
+    assert summary["config"]["dataset"] == "tabular_task.task:breast_cancer"
+    assert summary["final-version"] >= 1 and summary["total-failures"] == 0  # a full buffer of the nodes' updates
