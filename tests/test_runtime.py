@@ -74,11 +74,11 @@ def test_fedbuff_with_k_equal_n_and_no_delay_is_synchronous_fedavg(small_run):
 def test_observed_delays_follow_the_half_normal(small_run):
     sigma = 20.0
     out, summary = small_run("delays", client_app=wrap(zero_update), strategy="fedavg",
-                             **{"num-clients": 100, "clients-per-round": 10, "delay-sigma": sigma, "num-rounds": 400,
+                             **{"num-clients": 100, "clients-per-round": 10, "delay-sigma": sigma, "num-rounds": 200,
                                 "partitioner": "iid",
                                 "eval-every": 1000})
     delays = np.array([e["step"] - e["dispatch-step"] for e in events(out)])
-    assert len(delays) > 2000  # ~160 clients would be in flight: the 100 saturate, fewer than 10 idle per step
+    assert len(delays) > 1000  # ~160 clients would be in flight: the 100 saturate, fewer than 10 idle per step
     assert abs(delays.mean() - sigma * math.sqrt(2 / math.pi)) < 0.1 * sigma * math.sqrt(2 / math.pi)
     assert (delays == 0).mean() < 0.05  # half-normal, not a point mass at zero
     assert summary["staleness-max"] > 30
