@@ -404,11 +404,13 @@ def load(path: str | Path) -> Sweep:
 
 
 def mean_std(values: Sequence[float]) -> str:
-    """Percent, mean ± sample std over seeds (one seed says so)."""
+    """Percent, mean ± sample std over seeds (fewer than three say how many: a row still missing a seed is not
+    read as a full one)."""
     pct = [100 * v for v in values]
     if len(pct) == 1:
         return f"{pct[0]:.1f} (1 seed)"
-    return f"{statistics.mean(pct):.1f} ± {statistics.stdev(pct):.1f}"
+    spread = f"{statistics.mean(pct):.1f} ± {statistics.stdev(pct):.1f}"
+    return spread if len(pct) > 2 else f"{spread} (2 seeds)"
 
 
 def standard_error(scores: Sequence[float], validation_size: int) -> float:

@@ -50,6 +50,6 @@ def test_the_table_reports_both_partitions_and_the_feddual_diagnostics():
                     for s, a in ((0, 0.80), (1, 0.84))] + [result("feddual", "dirichlet", 0, 0.7),
                                                            result("fedavg", "code", 0, 0.75)])
     text = F.table(results)
-    assert "| FedDUAL (paper's reading) | 82.0 ± 2.8 | 81.0 ± 2.8 | 70.0 (1 seed) | 0.520 | 0.000 | 0.900 | " \
-           "81.99 ± 0.21 |" in text
+    assert ("| FedDUAL (paper's reading) | 82.0 ± 2.8 (2 seeds) | 81.0 ± 2.8 (2 seeds) | 70.0 (1 seed) | 0.520 "
+            "| 0.000 | 0.900 | 81.99 ± 0.21 |") in text
     assert "| FedAvg | 75.0 (1 seed) | 74.0 (1 seed) | — | — | — | — | 81.70 ± 0.20 |" in text

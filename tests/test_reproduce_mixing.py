@@ -64,7 +64,7 @@ def test_the_table_puts_accuracy_and_extra_bytes_side_by_side():
     results = dict([result("example", "binary", s, a, 0.8, 128 * 785 * 4) for s, a in ((0, 0.9), (1, 0.8))]
                    + [result("nomix", "binary", 0, 0.5, 0.0, 0)])
     text = M.table(results)
-    assert "| example transfer | 85.0 ± 7.1 | 80.0 ± 0.0 | 401.9 | — | — | — |" in text
+    assert "| example transfer | 85.0 ± 7.1 (2 seeds) | 80.0 ± 0.0 (2 seeds) | 401.9 | — | — | — |" in text
     assert "| no mixing (FedAvg, clients' data) | 50.0 (1 seed) | 0.0 (1 seed) | 0.0 | — | — | — |" in text
 
 
