@@ -141,7 +141,7 @@ def test_lora_fedavg_sends_only_adapters_and_head_and_learns(tmp_path):
     grid.push_messages = recording_push
     # input 16 (16 patches, not 64): a quarter of the compute, and the same wire and the same learning claim
     out = run_inprocess({"model": "vit-small", "input-size": 16, "num-clients": 4, "clients-per-round": 4,
-                         "num-rounds": 4, "local-epochs": 1, "optimizer": "adam", "lr": 0.003,
+                         "num-rounds": 3, "local-epochs": 1, "optimizer": "adam", "lr": 0.003,
                          "output-dir": str(tmp_path), "run-name": "lora"}, grid=grid)
     model = build_model("vit-small", 1, 8, 10, seed=0)
     trainable = ParamSpec.of(model)
