@@ -50,10 +50,12 @@ METHODS: list[tuple[str, str, bool]] = [
     ("fedbuff", "FedBuff", False), ("ca2fl", "CA2FL", False), ("feddf-ood", "FedDF-OOD", False),
     ("feddle-ood", "Feddle-OOD", False)]
 # Configurations chosen on validation that the papers do not have (issue 36; ‡ in the table): rows of the families
-# with presets for them
+# with presets for them, and what stands in the papers' column instead of their numbers
 VALIDATED: list[tuple[str, str, bool]] = [
     ("feddle-ft-id", "Feddle-ID + Fed+FT's pass ‡", True),
+    ("feddle-pull-ood", "Feddle-OOD, pull λ 100 ‡", False),
     ("feddle-step-ood", "Feddle-OOD at FedBuff's step length ‡", False)]
+NOT_IN_PAPERS = {"feddle-pull-ood": "the papers' method at λ 0.01: the Feddle-OOD row"}
 SETTING_FREE = {"center"}  # no clients: the same number in every column, and no client updates
 PAPER = Path(__file__).resolve().parent / "sweeps" / "feddle.paper.yaml"
 CHECKPOINTS = (10, 20, 50, 100, 150, 200)  # steps at which the analysis tabulates the accuracy curves
@@ -118,7 +120,7 @@ def table(results: Results, sweep: Sweep) -> str:
     rows = methods(family)
     for method, label, in_domain in rows:
         ours = [cell(results, family, method, st) for st in SETTINGS]
-        theirs = "; ".join(paper.get(method, ["not in the papers"]))
+        theirs = "; ".join(paper[method]) if method in paper else NOT_IN_PAPERS.get(method, "not in the papers")
         lines.append(f"| {label} | {'✓' if in_domain else '✗'} | "
                      + " | ".join(mean_std(v) if v else "—" for v in ours) + f" | {theirs} |")
     # How many client updates the protocol delivered: accepted updates per server step, over every run with
