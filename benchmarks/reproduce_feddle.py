@@ -132,6 +132,9 @@ def table(results: Results, sweep: Sweep) -> str:
                     for a in cell(results, family, method, st, "accepted")]
         delivered.append(f"{statistics.mean(per_step):.2f}" if per_step else "—")
     lines.append(f"| accepted updates per step (runs with clients) | | {' | '.join(delivered)} | papers: ~10 |")
+    if len(rows) > len(METHODS):
+        lines += ["", "‡ a configuration chosen on validation (the family's `-select` sweep, issue 36); the rows above "
+                  "are the papers' methods at the family's tuned values, kept as measured."]
     plot(results, family, sweep.report.parent / "accuracy.png")
     return "\n".join(lines)
 
