@@ -50,11 +50,12 @@ METHODS: list[tuple[str, str, bool]] = [
     ("fedbuff", "FedBuff", False), ("ca2fl", "CA2FL", False), ("feddf-ood", "FedDF-OOD", False),
     ("feddle-ood", "Feddle-OOD", False)]
 # Configurations chosen on validation that the papers do not have (issue 36; ‡ in the table): rows of the families
-# with presets for them, and what stands in the papers' column instead of their numbers
+# with presets for them
 VALIDATED: list[tuple[str, str, bool]] = [
     ("feddle-ft-id", "Feddle-ID + Fed+FT's pass ‡", True),
     ("feddle-pull-ood", "Feddle-OOD, pull λ 100 ‡", False),
     ("feddle-step-ood", "Feddle-OOD at FedBuff's step length ‡", False)]
+# what a ‡ row's papers' column says where it is not "not in the papers"
 NOT_IN_PAPERS = {"feddle-pull-ood": "the papers' method at λ 0.01: the Feddle-OOD row"}
 SETTING_FREE = {"center"}  # no clients: the same number in every column, and no client updates
 PAPER = Path(__file__).resolve().parent / "sweeps" / "feddle.paper.yaml"
@@ -132,7 +133,7 @@ def table(results: Results, sweep: Sweep) -> str:
                     for a in cell(results, family, method, st, "accepted")]
         delivered.append(f"{statistics.mean(per_step):.2f}" if per_step else "—")
     lines.append(f"| accepted updates per step (runs with clients) | | {' | '.join(delivered)} | papers: ~10 |")
-    if len(rows) > len(METHODS):
+    if set(rows) & set(VALIDATED):
         lines += ["", "‡ a configuration chosen on validation (the family's `-select` sweep, issue 36); the rows above "
                   "are the papers' methods at the family's tuned values, kept as measured."]
     plot(results, family, sweep.report.parent / "accuracy.png")

@@ -141,6 +141,9 @@ def test_the_table_explains_its_validated_rows_only_where_it_has_them(tmp_path):
         text = R.table({}, dataclasses.replace(spec(fam), report=tmp_path / "table.md"))
         rows = [line for line in text.splitlines() if "‡ |" in line]
         assert bool(rows) == validated and text.splitlines()[-1].startswith("‡ a configuration") == validated
+        if validated:  # the pull is the papers' method at another λ: its papers' column points at their row
+            pull = next(line for line in rows if line.startswith("| Feddle-OOD, pull"))
+            assert pull.rstrip(" |").endswith("the papers' method at λ 0.01: the Feddle-OOD row")
 
 
 def test_step_size_sums_the_coefficients_over_the_atlas_in_the_runs_second_half_only():
