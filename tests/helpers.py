@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,25 @@ DITTO_TWO_NODES = {"preset": "ditto-digits", "num-clients": 2, "clients-per-roun
 
 def personal_accuracies(out: Path) -> list[float]:
     return [r["personal-accuracy"] for r in rows(out) if "personal-accuracy" in r]
+
+
+@contextmanager
+def flower_threads() -> Iterator[None]:
+    """Torch as Flower's workers run it, for a float comparison with their run: one thread. Ray's actors (1 CPU
+    each) get OMP_NUM_THREADS=1; a local deployment's processes inherit it from here. The number of threads decides
+    how float sums are split, so a reference run with this process's default (the cores) may differ in the last
+    bits on one CPU and not on another."""
+    threads, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if env is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env
 
 
 def digest(path: Path) -> str:

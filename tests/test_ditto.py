@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from flwr.app import RecordDict
-from helpers import DITTO_TWO_NODES, personal_accuracies
+from helpers import DITTO_TWO_NODES, flower_threads, personal_accuracies
 
 from client_app.app import app as client_app
 from common.config import options_dict, part_of
@@ -108,7 +108,8 @@ def test_personal_models_persist_under_flwr_run_as_in_process(tmp_path):
     from scripts import simulate
 
     job = {**DITTO_TWO_NODES, "output-dir": str(tmp_path)}
-    ref = personal_accuracies(run_inprocess({**job, "run-name": "ref"}))
+    with flower_threads():
+        ref = personal_accuracies(run_inprocess({**job, "run-name": "ref"}))
+        sim = simulate.simulate({**job, "run-name": "sim"}, tmp_path / "flwr-home")
     assert len(ref) == 2
-    sim = simulate.simulate({**job, "run-name": "sim"}, tmp_path / "flwr-home")
     assert personal_accuracies(sim) == pytest.approx(ref, abs=1e-6)

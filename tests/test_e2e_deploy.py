@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import DITTO_TWO_NODES, personal_accuracies
+from helpers import DITTO_TWO_NODES, flower_threads, personal_accuracies
 
 from scripts.cli import main
 from scripts.deploy_local import deploy
@@ -51,11 +51,12 @@ def test_local_deployment_with_tls_and_auth_runs_keeps_node_state_refuses_intrud
             proc.wait(timeout=120)
             refused[name] = (proc.returncode, (run_path / "flower-logs" / f"{name}.log").read_text())
 
-    run_path, pids = deploy(overrides, home, supernodes=2, on_started=start_intruders, tls=True, auth=True,
-                            node_config=f'cache-dir="{tmp_path / "cache"}"')
+    with flower_threads():  # the nodes' processes and the reference compute alike
+        run_path, pids = deploy(overrides, home, supernodes=2, on_started=start_intruders, tls=True, auth=True,
+                                node_config=f'cache-dir="{tmp_path / "cache"}"')
+        ref = run_inprocess({**overrides, "run-name": "ref"})
 
     assert run_path == tmp_path / "out" / "e2e"
-    ref = run_inprocess({**overrides, "run-name": "ref"})
     assert personal_accuracies(run_path) == pytest.approx(personal_accuracies(ref), abs=1e-6)
     summary = json.loads((run_path / "summary.json").read_text())
     assert summary["final-version"] == 2

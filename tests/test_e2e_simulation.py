@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import digest, rows
+from helpers import digest, flower_threads, rows
 
 from scripts import simulate
 from scripts.flower import alive, process_tree
@@ -47,8 +47,9 @@ def test_fedmerge_under_flwr_run_sends_each_client_its_own_model(tmp_path):
     job = {**JOB, "num-clients": 4, "clients-per-round": 4, "num-rounds": 3, "strategy": "fedmerge",
            "global-models": 3, "partitioner": "clusters", "num-clusters": 2, "client-test-fraction": 0.25,
            "client-validation-fraction": 0.1}
-    sim = simulate.simulate({**job, "output-dir": str(tmp_path), "run-name": "sim"}, tmp_path / "flwr-home")
-    ref = run_inprocess({**job, "output-dir": str(tmp_path), "run-name": "ref"})
+    with flower_threads():
+        sim = simulate.simulate({**job, "output-dir": str(tmp_path), "run-name": "sim"}, tmp_path / "flwr-home")
+        ref = run_inprocess({**job, "output-dir": str(tmp_path), "run-name": "ref"})
     last = [json.loads((out / "clients.jsonl").read_text().splitlines()[-1]) for out in (sim, ref)]
     assert last[0]["round"] == last[1]["round"] == 3 and last[0]["clients"] == [0, 1, 2, 3]
     assert max(abs(a - b) for a, b in zip(last[0]["eval-loss"], last[1]["eval-loss"])) < 1e-3
@@ -61,10 +62,10 @@ def test_fedmerge_under_flwr_run_sends_each_client_its_own_model(tmp_path):
 def test_flwr_run_simulation_is_the_in_process_run_event_for_event(tmp_path):
     """One `flwr run` of an asynchronous job: its -c overrides reach the ServerApp, and the virtual clock decides
     the event sequence from the seed alone, whatever order Ray's workers physically answer in, so the run is the
-    in-process one: the same events, counts and client evaluation. Ray's actors run torch with one thread, this
-    process with more, so float sums may differ in the last bits; the models agree closely."""
-    sim = simulate.simulate({**ASYNC_JOB, "output-dir": str(tmp_path), "run-name": "sim"}, tmp_path / "flwr-home")
-    ref = run_inprocess({**ASYNC_JOB, "output-dir": str(tmp_path), "run-name": "ref"})
+    in-process one: the same events, counts and client evaluation, and models that agree closely."""
+    with flower_threads():
+        sim = simulate.simulate({**ASYNC_JOB, "output-dir": str(tmp_path), "run-name": "sim"}, tmp_path / "flwr-home")
+        ref = run_inprocess({**ASYNC_JOB, "output-dir": str(tmp_path), "run-name": "ref"})
     assert events(sim) == events(ref)
     raw = [json.loads(line) for line in (ref / "events.jsonl").read_text().splitlines()]
     assert len(raw) >= 8 and any(e["staleness"] > 0 for e in raw)  # a real asynchronous sequence
@@ -104,20 +105,16 @@ def test_serverapp_killed_under_flwr_run_resumes_to_the_model_of_an_uninterrupte
             time.sleep(0.05)
 
     threading.Thread(target=kill_the_server_after_a_checkpoint, daemon=True).start()
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError), flower_threads():
         simulate.simulate(job, tmp_path / "flwr-home")
     assert killed, "no checkpoint was written"
     assert killed[0][0], f"no flwr-simulation process among {command_lines(killed[0][1])}"
     time.sleep(1)
     assert not alive(killed[0][1]), "a process of the killed run survived"
     assert not (out / "summary.json").exists()
-    resumed = simulate.simulate({"resume": str(out)}, tmp_path / "flwr-home")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with flower_threads():
+        resumed = simulate.simulate({"resume": str(out)}, tmp_path / "flwr-home")
         ref = run_inprocess({**job, "run-name": "ref"})
-    finally:
-        torch.set_num_threads(threads)
     summary = json.loads((resumed / "summary.json").read_text())
     assert summary["resumed-after-step"] >= 4 and summary["final-version"] > 0
     assert digest(resumed / "model.pt") == digest(ref / "model.pt")
