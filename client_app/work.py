@@ -31,7 +31,7 @@ def node_device(context: Context) -> torch.device:
     return resolve_device(str(context.node_config.get("device", "auto")))
 
 
-def _task(msg: Message, context: Context, pid: int, num_partitions: int, timings: dict[str, float]) -> LocalTask:
+def load_task(msg: Message, context: Context, pid: int, num_partitions: int, timings: dict[str, float]) -> LocalTask:
     """The run's data spec, this node's data parts, and the model with the message's parameters loaded, on the
     node's device, with the payload's arrays; the seconds each took in `timings` (``data-s``, ``model-s``)."""
     started = time.time()
@@ -75,20 +75,27 @@ def _model(options: tuple, shape: tuple[int, ...], num_classes: int, seed: int) 
 def train_reply(msg: Message, context: Context, pid: int, num_partitions: int, latency_s: float,
                 timings: dict[str, float]) -> Message:
     """The method's local training from the received model; replies with the parameter delta, the metrics and
-    the method's extra arrays. `timings` gets the seconds of loading (:func:`_task`) and of the work (``work-s``)."""
-    task = _task(msg, context, pid, num_partitions, timings)
+    the method's extra arrays. `timings` gets the seconds of loading (:func:`load_task`) and of the work
+    (``work-s``)."""
+    task = load_task(msg, context, pid, num_partitions, timings)
     started = time.time()
     if latency_s:  # a slow device, for demos and tests (sleep(0) would still hand the GIL to another thread)
         time.sleep(latency_s)
     side = client_side(task.config)
     side.prepare(task, evaluating=False)
-    delta = side.train(task)
-    reply = MetricRecord({NUM_EXAMPLES: len(task.parts["train"]), PARTITION_ID: pid,
-                          BASE_VERSION: int(task.config[VERSION]), **task.metrics})
-    content = RecordDict({ARRAYS: task.spec.to_record(delta), METRICS: reply})
+    reply = update_message(msg, task, side.train(task))
+    timings["work-s"] = time.time() - started
+    return reply
+
+
+def update_message(msg: Message, task: LocalTask, delta: torch.Tensor) -> Message:
+    """The reply to train message `msg`: the delta of `task`'s trainable parameters (flat), the examples, partition
+    and base version with ``task.metrics``, and the method's extra arrays (``task.reply``)."""
+    metrics = MetricRecord({NUM_EXAMPLES: len(task.parts["train"]), PARTITION_ID: task.partition,
+                            BASE_VERSION: int(task.config[VERSION]), **task.metrics})
+    content = RecordDict({ARRAYS: task.spec.to_record(delta), METRICS: metrics})
     if task.reply:
         content[EXTRAS] = extras_to_record(task.reply)
-    timings["work-s"] = time.time() - started
     return Message(content, reply_to=msg)
 
 
@@ -97,7 +104,7 @@ def evaluate_reply(msg: Message, context: Context, pid: int, num_partitions: int
     """Loss and accuracy of the model the method evaluates (the received one unless its client side prepares
     another) on this node's own test split (``eval-*``) and validation split (``val-*``) when the run holds them out
     (``client-test-fraction``), else on its whole partition. `timings` as in :func:`train_reply`."""
-    task = _task(msg, context, pid, num_partitions, timings)
+    task = load_task(msg, context, pid, num_partitions, timings)
     started = time.time()
     side = client_side(task.config)
     side.prepare(task, evaluating=True)

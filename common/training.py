@@ -10,7 +10,7 @@ clients' runs are seeded by ``derive_seed(run seed, client, dispatch count)`` (t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,15 +70,9 @@ def run_epochs(optimizer: torch.optim.Optimizer, n: int, batch_size: int, epochs
     ``batch_loss(idx).backward()``, ``optimizer.step()``; ``epoch_end()`` after each pass; with `max_steps`,
     as many passes as it takes to make that many steps, the last one cut short. A lone trailing sample is
     skipped (BatchNorm cannot train on a batch of one). Returns the mean batch loss per sample."""
-    gen = torch.Generator().manual_seed(seed)
-    total, seen, steps = 0.0, 0, 0
-    if max_steps is not None:
-        epochs = -(-max_steps // max(local_steps(n, batch_size, 1), 1))
-    for _ in range(epochs):
-        for idx in torch.randperm(n, generator=gen).split(batch_size):
-            if len(idx) == 1 < n or steps == max_steps:
-                continue
-            steps += 1
+    total, seen = 0.0, 0
+    for batches in epoch_batches(n, batch_size, epochs, seed, max_steps):
+        for idx in batches:
             optimizer.zero_grad(set_to_none=True)
             loss = batch_loss(idx)
             loss.backward()
@@ -88,6 +82,23 @@ def run_epochs(optimizer: torch.optim.Optimizer, n: int, batch_size: int, epochs
         if epoch_end is not None:
             epoch_end()
     return total / max(seen, 1)
+
+
+def epoch_batches(n: int, batch_size: int, epochs: int, seed: int, max_steps: int | None = None
+                  ) -> Iterator[list[torch.Tensor]]:
+    """:func:`run_epochs`' batching rule, one list of index batches per pass (the cohort trainer follows it too)."""
+    gen = torch.Generator().manual_seed(seed)
+    steps = 0
+    if max_steps is not None:
+        epochs = -(-max_steps // max(local_steps(n, batch_size, 1), 1))
+    for _ in range(epochs):
+        batches = []
+        for idx in torch.randperm(n, generator=gen).split(batch_size):
+            if len(idx) == 1 < n or steps == max_steps:
+                continue
+            steps += 1
+            batches.append(idx)
+        yield batches
 
 
 def local_steps(n: int, batch_size: int, epochs: int) -> int:

@@ -97,6 +97,10 @@ class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig, T
     device: str = option("auto", OneOf(DEVICES),
                          "where server-side training runs (`auto`: CUDA, else MPS, when there is one; the clients "
                          "choose their own with the node setting `device`)")
+    cohort_training: str = option("auto", OneOf(("auto", "on", "off")),
+                                  "in-process runs: train the clients of a step together as one batched computation "
+                                  "where their method and model allow (`auto`: when the clients train on CUDA; "
+                                  "see [GPU](#gpu))")
     eval_every: int = option(1, COUNT, "evaluate on the server's test split every this many steps (and at the end)")
     checkpoint_every: int = option(10, Range(0), "write `checkpoint.pt` every this many steps and at the end "
                                    "(0 = never)")
@@ -161,9 +165,11 @@ def preset_file(name: str) -> tuple[list[str], dict[str, Any]]:
 
 
 
-# Keys a resumed run may change: they do not touch what is computed (or, `device`, where).
+# Keys a resumed run may change: they do not touch what is computed (or, `device` and `cohort-training`, where and
+# how, to float rounding).
 MAY_CHANGE_ON_RESUME = frozenset({"num-rounds", "checkpoint-every", "eval-every", "reply-timeout-s", "poll-interval-s",
-                                  "wait-nodes-s", "data-root", "device", "resume", "output-dir", "run-name",
+                                  "wait-nodes-s", "data-root", "device", "cohort-training", "resume", "output-dir",
+                                  "run-name",
                                   *specs_of(TrackingConfig)})
 
 

@@ -9,7 +9,7 @@ runtimes. Pushed messages are executed lazily, when their replies are pulled.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +21,12 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.app import app as default_client_app
+from client_app.cohort import train_cohort
 from server_app.app import RUN_STATE
 from server_app.app import app as default_server_app
 from server_app.config import load_config
+
+Cohort = Callable[[list[Message], Mapping[int, Context]], Mapping[str, Message]]
 
 
 class InProcessGrid(Grid):
@@ -35,11 +38,14 @@ class InProcessGrid(Grid):
         override_config: what ``run.override_config`` reports (the user's run-config overrides).
         run_id: the run's id.
         node_config: more keys for every node's ``node_config`` (``latency-s``: a slow device).
+        cohort: trains the train messages of one pull together, replying to those it serves by message id
+            (:func:`client_app.cohort.train_cohort`); the rest go to `client_app` one by one.
     """
 
     def __init__(self, client_app: ClientApp, num_nodes: int, override_config: Mapping[str, Any] | None = None,
-                 run_id: int = 1, node_config: Mapping[str, Any] | None = None) -> None:
+                 run_id: int = 1, node_config: Mapping[str, Any] | None = None, cohort: Cohort | None = None) -> None:
         self.client_app = client_app
+        self.cohort = cohort
         self._run = Run.create_empty(run_id)
         self._run.override_config = dict(override_config or {})
         # Messages take their sender from the process's task identity, as in Flower's ServerApp process.
@@ -90,7 +96,10 @@ class InProcessGrid(Grid):
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return [self._execute(self._pending.pop(i)) for i in message_ids if i in self._pending]
+        messages = [self._pending.pop(i) for i in message_ids if i in self._pending]
+        together = self.cohort(messages, self.contexts) if self.cohort is not None and len(messages) > 1 else {}
+        return [self._numbered(together[m.metadata.message_id]) if m.metadata.message_id in together
+                else self._execute(m) for m in messages]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         return self.pull_messages(self.push_messages(messages))
@@ -104,9 +113,22 @@ class InProcessGrid(Grid):
                 reply = self.client_app(msg, self.contexts[node])
             except Exception as err:  # noqa: BLE001 - as Flower's runtimes do: failures become error replies
                 reply = Message(Error(ErrorCode.UNKNOWN, f"{type(err).__name__}: {err}"), reply_to=msg)
+        return self._numbered(reply)
+
+    def _numbered(self, reply: Message) -> Message:
         self._count += 1
         reply.metadata.__dict__["_message_id"] = f"in-process-{self._count}"
         return reply
+
+
+def cohort_training(setting: str) -> bool:
+    """Whether the in-process nodes train a pull's clients together: ``on``, ``off``, or ``auto`` — when the nodes
+    (device ``auto``) train on CUDA, where it pays (BENCHMARKS, "Cohort training")."""
+    if setting != "auto":
+        return setting == "on"
+    from common.devices import resolve_device
+
+    return resolve_device("auto").type == "cuda"
 
 
 def run_inprocess(overrides: Mapping[str, Any] | None = None, client_app: ClientApp | None = None,
@@ -117,7 +139,8 @@ def run_inprocess(overrides: Mapping[str, Any] | None = None, client_app: Client
     """
     overrides = dict(overrides or {})
     cfg = load_config(overrides)
-    grid = grid or InProcessGrid(client_app or default_client_app, cfg.num_clients)
+    cohort = None if client_app is not None or not cohort_training(cfg.cohort_training) else train_cohort
+    grid = grid or InProcessGrid(client_app or default_client_app, cfg.num_clients, cohort=cohort)
     grid.run.override_config = overrides
     context = Context(run_id=grid.run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config={})
     (server_app or default_server_app)(grid, context)

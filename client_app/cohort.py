@@ -1,0 +1,233 @@
+"""Cohort training: the train messages the in-process engine pulls together, trained as one batched computation.
+
+A server step of a simulation hands ~10 small local runs to the clients; one after another, a GPU spends them
+launching one client's small kernels after another (BENCHMARKS, "Cohort training"). Here the clients of a pull
+that run the same model train together: their trainable parameters are stacked into one (C, P) tensor, and every
+local step is one ``torch.func.vmap`` over ``functional_call`` of the shared model — each client on its own batch
+(its own seeded shuffle, :func:`common.training.epoch_batches`), with its own optimizer state. Clients with fewer
+samples or steps are masked: padded rows carry no loss, and a client whose run is over keeps its parameters and
+optimizer state (Adam's bias correction counts its own steps). The result is each client's update as
+:func:`common.training.train` computes it, up to float rounding (a batched convolution sums in another order;
+tests/test_cohort.py states the tolerance).
+
+It serves the standard local recipe only: the default client side (:class:`strategies.client.ClientSide` itself,
+as FedAvg, FedBuff, FedAsync, CA2FL, Feddle, FedMerge and the hybrid baselines use it) with the cross-entropy
+objective, SGD or Adam, and a model whose training-mode forward is a function of its parameters and input alone
+(no BatchNorm running statistics, no active dropout). A method with a client side or an objective of its own
+(Ditto, FedDUAL, SCAFFOLD, FedProx, IFCA, FedEM, FedAvg+, the transfers), a slowed node (``latency-s``) and any
+message whose batched run fails run as before, one message at a time, through the ClientApp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from flwr.app import Context, Message, MessageType
+from torch import nn
+from torch.func import functional_call, grad, vmap
+from torch.nn import functional as F
+
+from client_app.app import node_partition
+from client_app.work import load_task, update_message
+from common.training import LocalRecipe, epoch_batches
+from strategies.client import ClientSide, LocalTask, client_side
+
+ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults, which make_optimizer uses
+CUDA_GRAPHS = True  # capture each cohort step on CUDA (benchmarks/cohort.py turns it off to measure what it buys)
+
+
+def served(task: LocalTask) -> bool:
+    """Whether `task` runs the standard local recipe on a model the batched computation reproduces."""
+    if type(client_side(task.config)) is not ClientSide or task.recipe.local_objective != "cross-entropy":
+        return False
+    return not any(isinstance(m, nn.modules.batchnorm._BatchNorm)
+                   or (isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0) for m in task.model.modules())
+
+
+@dataclass
+class Member:
+    """One client of a cohort: its message, its task and its start (flat, on the model's device)."""
+
+    msg: Message
+    task: LocalTask
+    start: torch.Tensor
+
+
+def train_cohort(messages: Sequence[Message], contexts: Mapping[int, Context]) -> dict[str, Message]:
+    """Replies to the train messages among `messages` that cohort training serves, by message id; the others (and
+    any whose batched run fails) are left to the ClientApp."""
+    groups: dict[tuple, list[Member]] = {}
+    for msg in messages:
+        context = contexts.get(msg.metadata.dst_node_id)
+        if (msg.metadata.message_type != MessageType.TRAIN or context is None
+                or float(context.node_config.get("latency-s", 0.0))):
+            continue
+        try:
+            task = load_task(msg, context, *node_partition(context), {})
+        except Exception:  # noqa: BLE001 - the ClientApp will run it and reply with the error
+            continue
+        if served(task):
+            # load_task reuses one model per configuration: the start is copied before the next message loads
+            groups.setdefault((id(task.model), task.recipe), []).append(Member(msg, task, task.spec.flatten(
+                task.model).to(task.device)))
+    replies = {}
+    for members in groups.values():
+        try:
+            deltas, metrics = train_together(members)
+        except Exception:  # noqa: BLE001 - one at a time instead, where a failure stays the client's own
+            continue
+        for member, delta, stats in zip(members, deltas, metrics):
+            member.task.metrics.update(stats)
+            replies[member.msg.metadata.message_id] = update_message(member.msg, member.task, delta.cpu())
+    return replies
+
+
+def train_together(members: Sequence[Member]) -> tuple[torch.Tensor, list[dict[str, float]]]:
+    """The local runs of `members` (one model, one recipe) as one batched computation: each one's delta (C, P)
+    and training metrics, as :func:`common.training.train` computes them."""
+    task = members[0].task
+    recipe, device = task.recipe, task.device
+    C, B = len(members), recipe.batch_size
+    # every client's batches, as run_epochs draws them, padded to the longest run and the batch size
+    batches = [[idx for epoch in epoch_batches(len(m.task.parts["train"]), B, recipe.local_epochs,
+                                               m.task.train_seed) for idx in epoch] for m in members]
+    T = max(len(b) for b in batches)
+    index = torch.zeros(C, T, B, dtype=torch.long)
+    valid = torch.zeros(C, T, B, dtype=torch.bool)
+    for c, runs in enumerate(batches):
+        for t, idx in enumerate(runs):
+            index[c, t, :len(idx)], valid[c, t, :len(idx)] = idx, True
+    n_max = max(len(m.task.parts["train"]) for m in members)
+    x = torch.zeros(C, n_max, *task.parts["train"].x.shape[1:], dtype=torch.float32)
+    y = torch.zeros(C, n_max, dtype=torch.long)
+    for c, m in enumerate(members):
+        part = m.task.parts["train"]
+        x[c, :len(part)], y[c, :len(part)] = torch.from_numpy(part.x), torch.from_numpy(part.y)
+    x, y, index, valid = (t.to(device) for t in (x, y, index, valid))
+    rows = torch.arange(C, device=device)[:, None, None]
+    xs, ys, masks = x[rows, index], y[rows, index], valid.to(torch.float32)  # (C, T, B, ...): every step's batch
+    active = valid.any(dim=2)  # (C, T): the client takes step t
+    starts = torch.stack([m.start for m in members])
+    step = _step_for(task, C, tuple(xs.shape[3:]))
+    step.reset(starts)
+    for t in range(T):
+        step(xs[:, t], ys[:, t], masks[:, t], active[:, t])
+    metrics = [{"train-loss": loss / max(n, 1), "train-accuracy": hit / max(n, 1)}
+               for loss, hit, n in zip(step.ce_sum.tolist(), step.hits.tolist(), valid.sum(dim=(1, 2)).tolist())]
+    return step.w - starts, metrics
+
+
+class CohortStep:
+    """One local step of C clients, in place on its own tensors: the parameters ``w`` (C, P), the optimizer's state,
+    and the summed loss and hits. On CUDA the step is captured once as a CUDA graph and replayed (one launch instead
+    of a Python-driven vmap's hundreds); elsewhere, or if capture fails, it runs eagerly."""
+
+    def __init__(self, task: LocalTask, C: int, sample_shape: tuple[int, ...]) -> None:
+        model, spec, self.recipe, device = task.model, task.spec, task.recipe, task.device
+        B = self.recipe.batch_size
+
+        def batch_loss(w: torch.Tensor, xb: torch.Tensor, yb: torch.Tensor, mask: torch.Tensor
+                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+            """One client's mean cross-entropy over its batch's real rows, with its summed loss and hits."""
+            params = {n: chunk.view(shape) for n, chunk, shape in zip(spec.names, w.split(spec.sizes), spec.shapes)}
+            logits = functional_call(model, params, (xb,), strict=False)
+            ce = F.cross_entropy(logits, yb, reduction="none") * mask
+            hits = ((logits.argmax(1) == yb) & mask.bool()).sum()
+            return ce.sum() / mask.sum().clamp(min=1), (ce.detach().sum(), hits)
+
+        self.model, self.grads = model, vmap(grad(batch_loss, has_aux=True))
+        self.w = torch.zeros(C, spec.numel, device=device)
+        self.state = optimizer_state(self.recipe, self.w)
+        self.ce_sum = torch.zeros(C, device=device)
+        self.hits = torch.zeros(C, device=device, dtype=torch.long)
+        self.xb = torch.zeros(C, B, *sample_shape, device=device)
+        self.yb = torch.zeros(C, B, device=device, dtype=torch.long)
+        self.mask = torch.zeros(C, B, device=device)
+        self.on = torch.zeros(C, device=device, dtype=torch.bool)
+        self.graph = self._capture() if device.type == "cuda" and CUDA_GRAPHS else None
+
+    def _compute(self) -> None:
+        g, (ce, hit) = self.grads(self.w, self.xb, self.yb, self.mask)
+        optimizer_step(self.recipe, self.state, self.w, g, self.on)
+        self.ce_sum += ce
+        self.hits += hit
+
+    def _capture(self) -> torch.cuda.CUDAGraph | None:
+        """The step as a CUDA graph, warmed up on a side stream first (as torch.cuda.graphs asks); None if capture
+        fails (the step then runs eagerly)."""
+        tensors = [self.w, *self.state.values(), self.ce_sum, self.hits]
+        saved = [t.clone() for t in tensors]
+        try:
+            self.model.train()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._compute()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._compute()
+        except Exception:  # noqa: BLE001 - eager steps compute the same
+            graph = None
+        for t, s in zip(tensors, saved):
+            t.copy_(s)
+        return graph
+
+    def reset(self, starts: torch.Tensor) -> None:
+        """Start the clients' runs from `starts` (C, P) with fresh optimizer state and sums."""
+        self.w.copy_(starts)
+        for t in (*self.state.values(), self.ce_sum, self.hits):
+            t.zero_()
+
+    def __call__(self, xb: torch.Tensor, yb: torch.Tensor, mask: torch.Tensor, on: torch.Tensor) -> None:
+        for static, value in ((self.xb, xb), (self.yb, yb), (self.mask, mask), (self.on, on)):
+            static.copy_(value)
+        self.model.train()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._compute()
+
+
+_STEPS: dict[tuple, CohortStep] = {}  # by model, recipe, cohort size and sample shape: captured graphs are reused
+
+
+def _step_for(task: LocalTask, C: int, sample_shape: tuple[int, ...]) -> CohortStep:
+    key = (id(task.model), task.recipe, C, sample_shape, task.device, CUDA_GRAPHS)
+    if key not in _STEPS:
+        if len(_STEPS) >= 32:  # cohort sizes vary from step to step; keep the recent ones
+            _STEPS.pop(next(iter(_STEPS)))
+        _STEPS[key] = CohortStep(task, C, sample_shape)
+    return _STEPS[key]
+
+
+def optimizer_state(recipe: LocalRecipe, w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-client optimizer state for `w` (C, P): Adam's moments or SGD's momentum buffer, and step counts."""
+    count = torch.zeros(w.shape[0], 1, device=w.device, dtype=w.dtype)
+    if recipe.optimizer == "adam":
+        return {"m": torch.zeros_like(w), "v": torch.zeros_like(w), "steps": count}
+    return {"buf": torch.zeros_like(w), "steps": count}
+
+
+def optimizer_step(recipe: LocalRecipe, state: dict[str, torch.Tensor], w: torch.Tensor, g: torch.Tensor,
+                   active: torch.Tensor) -> None:
+    """One step of torch.optim's SGD (momentum, no dampening) or Adam (default betas and eps), in place, for every
+    client in `active` (C,); the others keep their parameters and state."""
+    on = active[:, None]
+    steps = state["steps"]
+    steps.add_(on.to(w.dtype))
+    if recipe.optimizer == "adam":
+        beta1, beta2 = ADAM_BETAS
+        m, v = state["m"], state["v"]
+        m.copy_(torch.where(on, beta1 * m + (1 - beta1) * g, m))
+        v.copy_(torch.where(on, beta2 * v + (1 - beta2) * g * g, v))
+        k = steps.clamp(min=1)
+        new = w - (recipe.lr / (1 - beta1 ** k)) * m / (v.sqrt() / (1 - beta2 ** k).sqrt() + ADAM_EPS)
+    else:  # SGD: the first step's buffer is the gradient itself
+        buf = state["buf"]
+        buf.copy_(torch.where(on, torch.where(steps == 1, g, recipe.momentum * buf + g), buf))
+        new = w - recipe.lr * buf
+    w.copy_(torch.where(on, new, w))

@@ -1,0 +1,177 @@
+"""Cohort training (client_app/cohort.py): a pull's clients trained as one batched computation give the updates that
+training them one after another gives, within float rounding, for every method it serves; everything else runs
+one message at a time, as before."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import RecordDict
+from helpers import digest
+
+from client_app import cohort
+from client_app.app import app as client_app
+from common.config import options_dict, part_of
+from common.data import client_partition, data_spec
+from common.models import build_from_config
+from common.params import WIRE_KEY, ParamSpec
+from common.protocol import ARRAYS, TRAIN_SEED
+from common.training import LocalRecipe
+from server_app.config import load_config
+from server_app.inprocess import InProcessGrid, cohort_training, run_inprocess
+from strategies.client import ClientSide, LocalTask
+
+# Relative L2 distance between a cohort-trained and a sequentially trained update (measured: 1e-6 to 5e-5 for
+# 2-epoch runs of the CNN; a batched convolution sums in another order, and Adam divides by small moments)
+UPDATE_TOL = 1e-3
+# ... and between the final models of two short runs whose server steps are sums of the updates
+MODEL_TOL = 1e-3
+
+# the server trains or searches on its own data, many small steps that amplify the updates' rounding
+SERVER_TRAINS = ("feddle", "fedft", "feddf")
+SERVED = ["fedavg", "fedbuff", "fedasync", "ca2fl", "feddle", "fedft", "hfcl", "feddf", "fedmerge",
+          "parallel-training"]
+NOT_SERVED = [{"strategy": "ditto", "num-clusters": 2}, {"strategy": "scaffold"}, {"strategy": "feddual"},
+              {"strategy": "fedavg", "local-objective": "proximal"}, {"strategy": "fedavg", "model": "resnet18",
+                                                                      "input-size": 32}]
+JOB = {"dataset": "synthetic", "num-clients": 6, "clients-per-round": 4, "num-rounds": 3, "local-epochs": 2,
+       "batch-size": 8, "eval-every": 3, "central-size": 40}
+SHORT = {"feddle": {"buffer-size": 2}, "fedbuff": {"buffer-size": 2, "delay-sigma": 1.0},
+         "fedasync": {"delay-sigma": 1.0}, "ca2fl": {"buffer-size": 2, "delay-sigma": 1.0}}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp(min=1e-12))
+
+
+def _tasks(sizes: list[int], optimizer: str, seeds: list[int]) -> list[LocalTask]:
+    """Tasks on one shared model (as load_task makes them), each with its own data of `sizes` rows and start."""
+    cfg = load_config({**JOB, "optimizer": optimizer, "lr": 0.01 if optimizer == "adam" else 0.05,
+                       "batch-size": 16})
+    spec = data_spec(cfg)
+    part = client_partition(spec, 0, "train")
+    model = build_from_config(cfg.to_dict(), part.x.shape[1:], part.num_classes, seed=0)
+    pspec = ParamSpec.of(model)
+    rng = np.random.default_rng(0)
+    tasks = []
+    for size, seed in zip(sizes, seeds):
+        data = part.subset(rng.choice(len(part), size, replace=size > len(part)))
+        config = {**options_dict(part_of(LocalRecipe, cfg)), TRAIN_SEED: seed}
+        tasks.append(LocalTask(model, pspec, {"train": data}, {}, config, cfg.seed, seed, RecordDict()))
+    return tasks
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_cohort_of_unequal_clients_trains_each_as_alone(optimizer):
+    """Clients of 5, 33 (a lone trailing sample each epoch, skipped), 70 and 16 rows, each from its own start and
+    seed: the deltas and training metrics of one batched run are those of four runs of ClientSide.train."""
+    tasks = _tasks([5, 33, 70, 16], optimizer, seeds=[11, 12, 13, 14])
+    gen = torch.Generator().manual_seed(1)
+    starts = [tasks[0].spec.flatten(tasks[0].model) + 0.05 * torch.randn(tasks[0].spec.numel, generator=gen)
+              for _ in tasks]
+    members = [cohort.Member(None, task, start) for task, start in zip(tasks, starts)]
+    deltas, metrics = cohort.train_together(members)
+    for task, start, delta, stats in zip(tasks, starts, deltas, metrics):
+        task.spec.load_into(task.model, start)
+        alone = ClientSide().train(task)
+        assert rel(delta, alone) < UPDATE_TOL
+        assert stats["train-loss"] == pytest.approx(task.metrics["train-loss"], rel=1e-4)
+        assert stats["train-accuracy"] == pytest.approx(task.metrics["train-accuracy"], abs=1e-9)
+    assert len({round(float(d.norm()), 6) for d in deltas}) == 4  # four different runs, not one repeated
+
+
+def _grid(use_cohort: bool, served: list[int], shadow: list[float] | None = None) -> InProcessGrid:
+    """The in-process nodes, with or without cohort training; `served` gets how many messages each pull's cohort
+    trained, and `shadow` (when given) the relative distance of each cohort update from the same message trained
+    alone by the ClientApp."""
+    def counting(messages, contexts):
+        replies = cohort.train_cohort(messages, contexts)
+        served.append(len(replies))
+        for msg in messages if shadow is not None else ():
+            if msg.metadata.message_id in replies:
+                alone = client_app(msg, contexts[msg.metadata.dst_node_id])
+                shadow.append(rel(*(torch.from_numpy(r.content[ARRAYS][WIRE_KEY].numpy().copy())
+                                    for r in (replies[msg.metadata.message_id], alone))))
+        return replies
+
+    return InProcessGrid(client_app, JOB["num-clients"], cohort=counting if use_cohort else None)
+
+
+def _run(tmp_path, name: str, overrides: dict, use_cohort: bool, shadow: list[float] | None = None
+         ) -> tuple[dict, list[int]]:
+    served: list[int] = []
+    out = run_inprocess({**JOB, **overrides, "output-dir": str(tmp_path), "run-name": name},
+                        grid=_grid(use_cohort, served, shadow))
+    return {"out": out, "summary": json.loads((out / "summary.json").read_text()),
+            "events": [(e["client"], e["step"], e["outcome"]) for e in
+                       map(json.loads, (out / "events.jsonl").read_text().splitlines())]}, served
+
+
+def model_distance(a: dict, b: dict) -> float:
+    a, b = (torch.load(run["out"] / "model.pt") for run in (a, b))
+    return rel(torch.cat([a[k].flatten() for k in a]), torch.cat([b[k].flatten() for k in b]))
+
+
+@pytest.mark.parametrize("strategy", SERVED)
+def test_every_served_method_gets_the_updates_of_one_client_at_a_time(tmp_path, strategy):
+    """Every update the cohort trains, from the method's own payloads (FedMerge's per-client merges, Feddle's
+    searched models), is within UPDATE_TOL of the ClientApp's for the same message; the cohort trained every
+    update; the runs have the same events in the same order and steps. Where the server's step is a fixed sum of
+    the updates, the final models agree within MODEL_TOL; a server that trains or searches on its own data
+    (Feddle, Fed+FT, FedDF) amplifies rounding over its many steps, so there the updates are the claim."""
+    overrides, shadow = {"strategy": strategy, **SHORT.get(strategy, {})}, []
+    together, served = _run(tmp_path, "cohort", overrides, use_cohort=True, shadow=shadow)
+    alone, _ = _run(tmp_path, "alone", overrides, use_cohort=False)
+    assert len(shadow) == sum(served) == together["summary"]["total-accepted"] > 0
+    assert max(shadow) < UPDATE_TOL
+    assert together["events"] == alone["events"] and len(alone["events"]) >= 6
+    assert together["summary"]["final-version"] == alone["summary"]["final-version"] > 0
+    if strategy not in SERVER_TRAINS:
+        assert model_distance(together, alone) < MODEL_TOL
+
+
+@pytest.mark.parametrize("overrides", NOT_SERVED, ids=lambda o: o.get("local-objective", o.get("model", o["strategy"])))
+def test_a_method_with_its_own_client_side_or_objective_or_a_batchnorm_model_runs_one_at_a_time(tmp_path, overrides):
+    """Its own client side (Ditto), objective (SCAFFOLD, FedDUAL, FedProx) or BatchNorm statistics (ResNet-18): the
+    cohort serves none of its messages, and the run is byte for byte the sequential one."""
+    overrides = {**overrides, "num-rounds": 2, "local-epochs": 1}
+    together, served = _run(tmp_path, "cohort", overrides, use_cohort=True)
+    alone, _ = _run(tmp_path, "alone", overrides, use_cohort=False)
+    assert served and sum(served) == 0
+    assert digest(together["out"] / "model.pt") == digest(alone["out"] / "model.pt")
+
+
+def test_a_failing_batched_run_falls_back_to_one_message_at_a_time(tmp_path, monkeypatch):
+    def broken(members):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(cohort, "train_together", broken)
+    together, served = _run(tmp_path, "cohort", {"num-rounds": 2}, use_cohort=True)
+    alone, _ = _run(tmp_path, "alone", {"num-rounds": 2}, use_cohort=False)
+    assert served and sum(served) == 0 and together["summary"]["total-failures"] == 0
+    assert digest(together["out"] / "model.pt") == digest(alone["out"] / "model.pt")
+
+
+def test_the_key_chooses_cohort_training_on_cuda_only_unless_told(tmp_path):
+    """``auto`` is on where the nodes train on CUDA; a CPU run's default is the sequential run, byte for byte."""
+    assert cohort_training("auto") is torch.cuda.is_available()
+    assert cohort_training("on") and not cohort_training("off")
+    if torch.cuda.is_available():
+        pytest.skip("auto is on here")
+    default = run_inprocess({**JOB, "output-dir": str(tmp_path), "run-name": "default"})
+    off = run_inprocess({**JOB, "cohort-training": "off", "output-dir": str(tmp_path), "run-name": "off"})
+    on = run_inprocess({**JOB, "cohort-training": "on", "output-dir": str(tmp_path), "run-name": "on"})
+    assert digest(default / "model.pt") == digest(off / "model.pt") != digest(on / "model.pt")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on the project's machines)")
+@pytest.mark.parametrize("strategy", ["fedavg", "fedbuff", "feddle"])
+def test_on_cuda_the_cohort_gets_the_updates_of_one_client_at_a_time(tmp_path, strategy):
+    shadow: list[float] = []
+    together, served = _run(tmp_path, "cohort", {"strategy": strategy, **SHORT.get(strategy, {})}, use_cohort=True,
+                            shadow=shadow)
+    assert len(shadow) == sum(served) == together["summary"]["total-accepted"] > 0
+    assert max(shadow) < UPDATE_TOL
