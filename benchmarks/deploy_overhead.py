@@ -57,7 +57,7 @@ def measure(rounds: int, cache: bool, poll: str, workdir: Path) -> dict[str, flo
     run = {"preset": "fedavg-digits", "num-clients": 1, "clients-per-round": 1, "num-rounds": rounds,
            "output-dir": str(workdir / "runs"), "run-name": f"cache-{cache}-poll-{poll}"}
     (path,), _ = deploy_runs([run], workdir / f"home-{cache}", node_config="" if cache else 'cache-dir=""')
-    logs = sorted((path / "flower-logs").glob("supernode-*.log"))
+    logs = sorted((path / "flower-logs").glob("superexec-clientapp-*.log"))
     trains = [d for d in device_timings(logs) if d["message"] == "train"]
     return breakdown(trains, round_seconds(path))
 

@@ -193,13 +193,14 @@ def presets(family: Annotated[str, typer.Argument(help="only presets whose name 
 def certs(directory: Annotated[Path, typer.Argument(help="where the files go (kept if they exist)")],
           name: Annotated[list[str] | None, typer.Option(help="a name the SuperLink is reached by (repeatable; "
                                                                 "default: superlink, localhost, 127.0.0.1)")] = None,
-          nodes: Annotated[int, typer.Option(min=0, help="SuperNode key pairs to create")] = 0) -> None:
-    """Certificates and SuperNode keys for a secured deployment (TLS + SuperNode authentication): a CA, the
-    SuperLink's certificate and `supernode-I` key pairs (README "Deployment")."""
+          nodes: Annotated[int, typer.Option(min=0, help="SuperNode key pairs and secrets to create")] = 0) -> None:
+    """Certificates, SuperNode keys and Runtime API secrets for a secured deployment (TLS, SuperNode authentication,
+    SuperExec authentication): a CA, the SuperLink's certificate, `supernode-I` key pairs, and `superlink.secret`
+    and `supernode-I.secret` (README "Deployment")."""
     from scripts.pki import DEFAULT_NAMES, make_pki
 
     make_pki(directory, tuple(name or DEFAULT_NAMES), nodes)
-    typer.echo(f"certificates and keys in {directory}")
+    typer.echo(f"certificates, keys and secrets in {directory} (keep the keys and the secrets private)")
 
 
 SweepSpec = Annotated[Path, typer.Argument(help="a sweep spec (YAML; README \"Sweeps and tracking\")")]

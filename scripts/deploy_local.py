@@ -6,11 +6,13 @@
           hybridfl run fedasync-digits --mode deployment --supernodes 3 --latency 2=4 clock="wall" concurrency=3
 
 KEY=VALUE pairs are run-config overrides with ``flwr run -c`` syntax.
-:func:`deploy` validates the config first, then starts ``flower-superlink`` (subprocess isolation, in-memory
-state) and N ``flower-supernode`` processes on free loopback ports, node i holding partition i of N (N
-defaults to num-clients; a different --supernodes sets num-clients=N). Plain HTTP by default; ``--tls``
-serves every API over HTTPS with a private CA (scripts/pki.py, kept in <flwr-home>/pki), ``--auth`` also
-admits only SuperNodes whose keys were registered (``flwr supernode register``) before they start.
+:func:`deploy` validates the config first, then starts ``flower-superlink`` (in-memory state) and N
+``flower-supernode`` processes on free loopback ports, node i holding partition i of N (N defaults to
+num-clients; a different --supernodes sets num-clients=N), each with its own ``flower-superexec`` (Flower's
+process isolation): the SuperLink's Runtime API and each SuperNode's accept only the SuperExec that holds its
+shared secret (``<flwr-home>/pki/superlink.secret``, ``supernode-I.secret``; scripts/pki.py). Plain HTTP by
+default; ``--tls`` serves every SuperLink API over HTTPS with a private CA (kept in <flwr-home>/pki), ``--auth``
+also admits only SuperNodes whose keys were registered (``flwr supernode register``) before they start.
 It runs ``flwr run . --stream`` against them, checks that the run *finished:completed* and wrote
 ``summary.json``, and stops exactly the processes it started (logs in <run>/flower-logs/).
 Expect a few seconds per message: a SuperNode polls the SuperLink every 3 s.
@@ -34,7 +36,7 @@ from scripts.flower import (
     wait_healthy,
     write_connection,
 )
-from scripts.pki import make_pki
+from scripts.pki import make_pki, make_secrets
 from scripts.simulate import prepare
 from server_app.config import load_config
 
@@ -83,28 +85,48 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
         node_ports |= {free_port()} - {port}
     pki = make_pki(flwr_home / "pki", nodes=n if auth else 0) if tls else None
     ca = pki / "ca.crt" if pki else None
+    secret = make_secrets(flwr_home / "pki", n)
     link_security = ["--insecure"] if pki is None else [
         "--ssl-ca-certfile", str(ca), "--ssl-certfile", str(pki / "server.crt"),
         "--ssl-keyfile", str(pki / "server.key"), *(["--enable-supernode-auth"] if auth else [])]
+    to_link = ["--insecure"] if ca is None else ["--root-certificates", str(ca)]
     with ProcessGroup(prepared[0][1] / "flower-logs", env) as procs:
-        link = procs.start("superlink", ["flower-superlink", *link_security, "--host", "127.0.0.1", "--port", str(port),
+        link = procs.start("superlink", ["flower-superlink", *link_security, *runtime_api(secret["superlink"]),
+                                         "--host", "127.0.0.1", "--port", str(port),
                                          "--disable-runtime-dependency-installation"])
         wait_healthy(port, link, ca=ca)
         write_connection(flwr_home, CONNECTION, port, ca)
+        procs.start("superexec-serverapp", superexec(to_link, f"127.0.0.1:{port}", secret["superlink"]))
         for i, node_port in enumerate(sorted(node_ports)):
             node_config_i = f"partition-id={i} num-partitions={n}"
             if (latency or {}).get(i):
                 node_config_i += f" latency-s={float(latency[i])}"
             node_config_i += f" {node_config}" if node_config else ""
-            security = ["--insecure"] if ca is None else ["--root-certificates", str(ca)]
+            security = list(to_link)
             if auth:
                 register_supernode(env, CONNECTION, pki / f"supernode-{i}.pub")
                 security += ["--auth-supernode-private-key", str(pki / f"supernode-{i}")]
+            node_secret = secret[f"supernode-{i}"]
             procs.start(f"supernode-{i}", ["flower-supernode", *security, "--superlink", f"127.0.0.1:{port}",
-                                           "--port", str(node_port), "--node-config", node_config_i])
+                                           *runtime_api(node_secret), "--host", "127.0.0.1", "--port", str(node_port),
+                                           "--node-config", node_config_i])
+            # the node's ClientApp executor: plain HTTP on the device's loopback, authenticated by the node's secret
+            procs.start(f"superexec-clientapp-{i}", superexec(["--insecure"], f"127.0.0.1:{node_port}", node_secret))
         if on_started:
             on_started(procs, prepared[0][1])
         outcomes = [(flwr_run(env, CONNECTION, o, app_dir=app_dir), path) for o, path in prepared]
     for (run_id, status), path in outcomes:
         check_completed(run_id, status, path)
     return [path for _, path in outcomes], procs.pids
+
+
+def runtime_api(secret: Path) -> list[str]:
+    """A SuperLink's or SuperNode's flags for a Runtime API that only the holder of `secret` may use: the process
+    isolation (its SuperExec is started apart; in Flower's subprocess isolation the secret is ignored)."""
+    return ["--isolation", "process", "--superexec-auth-secret-file", str(secret)]
+
+
+def superexec(security: list[str], address: str, secret: Path) -> list[str]:
+    """A SuperExec serving the Runtime API at `address` with its `secret` (the ServerApp's or a node's ClientApp)."""
+    return ["flower-superexec", *security, "--runtime-api-address", address, "--superexec-auth-secret-file",
+            str(secret)]

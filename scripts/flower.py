@@ -303,3 +303,19 @@ def device_timings(logs: list[Path]) -> list[dict[str, Any]]:
     return [json.loads(m[1]) for path in logs for line in path.read_text(errors="replace").splitlines()
             if (m := DEVICE_TIMING.search(line))]
 
+
+
+def acquire_task_anonymously(address: str, ca: Path | None = None) -> httpx.Response | None:
+    """What a process that holds no secret gets when it asks the Runtime API at `address` for a task, as a SuperExec
+    does (Flower's own client and request): the HTTP response of the refusal, or None if a task was handed out."""
+    from flwr.proto.runtime_pb2 import AcquireTaskRequest
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.runtime import RuntimeHttpClient
+
+    client = RuntimeHttpClient.from_server_address(address, insecure=ca is None,
+                                                   root_certificates=None if ca is None else str(ca), interceptors=())
+    try:
+        client.AcquireTask(AcquireTaskRequest(supported_task_types=[t.value for t in TaskType]))
+    except httpx.HTTPStatusError as err:
+        return err.response
+    return None

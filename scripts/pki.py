@@ -9,16 +9,22 @@ writes into DIR:
   supernode-I, supernode-I.pub    for I < N: SuperNode I's authentication key pair (ECDSA P-384, OpenSSH
                                   format, as ``ssh-keygen -t ecdsa -b 384 -N ""`` writes it)
 
+  superlink.secret                the SuperExec shared secret of the SuperLink's Runtime API: the SuperLink and the
+                                  ServerApp's SuperExec hold it, nobody else
+  supernode-I.secret              ... of SuperNode I's Runtime API: SuperNode I and its ClientApp's SuperExec
+
 SuperLink: ``--ssl-ca-certfile ca.crt --ssl-certfile server.crt --ssl-keyfile server.key
 --enable-supernode-auth``; SuperNode I: ``--root-certificates ca.crt --auth-supernode-private-key supernode-I``,
-after ``flwr supernode register supernode-I.pub`` (see README "Deployment"). Files that exist are kept, so a
-second call adds nodes without changing the CA or the keys already registered.
+after ``flwr supernode register supernode-I.pub`` (see README "Deployment"). Each Runtime API (``--isolation
+process``) and the SuperExec that serves it: ``--superexec-auth-secret-file`` with its secret. Files that exist are
+kept, so a second call adds nodes without changing the CA, the keys already registered or the secrets in use.
 """
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import secrets
 from pathlib import Path
 
 from cryptography import x509
@@ -86,7 +92,24 @@ def make_pki(directory: Path, names: tuple[str, ...] = DEFAULT_NAMES, nodes: int
         (directory / "server.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     for i in range(nodes):
         node_key(directory, f"supernode-{i}")
+    make_secrets(directory, nodes)
     return directory
+
+
+def make_secrets(directory: Path, nodes: int) -> dict[str, Path]:
+    """The SuperExec shared secrets, one per trust boundary: ``superlink`` and ``supernode-I`` for I < `nodes`
+    (kept where they exist). Returns {boundary: path}."""
+    directory.mkdir(parents=True, exist_ok=True)
+    return {name: runtime_secret(directory, name) for name in ("superlink", *(f"supernode-{i}" for i in range(nodes)))}
+
+
+def runtime_secret(directory: Path, name: str) -> Path:
+    """`name`.secret: 32 random bytes as hex (Flower reads the file's exact bytes), readable by its owner only."""
+    path = directory / f"{name}.secret"
+    if not path.exists():
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_hex(32))
+    return path
 
 
 def node_key(directory: Path, name: str) -> Path:

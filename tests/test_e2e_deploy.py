@@ -15,7 +15,7 @@ from helpers import DITTO_TWO_NODES, flower_threads, personal_accuracies
 
 from scripts.cli import main
 from scripts.deploy_local import deploy
-from scripts.flower import device_timings, free_port
+from scripts.flower import acquire_task_anonymously, device_timings, free_port
 from scripts.pki import node_key
 from server_app.inprocess import run_inprocess
 
@@ -35,6 +35,7 @@ def test_local_deployment_with_tls_and_auth_runs_keeps_node_state_refuses_intrud
     overrides = {**DITTO_TWO_NODES, "output-dir": str(tmp_path / "out"), "run-name": "e2e"}
     home = tmp_path / "flwr-home"
     refused: dict[str, tuple[int | None, str]] = {}
+    runtime: dict[str, httpx.Response | None] = {}
 
     def start_intruders(procs, run_path: Path) -> None:
         link = next(p for name, p in procs.procs if name == "superlink")
@@ -50,6 +51,11 @@ def test_local_deployment_with_tls_and_auth_runs_keeps_node_state_refuses_intrud
         for name, proc in intruders.items():
             proc.wait(timeout=120)
             refused[name] = (proc.returncode, (run_path / "flower-logs" / f"{name}.log").read_text())
+        # a process without the Runtime APIs' secrets asks for the ServerApp's and a node's ClientApp's tasks
+        node = next(p for name, p in procs.procs if name == "supernode-0")
+        runtime[f"127.0.0.1:{port}"] = acquire_task_anonymously(f"127.0.0.1:{port}", home / "pki" / "ca.crt")
+        node_api = f"127.0.0.1:{node.args[node.args.index('--port') + 1]}"
+        runtime[node_api] = acquire_task_anonymously(node_api)
 
     with flower_threads():  # the nodes' processes and the reference compute alike
         run_path, pids = deploy(overrides, home, supernodes=2, on_started=start_intruders, tls=True, auth=True,
@@ -64,6 +70,10 @@ def test_local_deployment_with_tls_and_auth_runs_keeps_node_state_refuses_intrud
     assert summary["client-eval"]["replies"] == 2
     rounds = [json.loads(line)["round"] for line in (run_path / "metrics.jsonl").read_text().splitlines()]
     assert rounds == [0, 1, 2]
+    # Flower's SuperExec authentication refused both, and the SuperExecs that hold the secrets ran the run
+    assert len(runtime) == 2 and all(r is not None and r.status_code == 401 and "Authentication failed" in r.text
+                                     for r in runtime.values()), {a: r and (r.status_code, r.text) for a, r in
+                                                                  runtime.items()}
     code, log = refused["unregistered"]
     assert code != 0 and "Failed to activate SuperNode" in log
     assert "No SuperNode found with the given public key" in (run_path / "flower-logs" / "superlink.log").read_text()
@@ -73,11 +83,11 @@ def test_local_deployment_with_tls_and_auth_runs_keeps_node_state_refuses_intrud
     # One ClientApp process per message: each logs where its time went, and each node's partition was built
     # once for the run and kept in its cache-dir (client_app/node_cache.py).
     for i in range(2):
-        lines = device_timings([run_path / "flower-logs" / f"supernode-{i}.log"])
+        lines = device_timings([run_path / "flower-logs" / f"superexec-clientapp-{i}.log"])
         assert [d["message"] for d in lines].count("train") == 2
         assert all(d["flower-s"] > 0 and d["import-s"] > 0 for d in lines)  # a fresh process every time
     assert len(list((tmp_path / "cache").glob("run-*/partition-[01]-*.npz"))) == 2
-    # superlink + 2 supernodes + 2 intruders, plus the flower-superexec each of them starts
+    # superlink + 2 supernodes + their 3 SuperExecs + 2 intruders, and the app processes the SuperExecs start
     assert len(pids) >= 10
     assert [pid for pid in pids if running(pid)] == []
 

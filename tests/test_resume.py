@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,6 +67,51 @@ def test_unusable_checkpoints_fail_at_start_with_the_reason(tmp_path):
     torch.save({"format": 99}, out / CHECKPOINT)
     with pytest.raises(ConfigError, match="not a hybridfl checkpoint of format 1"):
         load_config({"resume": str(out)})
+
+
+
+class Gadget:
+    """What a crafted checkpoint holds: unpickling it calls `call` (here: creates the file `marker`)."""
+
+    def __init__(self, call: str, marker: Path) -> None:
+        self.call, self.marker = call, marker
+
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {self.marker}",)) if self.call == "system" else \
+            (eval, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+@pytest.mark.parametrize("call", ["system", "eval"])
+def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path, call):
+    out = run_inprocess(job(tmp_path, "a", **{"num-rounds": 2}))
+    state, marker = read_checkpoint(out), tmp_path / "ran"
+    state["strategy"]["extra"] = Gadget(call, marker)
+    write_checkpoint(out, state)
+    for start in (lambda: load_config({"resume": str(out)}), lambda: run_inprocess({"resume": str(out)})):
+        with pytest.raises(ConfigError, match=f"would load '([a-z]+\\.)?{call}', which no hybridfl checkpoint holds: "
+                                              "refused without running anything") as info:
+            start()
+        assert info.value.key == "resume" and not marker.exists()
+    torch.load(out / CHECKPOINT, weights_only=False)  # the gadget is live: loaded as a pickle, it runs
+    assert marker.exists()
+
+
+def test_truncated_and_foreign_checkpoints_are_refused_saying_what_they_are(tmp_path):
+    out = run_inprocess(job(tmp_path, "a", **{"num-rounds": 2}))
+    good = (out / CHECKPOINT).read_bytes()
+    cut, foreign = "unreadable, corrupt or truncated", r"not a hybridfl checkpoint of format 1 \(found a "
+    files = [(good[:-1], cut), (good[:200], cut), (b"", cut),
+             ((out / "model.pt").read_bytes(), foreign + "dict without a format tag"), ([1, 2], foreign + r"list\)")]
+    for content, why in files:
+        if isinstance(content, bytes):
+            (out / CHECKPOINT).write_bytes(content)
+        else:
+            torch.save(content, out / CHECKPOINT)
+        with pytest.raises(ConfigError, match=why) as info:
+            load_config({"resume": str(out)})
+        assert info.value.key == "resume"
+    (out / CHECKPOINT).write_bytes(good)  # the file it was: resumable
+    assert load_config({"resume": str(out)}).resume == str(out)
 
 
 def test_a_finished_run_extended_equals_the_longer_run(tmp_path):
