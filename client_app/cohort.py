@@ -43,7 +43,9 @@ def served(task: LocalTask) -> bool:
     if type(client_side(task.config)) is not ClientSide or task.recipe.local_objective != "cross-entropy":
         return False
     return not any(isinstance(m, nn.modules.batchnorm._BatchNorm)
-                   or (isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0) for m in task.model.modules())
+                   or (isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0)
+                   or (isinstance(getattr(m, "dropout", None), float) and m.dropout > 0)  # attention's own
+                   for m in task.model.modules())
 
 
 @dataclass
