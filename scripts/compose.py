@@ -1,13 +1,15 @@
 """docker/compose.yml, run: with Docker (``demo``), or natively on loopback as its "twin" (``twin``).
 
-    python -m scripts.compose demo [--tls] [--gpu] [--host-network] [KEY=VALUE ...]  # needs a Docker engine
-    python -m scripts.compose twin [--tls] [--workdir DIR] [KEY=VALUE ...]
-    python -m scripts.compose check [--tls] [--gpu] [--host-network]                # the files' structure only
+    python -m scripts.compose demo [--plain-http] [--gpu] [--host-network] [KEY=VALUE ...]  # needs a Docker engine
+    python -m scripts.compose twin [--plain-http] [--workdir DIR] [KEY=VALUE ...]
+    python -m scripts.compose check [--plain-http] [--gpu] [--host-network]                # the files' structure
 
-The twin reads the compose files (``compose.yml``, plus ``with-tls.yml`` with --tls), checks their
+The deployment is secure by default (docker/compose.yml: TLS, SuperNode authentication, a SuperExec secret per
+Runtime API); ``--plain-http`` adds ``plain-http.yml`` and warns. The twin reads the compose files, checks their
 structure, and starts every service's exact command as a local process, in ``depends_on`` order, waiting
 for each dependency's own healthcheck command: a service name in an address becomes 127.0.0.1, each
-(service, container port) gets a free port, ``--host 0.0.0.0`` becomes 127.0.0.1, each volume becomes a
+(service, container port) gets a free port (a service in another's network namespace, ``network_mode:
+service:X``, shares X's), ``--host 0.0.0.0`` becomes 127.0.0.1, each volume becomes a
 folder under the workdir (bind mounts: their source), and every service gets its own FLWR_HOME as every
 container has its own HOME. SuperNodes started with ``--auth-supernode-private-key K`` are registered
 (``K.pub``) before they start, as the demo does. Then both modes run the same job with ``flwr run`` and
@@ -62,8 +64,13 @@ class ComposeError(ValueError):
     """A compose file that cannot be run; the message names the service and what is wrong."""
 
 
-def compose_files(tls: bool = False, gpu: bool = False, host: bool = False) -> list[Path]:
-    return [COMPOSE_DIR / "compose.yml", *([COMPOSE_DIR / "with-tls.yml"] if tls else []),
+PLAIN_HTTP_WARNING = ("warning: --plain-http: no TLS and no SuperNode authentication; anyone who reaches the "
+                      "SuperLink's port can join as a SuperNode or read the traffic. Use it on a closed test bench "
+                      "only.")
+
+
+def compose_files(plain_http: bool = False, gpu: bool = False, host: bool = False) -> list[Path]:
+    return [COMPOSE_DIR / "compose.yml", *([COMPOSE_DIR / "plain-http.yml"] if plain_http else []),
             *([COMPOSE_DIR / "compose.gpu.yml"] if gpu else []), *([COMPOSE_DIR / "host-network.yml"] if host else [])]
 
 
@@ -274,11 +281,14 @@ class Twin:
         return sorted(out, key=lambda tp: -len(tp[0]))
 
     def text(self, service: str, value: str) -> str:
-        """`value` as seen on this machine: service addresses, loopback ports and container paths mapped."""
+        """`value` as seen on this machine: service addresses, loopback ports (those of the service whose network
+        namespace it shares) and container paths mapped."""
         services = self.compose["services"]
+        mode = str(services[service].get("network_mode", ""))
+        own = mode.removeprefix("service:") if mode.startswith("service:") else service
         value = re.sub(r"\b([A-Za-z0-9_.-]+):(\d+)\b", lambda m: (
             f"127.0.0.1:{self.port(m[1], int(m[2]))}" if m[1] in services else
-            f"127.0.0.1:{self.port(service, int(m[2]))}" if m[1] in ("127.0.0.1", "localhost", "0.0.0.0") else m[0]),
+            f"127.0.0.1:{self.port(own, int(m[2]))}" if m[1] in ("127.0.0.1", "localhost", "0.0.0.0") else m[0]),
             value)
         for target, host in self.paths(service):
             value = re.sub(rf"{re.escape(target)}(?=/|\b|$)", str(host), value)
@@ -333,14 +343,13 @@ def twin(files: list[Path], jobs: list[dict[str, Any]], workdir: Path,
     compose = load(files)
     t = Twin(compose, workdir)
     env = flower_env(workdir / "home" / "cli")
-    ca = None
-    if "--insecure" not in compose["services"][SUPERLINK]["command"]:
-        ca = make_pki(t.certs, nodes=len(supernodes(compose))) / "ca.crt"
     run_configs = []
     for i, overrides in enumerate(jobs):
         run_config = job(compose, overrides)
         run_configs.append({**run_config, "output-dir": t.text(SERVERAPP, run_config["output-dir"]),
                             "run-name": f"{run_config['run-name']}-{i}"})
+    make_pki(t.certs, nodes=len(supernodes(compose)))  # once every job is known to be valid
+    ca = None if "--insecure" in compose["services"][SUPERLINK]["command"] else t.certs / "ca.crt"
     with ProcessGroup(workdir / "logs", env) as procs:
         for name in start_order(compose["services"]):
             svc = compose["services"][name]
@@ -365,15 +374,17 @@ def twin(files: list[Path], jobs: list[dict[str, Any]], workdir: Path,
     return paths, procs.pids
 
 
-def demo(files: list[Path], overrides: dict[str, Any], tls: bool) -> Path:
-    """``docker compose up`` the files (building the app image), with --tls first the SuperLink alone to
-    register the SuperNodes' keys; run the job; copy its outputs to ./outputs/compose. Needs a Docker engine."""
+def demo(files: list[Path], overrides: dict[str, Any]) -> Path:
+    """``docker compose up`` the files (building the app image): the certificates, keys and secrets made, the
+    SuperLink alone first to register the SuperNodes' keys; run the job; copy its outputs to ./outputs/compose.
+    Needs a Docker engine."""
     compose = load(files)
     flwr_home = PROJECT_DIR / ".flwr-compose"
     env = flower_env(flwr_home)
     dc = ["docker", "compose", *(a for f in files for a in ("-f", str(f)))]
-    ca = make_pki(CERTS, nodes=len(supernodes(compose))) / "ca.crt" if tls else None
-    if tls and os.geteuid() == 0:  # the images run as app (UID 49999): let them read their keys
+    make_pki(CERTS, nodes=len(supernodes(compose)))
+    ca = None if "--insecure" in compose["services"][SUPERLINK]["command"] else CERTS / "ca.crt"
+    if os.geteuid() == 0:  # the images run as app (UID 49999): let them read their keys and secrets
         for f in CERTS.iterdir():
             os.chown(f, IMAGE_UID, IMAGE_UID)
     write_connection(flwr_home, CONNECTION, 8000, ca)
@@ -400,14 +411,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["demo", "twin", "check"])
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    parser.add_argument("--tls", action="store_true", help="add docker/with-tls.yml (TLS + SuperNode auth)")
+    parser.add_argument("--plain-http", action="store_true",
+                        help="add docker/plain-http.yml: no TLS, no SuperNode authentication (a closed test bench)")
     parser.add_argument("--gpu", action="store_true", help="add docker/compose.gpu.yml (CUDA ServerApp)")
     parser.add_argument("--host-network", action="store_true",
                         help="add docker/host-network.yml (no Docker network: every container on the host's)")
     parser.add_argument("--workdir", type=Path, default=PROJECT_DIR / "outputs" / "compose-twin",
                         help="twin: folder for volumes, FLWR_HOMEs and logs")
     args = parser.parse_intermixed_args(argv)
-    files = compose_files(args.tls, args.gpu, args.host_network)
+    files = compose_files(args.plain_http, args.gpu, args.host_network)
+    if args.plain_http:
+        print(PLAIN_HTTP_WARNING, file=sys.stderr)
     try:
         compose = load(files)
     except ComposeError as err:
@@ -419,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     overrides = parse_overrides(args.overrides)
     if args.mode == "demo":
-        return run_and_report(lambda: demo(files, overrides, args.tls))
+        return run_and_report(lambda: demo(files, overrides))
     return run_and_report(lambda: twin(files, [overrides], args.workdir.resolve())[0][0])
 
 if __name__ == "__main__":

@@ -14,11 +14,13 @@
    official ``flwr/*`` images when Docker Hub answers, otherwise stand-ins (docker/Dockerfile.flower) on a Debian
    base made by debootstrap with python3 baked in; the app image from docker/Dockerfile. Python wheels come from
    a wheelhouse made on the host (docker/wheels/, from pip's own sources). The log says which images it used.
-4. Through ``docker compose`` itself: (a) the main job end to end, its summary.json copied out, (b) with the
-   SuperLink container killed a third of the way in and started again: the run completes with every step (its
-   state is in SQLite on its volume); (c) with-tls.yml: the registered SuperNodes train, an unregistered key is
-   refused by the SuperLink, a
-   plain-HTTP SuperNode is refused. compose.gpu.yml is validated by ``docker compose config``.
+4. Through ``docker compose`` itself, on the files' secure default (TLS, SuperNode authentication, a SuperExec
+   secret per Runtime API): (a) the main job end to end, its summary.json copied out, (b) with the SuperLink
+   container killed a third of the way in and started again: the run completes with every step (its state is in
+   SQLite on its volume); (c) the registered SuperNodes train, an unregistered key is refused by the SuperLink, a
+   plain-HTTP SuperNode is refused, and a process without the secrets is refused a task by the SuperLink's and a
+   SuperNode's Runtime API (Flower's 401). compose.gpu.yml and plain-http.yml are validated by ``docker compose
+   config`` (tests/test_compose.py compares them with the twin's reading, which runs plain-http.yml natively).
 
 Where no engine can start here (not root, no overlay or cgroups), it says why and skips (exit 0), or fails with
 --require (CI). Outputs: <workdir>/ (default outputs/compose-test/): the runs, each service's log, timings.json,
@@ -49,6 +51,7 @@ from typing import Any
 from scripts.compose import COMPOSE_DIR, CONNECTION, IMAGE_UID, SERVERAPP, SUPERLINK, auth_key, job, load, supernodes
 from scripts.flower import (
     PROJECT_DIR,
+    acquire_task_anonymously,
     alive,
     check_completed,
     device_timings,
@@ -248,21 +251,21 @@ def build_images(engine: Engine, version: str, wheels_ready: Callable[[], Any]) 
 # -- 4. the deployments -----------------------------------------------------------------------------------------
 
 class Deployment:
-    """docker/'s compose files (+ with-tls.yml, + host-network.yml) copied into <workdir>/docker, so that their
-    relative paths (certificates, ../data) land in `workdir`, brought up with ``docker compose``."""
+    """docker/'s compose files (+ host-network.yml) copied into <workdir>/docker, so that their relative paths
+    (certificates, keys, secrets, ../data) land in `workdir`, brought up with ``docker compose``."""
 
-    def __init__(self, engine: Engine, workdir: Path, version: str, tls: bool) -> None:
-        self.dir, self.tls = workdir / "docker", tls
+    def __init__(self, engine: Engine, workdir: Path, version: str) -> None:
+        self.dir = workdir / "docker"
         self.dir.mkdir(parents=True, exist_ok=True)
-        for name in ("compose.yml", "with-tls.yml", "host-network.yml", "compose.gpu.yml"):
+        for name in ("compose.yml", "plain-http.yml", "host-network.yml", "compose.gpu.yml"):
             shutil.copy2(COMPOSE_DIR / name, self.dir / name)
-        names = ["compose.yml", *(["with-tls.yml"] if tls else []), "host-network.yml"]
+        names = ["compose.yml", "host-network.yml"]
         self.compose_argv = [DOCKER, "compose", *(a for n in names for a in ("-f", str(self.dir / n)))]
         self.env = {**engine.env, "FLWR_VERSION": version}
         self.spec = load([COMPOSE_DIR / n for n in names])
         self.flwr_home = workdir / "flwr-home"
         self.cli_env = flower_env(self.flwr_home)
-        self.ca = make_pki(self.certs, nodes=len(supernodes(self.spec))) / "ca.crt" if tls else None
+        self.ca = make_pki(self.certs, nodes=len(supernodes(self.spec))) / "ca.crt"
         write_connection(self.flwr_home, CONNECTION, 8000, self.ca)
 
     @property
@@ -273,16 +276,15 @@ class Deployment:
         return sh([*self.compose_argv, *args], env=self.env, **kw)
 
     def up(self) -> float:
-        """Every service up and healthy (with TLS: the SuperLink first, then the SuperNodes' keys registered);
+        """Every service up and healthy: the SuperLink first, then the SuperNodes' keys registered, then the rest;
         returns the seconds it took."""
         start = time.monotonic()
-        if self.tls:
-            for f in self.certs.iterdir():  # the images' user reads its certificate and keys
-                os.chown(f, IMAGE_UID, IMAGE_UID)
-            self.compose("up", "-d", "--no-build", "--pull", "never", "--wait", SUPERLINK, timeout=300)
-            for node in supernodes(self.spec):
-                key = auth_key(self.spec["services"][node]["command"])
-                register_supernode(self.cli_env, CONNECTION, self.certs / f"{Path(key).name}.pub")
+        for f in self.certs.iterdir():  # the images' user reads its certificate, keys and secrets
+            os.chown(f, IMAGE_UID, IMAGE_UID)
+        self.compose("up", "-d", "--no-build", "--pull", "never", "--wait", SUPERLINK, timeout=300)
+        for node in supernodes(self.spec):
+            key = auth_key(self.spec["services"][node]["command"])
+            register_supernode(self.cli_env, CONNECTION, self.certs / f"{Path(key).name}.pub")
         self.compose("up", "-d", "--no-build", "--pull", "never", "--wait", timeout=300)
         return time.monotonic() - start
 
@@ -355,10 +357,13 @@ def check(condition: bool, what: str) -> None:
     log(f"ok: {what}")
 
 
-def plain_deployment(engine: Engine, workdir: Path, version: str, timings: dict[str, Any]) -> None:
-    """(a) the main job end to end, (b) through a SuperLink crash: its container is killed a third of the way in
-    and started again; the ClientApps' ``device timing`` lines (benchmarks/deploy_overhead.py) into `timings`."""
-    dep = Deployment(engine, workdir / "plain", version, tls=False)
+def secure_deployment(engine: Engine, workdir: Path, version: str, timings: dict[str, Any]) -> None:
+    """The files' secure default: (a) the main job end to end, (b) through a SuperLink crash: its container is
+    killed a third of the way in and started again; (c) the registered SuperNodes are admitted, an unregistered
+    key and a plain-HTTP SuperNode are refused, and a process without the secrets is refused a task by the
+    SuperLink's and a SuperNode's Runtime API; the ClientApps' ``device timing`` lines
+    (benchmarks/deploy_overhead.py) into `timings`."""
+    dep = Deployment(engine, workdir / "secure", version)
     try:
         timings["time-to-healthy-s"] = dep.up()
         owner = sh(["stat", "-c", "%u", str(dep.volume("superlink-state")), str(dep.volume("outputs"))],
@@ -383,56 +388,53 @@ def plain_deployment(engine: Engine, workdir: Path, version: str, timings: dict[
               f"{main['final-version']} versions from {main['total-accepted']} updates, test accuracy "
               f"{main['final-test-accuracy']:.4f}, summary.json copied to {run}")
         check(main["final-test-accuracy"] > 0.8, "(a) the main job learned (test accuracy > 0.8)")
+        intruders(dep)
     finally:
-        dep.down(workdir / "plain" / "logs")
-    trains = [d for d in device_timings(sorted((workdir / "plain" / "logs").glob("superexec-clientapp-*.log")))
+        dep.down(workdir / "secure" / "logs")
+    trains = [d for d in device_timings(sorted((workdir / "secure" / "logs").glob("superexec-clientapp-*.log")))
               if d["message"] == "train"]
     timings["device-per-train-message-s"] = {  # Feddle-ID's steps overlap: no round to split Flower's rest from
         part: round(sum(d.get(part, 0.0) for d in trains) / max(len(trains), 1), 3)
         for part in ("flower-s", "import-s", "data-s", "model-s", "work-s", "handler-s")} | {"messages": len(trains)}
 
 
-def tls_deployment(engine: Engine, workdir: Path, version: str, timings: dict[str, Any]) -> None:
-    """(c) TLS + SuperNode authentication: the registered SuperNodes train; an unregistered key and a
-    plain-HTTP SuperNode are refused."""
-    dep = Deployment(engine, workdir / "tls", version, tls=True)
-    try:
-        timings["tls-time-to-healthy-s"] = dep.up()
-        run, timings["tls-job-s"] = dep.run({"preset": "fedavg-digits", "num-rounds": 1, "run-name": "compose-tls"},
-                                            workdir / "runs")
-        activated = set(re.findall(r"Activated node_id=(\d+)", dep.logs(SUPERLINK)))
-        check(summary(run)["total-accepted"] == 2 and len(activated) == 2,
-              f"(c) the two registered SuperNodes were admitted ({sorted(activated)}) and trained "
-              f"({summary(run)['total-accepted']} updates accepted)")
+def intruders(dep: Deployment) -> None:
+    """(c) Who is kept out of a running deployment: an unregistered SuperNode key, a plain-HTTP SuperNode, and a
+    process that asks the Runtime APIs for a task without their secrets."""
+    activated = set(re.findall(r"Activated node_id=(\d+)", dep.logs(SUPERLINK)))
+    check(len(activated) == 2, f"(c) the two registered SuperNodes were admitted ({sorted(activated)})")
+    template = dep.spec["services"]["supernode-1"]["command"]
+    node_cmd = list(template)
+    node_cmd[node_cmd.index("--port") + 1] = "9096"
+    key = node_key(dep.certs, "supernode-unregistered")
+    os.chown(key, IMAGE_UID, IMAGE_UID)
+    node_cmd[node_cmd.index("--auth-supernode-private-key") + 1] = "/app/certs/supernode-unregistered"
+    rogue = dep.compose("run", "--rm", "--no-deps", "-v", f"{key}:/app/certs/supernode-unregistered:ro",
+                        "supernode-1", "--max-retries", "1", "--max-wait-time", "20", *node_cmd, check=False,
+                        timeout=120)
+    check(rogue.returncode != 0 and "No SuperNode found with the given public key" in dep.logs(SUPERLINK),
+          "(c) an unregistered key is refused: the SuperLink says 'No SuperNode found with the given public key'")
 
-        template = dep.spec["services"]["supernode-1"]["command"]
-        node_cmd = list(template)
-        node_cmd[node_cmd.index("--port") + 1] = "9096"
-        key = node_key(dep.certs, "supernode-unregistered")
-        os.chown(key, IMAGE_UID, IMAGE_UID)
-        node_cmd[node_cmd.index("--auth-supernode-private-key") + 1] = "/app/certs/supernode-unregistered"
-        rogue = dep.compose("run", "--rm", "--no-deps", "-v", f"{key}:/app/certs/supernode-unregistered:ro",
-                            "supernode-1", "--max-retries", "1", "--max-wait-time", "20", *node_cmd, check=False,
-                            timeout=120)
-        check(rogue.returncode != 0 and "No SuperNode found with the given public key" in dep.logs(SUPERLINK),
-              "(c) an unregistered key is refused: the SuperLink says 'No SuperNode found with the given public key'")
+    plain_cmd = ["--insecure", "--superlink", "superlink:8000", "--max-retries", "1", "--max-wait-time", "20",
+                 "--isolation", "process", "--host", "127.0.0.1", "--port", "9097",
+                 "--node-config", "partition-id=1 num-partitions=2"]
+    plain = dep.compose("run", "--rm", "--no-deps", "supernode-1", *plain_cmd, check=False, timeout=120)
+    output = plain.stdout + plain.stderr
+    after = set(re.findall(r"Activated node_id=(\d+)", dep.logs(SUPERLINK)))
+    check(plain.returncode != 0 and "Exit Code: 305" in output and after == activated,
+          "(c) a plain-HTTP SuperNode is refused (exit code 305, "
+          f"{'disconnected' if 'disconnected' in output else 'no connection'}); no node was admitted")
 
-        plain_cmd = ["--insecure", "--superlink", "superlink:8000", "--max-retries", "1", "--max-wait-time", "20",
-                     "--isolation", "process", "--host", "0.0.0.0", "--port", "9097",
-                     "--node-config", "partition-id=1 num-partitions=2"]
-        plain = dep.compose("run", "--rm", "--no-deps", "supernode-1", *plain_cmd, check=False, timeout=120)
-        output = plain.stdout + plain.stderr
-        after = set(re.findall(r"Activated node_id=(\d+)", dep.logs(SUPERLINK)))
-        check(plain.returncode != 0 and "Exit Code: 305" in output and after == activated,
-              "(c) a plain-HTTP SuperNode is refused (exit code 305, "
-              f"{'disconnected' if 'disconnected' in output else 'no connection'}); no node was admitted")
-    finally:
-        dep.down(workdir / "tls" / "logs")
+    for what, address, ca in (("the SuperLink's", "127.0.0.1:8000", dep.ca), ("supernode-0's", "127.0.0.1:9094", None)):
+        refused = acquire_task_anonymously(address, ca)
+        check(refused is not None and refused.status_code == 401 and "Authentication failed" in refused.text,
+              f"(c) {what} Runtime API refuses a task to a process without its secret "
+              f"({None if refused is None else refused.status_code}: {None if refused is None else refused.text})")
 
 
 def gpu_config(engine: Engine, version: str) -> None:
     """compose.gpu.yml: validated by compose; it builds the same Dockerfile with PyPI's (CUDA) torch."""
-    argv = [DOCKER, "compose", *(a for n in ("compose.yml", "with-tls.yml", "compose.gpu.yml")
+    argv = [DOCKER, "compose", *(a for n in ("compose.yml", "compose.gpu.yml")
                                   for a in ("-f", str(COMPOSE_DIR / n))), "config", "--format", "json"]
     config = json.loads(sh(argv, env={**engine.env, "FLWR_VERSION": version}).stdout)
     server = config["services"][SERVERAPP]
@@ -503,8 +505,7 @@ def compose_test(workdir: Path, keep_engine: bool = False) -> dict[str, Any]:
         for image, source in timings["images"].items():
             log(f"image {image}: {source}")
         gpu_config(engine, version)
-        plain_deployment(engine, workdir, version, timings)
-        tls_deployment(engine, workdir, version, timings)
+        secure_deployment(engine, workdir, version, timings)
         (workdir / PASSED).write_text(json.dumps({"tree": tree}) + "\n")
     finally:
         if not keep_engine:

@@ -33,7 +33,7 @@ from scripts.compose import (
     twin,
     validate,
 )
-from scripts.flower import PROJECT_DIR
+from scripts.flower import PROJECT_DIR, acquire_task_anonymously
 from server_app.inprocess import run_inprocess
 
 # The twin stands in for the real engine; CI runs `make compose-test` first, on the same files and code.
@@ -41,21 +41,45 @@ TWIN = pytest.mark.skipif(compose_engine.passed_here(), reason="make compose-tes
                           "for this very tree (outputs/compose-test/passed.json)")
 
 
-def test_the_compose_files_load_and_merge_as_compose_does() -> None:
-    plain, tls = load(compose_files()), load(compose_files(tls=True))
-    assert start_order(plain["services"])[:2] == ["volume-owner", "superlink"]
-    assert supernodes(plain) == ["supernode-0", "supernode-1"]
-    link, link_tls = plain["services"]["superlink"], tls["services"]["superlink"]
-    assert "--insecure" in link["command"] and "--insecure" not in link_tls["command"]
-    assert {"--enable-supernode-auth", "--database"} <= set(link_tls["command"])
-    # volumes add up (state + certificates), the healthcheck test is replaced, the rest is kept
-    assert "superlink-state:/app/state" in link_tls["volumes"] and len(link_tls["volumes"]) == 4
-    assert "https://localhost:8000/health" in link_tls["healthcheck"]["test"][-1]
-    assert link_tls["healthcheck"]["retries"] == link["healthcheck"]["retries"]
-    gpu = load(compose_files(tls=True, gpu=True))["services"]["superexec-serverapp"]
+def secret_of(command: list[str]) -> str:
+    return command[command.index("--superexec-auth-secret-file") + 1]
+
+
+def test_the_compose_files_are_secure_by_default_and_plain_http_only_when_asked() -> None:
+    secure, plain = load(compose_files()), load(compose_files(plain_http=True))
+    assert start_order(secure["services"])[:2] == ["volume-owner", "superlink"]
+    assert supernodes(secure) == ["supernode-0", "supernode-1"]
+    services = secure["services"]
+    link, link_plain = services["superlink"], plain["services"]["superlink"]
+    assert "--insecure" not in link["command"] and "--insecure" in link_plain["command"]
+    assert {"--enable-supernode-auth", "--database", "--ssl-certfile"} <= set(link["command"])
+    assert "https://localhost:8000/health" in link["healthcheck"]["test"][-1]
+    # every Runtime API and its SuperExec share one secret per trust boundary, in TLS and plain HTTP alike
+    for compose in (secure, plain):
+        s = compose["services"]
+        pairs = [("superlink", "superexec-serverapp"), ("supernode-0", "superexec-clientapp-0"),
+                 ("supernode-1", "superexec-clientapp-1")]
+        assert all(secret_of(s[a]["command"]) == secret_of(s[b]["command"]) for a, b in pairs)
+        assert len({secret_of(s[a]["command"]) for a, _ in pairs}) == 3
+        assert all(s[a]["command"][s[a]["command"].index("--isolation") + 1] == "process" for a, _ in pairs)
+    # a SuperNode's Runtime API is on its own loopback, reached by its SuperExec through its network namespace
+    for i in range(2):
+        node, executor = services[f"supernode-{i}"], services[f"superexec-clientapp-{i}"]
+        assert node["command"][node["command"].index("--host") + 1] == "127.0.0.1"
+        assert executor["network_mode"] == f"service:supernode-{i}"
+        assert executor["command"][executor["command"].index("--runtime-api-address") + 1].startswith("127.0.0.1:")
+    # a secret is mounted read-only, only into the two containers that share it
+    mounts = {n: [v for v in svc.get("volumes", []) if v.endswith(".secret:ro")] for n, svc in services.items()}
+    assert mounts["superlink"] == mounts["superexec-serverapp"] == [
+        "./certs/superlink.secret:/app/certs/superlink.secret:ro"]
+    for i in range(2):
+        own = [f"./certs/supernode-{i}.secret:/app/certs/supernode-{i}.secret:ro"]
+        assert mounts[f"supernode-{i}"] == mounts[f"superexec-clientapp-{i}"] == own
+    assert mounts["volume-owner"] == []
+    gpu = load(compose_files(gpu=True))["services"]["superexec-serverapp"]
     assert gpu["image"].endswith("-cuda")
     assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
-    assert "--root-certificates" in gpu["command"]  # the TLS override still applies under the GPU one
+    assert "--root-certificates" in gpu["command"]  # TLS still applies under the GPU override
 
 
 def test_merge_replaces_a_volume_at_the_same_container_path() -> None:
@@ -87,7 +111,7 @@ def test_a_broken_compose_file_is_refused_naming_the_service(edit, says) -> None
 
 
 def test_the_twin_maps_addresses_ports_and_paths(tmp_path: Path) -> None:
-    t = Twin(load(compose_files(tls=True)), tmp_path)
+    t = Twin(load(compose_files()), tmp_path)
     node = t.command("supernode-1")
     link_port, node_port = t.port("superlink", 8000), t.port("supernode-1", 9095)
     assert node[0] == "flower-supernode"
@@ -97,8 +121,9 @@ def test_the_twin_maps_addresses_ports_and_paths(tmp_path: Path) -> None:
     assert node[node.index("--auth-supernode-private-key") + 1] == str(tmp_path / "certs" / "supernode-1")
     assert node[node.index("--node-config") + 1] == "partition-id=1 num-partitions=2"
     assert t.port("supernode-0", 9094) not in (link_port, node_port)
-    client = t.command("superexec-clientapp-1")
+    client = t.command("superexec-clientapp-1")  # in supernode-1's network namespace: its loopback port
     assert client[0] == "flower-superexec" and f"127.0.0.1:{node_port}" in client
+    assert secret_of(client) == secret_of(node) == str(tmp_path / "certs" / "supernode-1.secret")
     link = t.command("superlink")
     assert link[link.index("--database") + 1] == str(tmp_path / "volumes" / "superlink-state" / "superlink.db")
     assert link[link.index("--ssl-keyfile") + 1] == str(tmp_path / "certs" / "server.key")
@@ -147,12 +172,12 @@ def _compose_cli() -> list[str]:
     pytest.skip(reason)
 
 
-@pytest.mark.parametrize("tls, gpu, host", [(False, False, False), (True, False, False), (True, True, False),
-                                            (False, False, True), (True, False, True)])
-def test_the_twin_reads_the_files_as_compose_itself_does(tls, gpu, host) -> None:
+@pytest.mark.parametrize("plain, gpu, host", [(False, False, False), (True, False, False), (False, True, False),
+                                              (True, False, True), (False, False, True)])
+def test_the_twin_reads_the_files_as_compose_itself_does(plain, gpu, host) -> None:
     """`docker compose config` (compose's own parser and merge, no engine needed) against the twin's load: the
     same services, images, commands, entrypoints, container paths, dependencies and healthchecks."""
-    files = compose_files(tls, gpu, host)
+    files = compose_files(plain, gpu, host)
     out = subprocess.run([*_compose_cli(), *(a for f in files for a in ("-f", str(f))), "config", "--format", "json"],
                          capture_output=True, text=True, check=True, env={**os.environ, "FLWR_VERSION": "1.42.0"})
     theirs = json.loads(out.stdout)["services"]
@@ -170,6 +195,8 @@ def test_the_twin_reads_the_files_as_compose_itself_does(tls, gpu, host) -> None
         assert len(their.get("ports") or []) == len(svc.get("ports") or []), name  # host-network.yml's !reset
         if host:
             assert their["network_mode"] == "host" and not their.get("ports"), name
+        else:
+            assert their.get("network_mode") == svc.get("network_mode"), name
             assert {"superlink=127.0.0.1", "supernode-0=127.0.0.1", "supernode-1=127.0.0.1"} <= set(
                 their["extra_hosts"]), name
 
@@ -178,7 +205,8 @@ def test_a_bad_run_config_fails_before_any_service_starts(tmp_path: Path, capsys
     assert main(["twin", "--workdir", str(tmp_path / "twin"), "num-rounds=0"]) == 2
     assert "'num-rounds' = 0" in capsys.readouterr().err
     assert not (tmp_path / "twin").exists()
-    assert main(["check", "--tls", "--gpu"]) == 0
+    assert main(["check", "--plain-http", "--gpu"]) == 0
+    assert "warning: --plain-http" in capsys.readouterr().err
 
 
 def test_the_job_fills_every_buffer_only_where_the_strategy_has_one() -> None:
@@ -196,12 +224,20 @@ def _summary(path: Path) -> dict:
 @pytest.mark.e2e
 @TWIN
 def test_the_compose_twin_runs_fedavg_through_a_superlink_restart_then_an_asynchronous_strategy(tmp_path: Path) -> None:
-    """compose.yml natively. During the FedAvg run the SuperLink is killed after the first evaluated round and
-    started again with the same command (its state in SQLite on the volume): the SuperNodes and the ServerApp
-    reconnect and the run finishes with every update. Then a wall-clock FedAsync run on the same services."""
+    """compose.yml natively, its secure default (TLS, SuperNode authentication, the Runtime APIs' secrets): a process
+    without the secrets is refused a task by the SuperLink and by a SuperNode (Flower's 401). During the FedAvg run
+    the SuperLink is killed after the first evaluated round and started again with the same command (its state in
+    SQLite on the volume): the SuperNodes and the ServerApp reconnect and the run finishes with every update. Then a
+    wall-clock FedAsync run on the same services."""
     restarted: list[float] = []
+    anonymous: dict[str, object] = {}
 
     def restart_superlink_mid_run(procs, t: Twin) -> None:
+        for service, port in (("superlink", 8000), ("supernode-0", 9094)):
+            address = f"127.0.0.1:{t.port(service, port)}"
+            anonymous[service] = acquire_task_anonymously(address, t.certs / "ca.crt" if service == "superlink"
+                                                          else None)
+
         def watch() -> None:
             deadline = time.monotonic() + 900
             while time.monotonic() < deadline:
@@ -219,6 +255,8 @@ def test_the_compose_twin_runs_fedavg_through_a_superlink_restart_then_an_asynch
     jobs = [{"preset": "fedavg-digits", "num-rounds": 3},
             {"preset": "fedavg-digits", "num-rounds": 3, "strategy": "fedasync", "clock": "wall", "concurrency": 2}]
     (sync, asyn), pids = twin(compose_files(), jobs, tmp_path, restart_superlink_mid_run)  # raises unless completed
+    assert all(r is not None and r.status_code == 401 and "Authentication failed" in r.text
+               for r in anonymous.values()) and len(anonymous) == 2, anonymous
     assert restarted, "the SuperLink was not restarted during the first run"
     assert sync.parent == asyn.parent == tmp_path / "volumes" / "outputs"
     assert _summary(sync)["final-version"] == 3 and _summary(sync)["total-accepted"] == 6
@@ -232,17 +270,17 @@ def test_the_compose_twin_runs_fedavg_through_a_superlink_restart_then_an_asynch
 
 @pytest.mark.e2e
 @TWIN
-def test_the_tls_compose_twin_admits_the_registered_supernodes(tmp_path: Path) -> None:
-    """with-tls.yml natively, running the demo's job (Feddle-ID, shortened): the virtual clock's run, the same
-    arrivals and versions as in-process."""
-    (run,), _ = twin(compose_files(tls=True), [{"num-rounds": 10}], tmp_path)
+def test_the_plain_http_compose_twin_runs_the_demo_job_as_in_process(tmp_path: Path) -> None:
+    """plain-http.yml natively (the Runtime APIs keep their secrets), running the demo's job (Feddle-ID,
+    shortened): the virtual clock's run, the same arrivals and versions as in-process."""
+    (run,), _ = twin(compose_files(plain_http=True), [{"num-rounds": 10}], tmp_path)
     reference = run_inprocess({**job(load(compose_files()), {"num-rounds": 10}), "output-dir": str(tmp_path / "ref")})
     summary = _summary(run)
     assert summary["strategy"]["strategy"] == "feddle" and summary["final-version"] >= 1
     for key in ("final-version", "total-accepted"):
         assert summary[key] == _summary(reference)[key]
     link_log = (tmp_path / "logs" / "superlink.log").read_text()
-    assert "Uvicorn running on https://" in link_log
+    assert "Uvicorn running on http://" in link_log
     assert len(set(re.findall(r"Activated node_id=(\d+)", link_log))) == 2
 
 
