@@ -4,22 +4,34 @@ It holds the step it was written after, the run's configuration, the model layou
 whole state, the runner's (its random generators, the dispatches in flight with the payloads they
 carry, each client's dispatch count), the recorder's position in metrics.jsonl / events.jsonl and
 torch's global generator. It is written atomically (a temporary file, then a rename), so a kill
-leaves the previous checkpoint or the new one, never half of one. It is a pickle: resume only from
-checkpoints you wrote.
+leaves the previous checkpoint or the new one, never half of one.
+
+Loading runs no code from the file: ``torch.load(weights_only=True)`` rebuilds tensors and plain data and
+only the classes of :data:`ALLOWED`, and refuses anything else (a crafted file's callable) before calling it.
+Those few objects stay objects under an allow-list, not converted to plain data and back, because a strategy's
+state is every attribute it has (``Strategy.state_dict``): the allow-list is one line, converters would be one
+per type in the runner and the strategies, and the files keep their format.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from common.config import ConfigError
+from strategies.base import Payload, Update
 
 CHECKPOINT = "checkpoint.pt"
 FORMAT = 1
+# The classes a checkpoint holds besides tensors and plain data: the payloads of the flights in the air (runner),
+# the updates of a part-full buffer (FedBuff) and Feddle's out-of-domain head (an nn.Linear)
+ALLOWED = (Payload, Update, nn.Linear)
 _cache: dict[str, tuple[tuple[int, int], dict[str, Any]]] = {}  # path -> ((mtime, size), checkpoint)
 
 
@@ -38,12 +50,22 @@ def _load(folder: Path) -> tuple[tuple[int, int], dict[str, Any]]:
     if cached and cached[0] == stamp:
         return cached
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        with torch.serialization.safe_globals(list(ALLOWED)):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:  # torch's message wraps the unpickler's (which names what it refused)
+        inner = str(err.__context__ or err)
+        refused = re.search(r"GLOBAL ([\w.]+)", inner)
+        if refused is None:
+            raise _bad(folder, f"{CHECKPOINT} is unreadable, corrupt or truncated ({inner})") from None
+        raise _bad(folder, f"{CHECKPOINT} would load {refused.group(1)!r}, which no hybridfl checkpoint holds: "
+                           "refused without running anything (a checkpoint holds tensors, plain data and "
+                           f"{', '.join(c.__name__ for c in ALLOWED)})") from None
     except Exception as err:
         raise _bad(folder, f"{CHECKPOINT} is unreadable, corrupt or truncated ({type(err).__name__}: {err})") from err
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        found = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise _bad(folder, f"{CHECKPOINT} is not a hybridfl checkpoint of format {FORMAT} (found {found!r})")
+        found = "a " + type(state).__name__ if not isinstance(state, dict) else \
+            f"format {state['format']!r}" if "format" in state else "a dict without a format tag"
+        raise _bad(folder, f"{CHECKPOINT} is not a hybridfl checkpoint of format {FORMAT} (found {found})")
     return stamp, state
 
 
