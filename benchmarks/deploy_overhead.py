@@ -2,14 +2,13 @@
 
     python -m benchmarks.deploy_overhead [--rounds 4] [--compose outputs/compose-test]
 
-In deployment Flower starts one ``flwr-clientapp`` process per message. This runs FedAvg on digits with one
-SuperNode on a local deployment (scripts/deploy_local.py: SuperLink + SuperNode, subprocess isolation) twice,
-side by side in one run:
+In deployment Flower's SuperExec starts one ``flwr-clientapp`` process per message. This runs FedAvg on digits with
+one SuperNode on a local deployment (scripts/deploy_local.py: SuperLink, SuperNode and their SuperExecs, process
+isolation; the node keeps its partition for the run and the SuperExecs poll every 0.2 s) twice, side by side in
+one run:
 
-- before: the ClientApp rebuilds its partition in every message (``cache-dir=""``) and the SuperExec polls for
-  tasks every 1 s (Flower's default);
-- after: the node keeps its partition for the run (client_app/node_cache.py) and the SuperExec polls every 0.2 s
-  (scripts.flower.SUPEREXEC_POLL, as docker/compose.yml).
+- flower: the node's ClientApp tasks run by Flower's ``flower-superexec``, a new process per message;
+- warm: by client_app/warm_executor.py, a child forked per message from a process that imported torch and Flower.
 
 Per update (a train message; rounds after the first) it splits the step's wall time (dispatch to reply, on the
 server) into the device's own log line (client_app/app.py ``device timing``: Flower's process start until our module
@@ -23,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -31,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.deploy_local import deploy_runs
-from scripts.flower import SUPEREXEC_POLL, device_timings
+from scripts.flower import device_timings
 
 PARTS = ("flower-s", "import-s", "data-s", "model-s", "work-s")
 
@@ -52,11 +50,10 @@ def breakdown(trains: list[dict[str, Any]], steps: list[float]) -> dict[str, flo
     return out
 
 
-def measure(rounds: int, cache: bool, poll: str, workdir: Path) -> dict[str, float]:
-    os.environ[SUPEREXEC_POLL[0]] = poll  # flower_env keeps a value that the environment already has
+def measure(rounds: int, executor: str, workdir: Path) -> dict[str, float]:
     run = {"preset": "fedavg-digits", "num-clients": 1, "clients-per-round": 1, "num-rounds": rounds,
-           "output-dir": str(workdir / "runs"), "run-name": f"cache-{cache}-poll-{poll}"}
-    (path,), _ = deploy_runs([run], workdir / f"home-{cache}", node_config="" if cache else 'cache-dir=""')
+           "output-dir": str(workdir / "runs"), "run-name": executor}
+    (path,), _ = deploy_runs([run], workdir / f"home-{executor}", executor=executor)
     logs = sorted((path / "flower-logs").glob("superexec-clientapp-*.log"))
     trains = [d for d in device_timings(logs) if d["message"] == "train"]
     return breakdown(trains, round_seconds(path))
@@ -82,13 +79,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="a compose test's workdir (outputs/compose-test): print its timings.json")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        before = measure(args.rounds, cache=False, poll="1.0", workdir=Path(tmp))
-        after = measure(args.rounds, cache=True, poll=SUPEREXEC_POLL[1], workdir=Path(tmp))
-    print(table({"before": before, "after": after}))
-    print(f"\noutside the work: {after['outside-work']:.2f} s / {before['outside-work']:.2f} s = "
-          f"{after['outside-work'] / before['outside-work']:.2f}; ours (imports + data + model): "
-          f"{sum(after[k] for k in ('import-s', 'data-s', 'model-s')):.2f} s / "
-          f"{sum(before[k] for k in ('import-s', 'data-s', 'model-s')):.2f} s")
+        stock = measure(args.rounds, "flower", Path(tmp))
+        warm = measure(args.rounds, "warm", Path(tmp))
+    print(table({"flower": stock, "warm": warm}))
+    print(f"\noutside the training: {warm['outside-work']:.2f} s warm / {stock['outside-work']:.2f} s flower = "
+          f"{warm['outside-work'] / stock['outside-work']:.2f}; Flower's process start + our imports: "
+          f"{warm['flower-s'] + warm['import-s']:.2f} s / {stock['flower-s'] + stock['import-s']:.2f} s")
     if args.compose:
         timings = json.loads((args.compose / "timings.json").read_text())
         print("\ncompose test:", json.dumps({k: v for k, v in timings.items() if k != "images"}, indent=1))

@@ -53,6 +53,9 @@ Latency = Annotated[list[str] | None, typer.Option(metavar="I=SECONDS",
 Tls = Annotated[bool, typer.Option(help="deployment: HTTPS with a private CA (kept in <flwr-home>/pki)")]
 Auth = Annotated[bool, typer.Option(help="deployment: only registered SuperNode keys are admitted (needs --tls)")]
 Verbose = Annotated[bool, typer.Option(help="in-process on a terminal: the per-step log lines, not a progress line")]
+Executor = Annotated[str, typer.Option(help="deployment: what runs each node's ClientApp tasks: `flower` (Flower's "
+                                            "SuperExec, a process per message) or `warm` (client_app/"
+                                            "warm_executor.py: forked from a process that imported torch once)")]
 
 
 @app.callback()
@@ -70,6 +73,7 @@ class Deployment:
     latency: tuple[str, ...] = ()
     tls: bool = False
     auth: bool = False
+    executor: str = "flower"
 
     def slow_nodes(self) -> dict[int, float]:
         """``--latency I=SECONDS`` items as {node: seconds}, or a ConfigError naming the bad item."""
@@ -89,8 +93,8 @@ def launch(overrides: dict[str, Any], mode: Mode, flwr_home: Path, deployment: D
         if mode is not Mode.deployment and deployment != Deployment():
             from common.errors import ConfigError
 
-            raise ConfigError("--mode", str(mode), "deployment, the only mode with --supernodes, --latency, --tls "
-                              "and --auth")
+            raise ConfigError("--mode", str(mode), "deployment, the only mode with --supernodes, --latency, --tls, "
+                              "--auth and --executor")
         if mode is Mode.in_process:
             from server_app.inprocess import run_inprocess
 
@@ -103,7 +107,7 @@ def launch(overrides: dict[str, Any], mode: Mode, flwr_home: Path, deployment: D
         from scripts.deploy_local import deploy
 
         return deploy(overrides, flwr_home.resolve(), deployment.supernodes, deployment.slow_nodes(),
-                      tls=deployment.tls, auth=deployment.auth)[0]
+                      tls=deployment.tls, auth=deployment.auth, executor=deployment.executor)[0]
 
     return run_and_report(go)
 
@@ -146,10 +150,10 @@ def run(args: Annotated[list[str] | None, typer.Argument(metavar="[PRESET] [KEY=
                                                              f"{MAIN_JOB}) and run-config overrides")] = None,
         mode: Annotated[Mode, typer.Option(help=MODE_HELP)] = Mode.in_process,
         flwr_home: FlwrHome = PROJECT_DIR / ".flwr", supernodes: Supernodes = None, latency: Latency = None,
-        tls: Tls = False, auth: Auth = False, verbose: Verbose = False) -> None:
+        tls: Tls = False, auth: Auth = False, executor: Executor = "flower", verbose: Verbose = False) -> None:
     """Run a preset, with overrides; outputs go to `<output-dir>/<run-name>/`."""
-    raise typer.Exit(launch(job(args or []), mode, flwr_home, Deployment(supernodes, tuple(latency or ()), tls, auth),
-                            verbose))
+    raise typer.Exit(launch(job(args or []), mode, flwr_home,
+                            Deployment(supernodes, tuple(latency or ()), tls, auth, executor), verbose))
 
 
 @app.command()
@@ -159,10 +163,10 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="a run folder with a che
                                                                       "num-rounds")] = None,
            mode: Annotated[Mode, typer.Option(help=MODE_HELP)] = Mode.in_process,
            flwr_home: FlwrHome = PROJECT_DIR / ".flwr", supernodes: Supernodes = None, latency: Latency = None,
-           tls: Tls = False, auth: Auth = False, verbose: Verbose = False) -> None:
+           tls: Tls = False, auth: Auth = False, executor: Executor = "flower", verbose: Verbose = False) -> None:
     """Continue a run from its last checkpoint, in its own folder (any mode resumes a run of any mode)."""
     raise typer.Exit(launch({**parse_overrides(overrides or []), "resume": str(run_dir.resolve())}, mode, flwr_home,
-                            Deployment(supernodes, tuple(latency or ()), tls, auth), verbose))
+                            Deployment(supernodes, tuple(latency or ()), tls, auth, executor), verbose))
 
 
 def describe(name: str) -> str:

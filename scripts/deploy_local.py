@@ -20,6 +20,7 @@ Expect a few seconds per message: a SuperNode polls the SuperLink every 3 s.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,23 +42,27 @@ from scripts.simulate import prepare
 from server_app.config import load_config
 
 CONNECTION = "hybridfl-local"
+# A node's ClientApp executor: Flower's SuperExec (a process per message), or hybridfl's warm one (same flags)
+EXECUTORS = {"flower": ("flower-superexec",), "warm": (sys.executable, "-m", "client_app.warm_executor")}
 
 
 def deploy(overrides: dict[str, Any], flwr_home: Path, supernodes: int | None = None,
            latency: dict[int, float] | None = None,
            on_started: Callable[[ProcessGroup, Path], None] | None = None,
            tls: bool = False, auth: bool = False, node_config: str = "",
-           app_dir: Path = PROJECT_DIR) -> tuple[Path, set[int]]:
+           app_dir: Path = PROJECT_DIR, executor: str = "flower") -> tuple[Path, set[int]]:
     """Run one job on a fresh deployment; return its run folder and the PIDs started (all stopped by now).
 
     `latency` slows SuperNode i's train replies by that many seconds (node config ``latency-s``);
     `on_started(processes, run_folder)` is called once every process is up, before the run starts
     (tests use it to stop a SuperNode mid-run). `tls` and `auth` as ``--tls`` and ``--auth``; `node_config`
     is added to every SuperNode's ``--node-config``; `app_dir` is the Flower app to run (default: this project;
-    a user's project that runs hybridfl's apps, such as examples/tabular). Raises
+    a user's project that runs hybridfl's apps, such as examples/tabular); `executor` runs each node's ClientApp
+    tasks: ``flower`` (Flower's SuperExec, a process per message) or ``warm`` (client_app/warm_executor.py). Raises
     ConfigError for a bad config and RuntimeError with the reason when the run fails.
     """
-    paths, pids = deploy_runs([overrides], flwr_home, supernodes, latency, on_started, tls, auth, node_config, app_dir)
+    paths, pids = deploy_runs([overrides], flwr_home, supernodes, latency, on_started, tls, auth, node_config, app_dir,
+                              executor)
     return paths[0], pids
 
 
@@ -65,12 +70,14 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
                 latency: dict[int, float] | None = None,
                 on_started: Callable[[ProcessGroup, Path], None] | None = None,
                 tls: bool = False, auth: bool = False, node_config: str = "",
-                app_dir: Path = PROJECT_DIR) -> tuple[list[Path], set[int]]:
+                app_dir: Path = PROJECT_DIR, executor: str = "flower") -> tuple[list[Path], set[int]]:
     """Run several jobs one after the other on the same SuperLink and SuperNodes (all must agree on
     num-clients); see :func:`deploy`. `on_started` gets the first run's folder; `node_config` is added to
     every SuperNode's ``--node-config`` (e.g. ``cache-dir=""``)."""
     if auth and not tls:
         raise ConfigError("--auth", True, "--auth together with --tls (SuperNode authentication needs TLS)")
+    if executor not in EXECUTORS:
+        raise ConfigError("--executor", executor, " or ".join(EXECUTORS))
     if supernodes is not None:
         runs = [{**o, "num-clients": supernodes} if supernodes != load_config(o).num_clients else o for o in runs]
     prepared = [prepare(o) for o in runs]  # validates every config before anything starts
@@ -111,7 +118,8 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
                                            *runtime_api(node_secret), "--host", "127.0.0.1", "--port", str(node_port),
                                            "--node-config", node_config_i])
             # the node's ClientApp executor: plain HTTP on the device's loopback, authenticated by the node's secret
-            procs.start(f"superexec-clientapp-{i}", superexec(["--insecure"], f"127.0.0.1:{node_port}", node_secret))
+            procs.start(f"superexec-clientapp-{i}", superexec(["--insecure"], f"127.0.0.1:{node_port}", node_secret,
+                                                              EXECUTORS[executor]))
         if on_started:
             on_started(procs, prepared[0][1])
         outcomes = [(flwr_run(env, CONNECTION, o, app_dir=app_dir), path) for o, path in prepared]
@@ -126,7 +134,7 @@ def runtime_api(secret: Path) -> list[str]:
     return ["--isolation", "process", "--superexec-auth-secret-file", str(secret)]
 
 
-def superexec(security: list[str], address: str, secret: Path) -> list[str]:
+def superexec(security: list[str], address: str, secret: Path, command: tuple[str, ...] = EXECUTORS["flower"]
+              ) -> list[str]:
     """A SuperExec serving the Runtime API at `address` with its `secret` (the ServerApp's or a node's ClientApp)."""
-    return ["flower-superexec", *security, "--runtime-api-address", address, "--superexec-auth-secret-file",
-            str(secret)]
+    return [*command, *security, "--runtime-api-address", address, "--superexec-auth-secret-file", str(secret)]

@@ -1,0 +1,142 @@
+"""A warm ClientApp executor: Flower's SuperExec, with ClientApp tasks forked from a process that imported once.
+
+    python -m client_app.warm_executor [flower-superexec's flags: --insecure | --root-certificates F,
+                                        --runtime-api-address HOST:PORT, --superexec-auth-secret-file F, ...]
+
+Flower's SuperExec starts a new ``flwr-clientapp`` process for every message: Python, Flower and torch are imported
+again each time (1.6 s + 1.6 s per train message of `benchmarks/deploy_overhead.py` on a 2-core machine). This
+command is Flower's own ``flower-superexec`` — its command line, its loop, its SuperExec authentication — with one
+part replaced: a ClientApp task is handed to a *fork server*, a process started once that imported torch and
+Flower's ClientApp runtime, and that forks a child per task. The child runs Flower's own ``run_clientapp`` on the
+task's token: it pulls the message, the Context and the FAB from the SuperNode, loads the app from the FAB and
+pushes the reply, as ``flwr-clientapp`` does, then exits. So:
+
+- Flower's semantics are kept: node state travels in the Context through the SuperNode; an exception in the app is
+  Flower's error reply; a run or FAB is imported afresh by every child (the fork server imports no app code), so
+  nothing of one run leaks into another.
+- A child that dies (SIGKILL, out of memory) takes only its message with it; the SuperNode's heartbeat check fails
+  the task as it does for a dead ``flwr-clientapp``, and the server counts the failure. A fork server that dies is
+  started again by the executor before the next task; memory stays bounded because every child exits.
+- Not kept across messages: the node's data and model (read from the node's partition cache, ~0.5 s) and a CUDA
+  context (CUDA cannot cross a fork: each child makes its own).
+
+Other task types (none on a SuperNode) go to Flower's subprocess executor. What it uses of Flower is pinned by
+``tests/test_warm_executor.py`` (the executor protocol, ``run_superexec``'s ``get_executor``, ``run_clientapp``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+from flwr.supercore.constant import TaskType
+from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExecutor
+from flwr.supercore.superexec.executor.types import ExecutionSpec, LaunchResult
+
+# What the fork server imports before it forks: the heavy, app-independent part of every ClientApp task. None of
+# hybridfl's own modules: the children import the app from the task's FAB, and a module imported here would shadow it.
+PRELOAD = ("torch", "numpy", "flwr.supernode.runtime.run_clientapp", "flwr.clientapp", "flwr.app")
+
+# The fork server, run as `python -P -c` (no folder put first on the import path): argv = the task and reply pipes'
+# file descriptors, then the modules to import. A task is a JSON line of run_clientapp's arguments; the reply its pid.
+_SERVER = r"""
+import importlib, json, os, signal, sys
+tasks, replies = os.fdopen(int(sys.argv[1]), "r"), os.fdopen(int(sys.argv[2]), "w")
+for module in sys.argv[3:]:
+    importlib.import_module(module)
+from flwr.supernode.runtime.run_clientapp import run_clientapp
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
+print("ready", file=replies, flush=True)
+for line in tasks:
+    task = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        tasks.close(); replies.close()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        path = task.pop("root_certificates_path")
+        task["certificates"] = None if path is None else open(path, "rb").read()
+        code = 1
+        try:
+            run_clientapp(**task)
+        except SystemExit as done:  # run_clientapp ends with flwr_exit
+            code = done.code if isinstance(done.code, int) else 1
+        finally:
+            sys.stdout.flush(); sys.stderr.flush(); os._exit(code)
+    print(pid, file=replies, flush=True)
+"""
+
+
+class WarmExecutor(SubprocessExecutor):
+    """Flower's executor protocol: ClientApp tasks to the fork server (started, and started again when it died,
+    here), the rest as Flower's subprocess executor runs them."""
+
+    def __init__(self) -> None:
+        self._server: subprocess.Popen | None = None
+        self._tasks: Any = None
+        self._replies: Any = None
+        self.restarts = 0
+
+    def _running(self) -> bool:
+        return self._server is not None and self._server.poll() is None
+
+    def _start(self) -> None:
+        if self._running():
+            return
+        if self._server is not None:
+            self.restarts += 1
+            print(f"warm executor: the fork server ended (exit {self._server.returncode}); starting another",
+                  file=sys.stderr, flush=True)
+        task_r, task_w = os.pipe()
+        reply_r, reply_w = os.pipe()
+        self._server = subprocess.Popen([sys.executable, "-P", "-c", _SERVER, str(task_r), str(reply_w), *PRELOAD],
+                                        pass_fds=(task_r, reply_w))
+        os.close(task_r)
+        os.close(reply_w)
+        self._tasks, self._replies = os.fdopen(task_w, "w"), os.fdopen(reply_r, "r")
+        if self._replies.readline().strip() != "ready":
+            raise RuntimeError(f"the warm executor's fork server did not start (exit {self._server.wait()})")
+
+    def launch(self, spec: ExecutionSpec) -> LaunchResult:
+        if spec.task_type != TaskType.CLIENT_APP:
+            return super().launch(spec)
+        task = {"runtime_api_address": spec.runtime_api_address, "token": spec.token, "insecure": spec.insecure,
+                "root_certificates_path": None if spec.insecure else spec.root_certificates_path,
+                "runtime_dependency_install": spec.runtime_dependency_install}
+        try:
+            self._start()
+            print(json.dumps(task), file=self._tasks, flush=True)
+            if not self._replies.readline().strip().isdigit():  # the child's pid: it runs
+                raise EOFError("no child started")
+        except (OSError, EOFError, RuntimeError) as err:  # the next launch starts another fork server
+            return LaunchResult.failed(f"warm executor: {type(err).__name__}: {err}")
+        return LaunchResult.accepted()
+
+    def reconcile(self) -> None:
+        """Keep a fork server running: a dead one is replaced between tasks, not during one."""
+        self._start()
+
+    def close(self) -> None:
+        if self._running():
+            self._tasks.close()  # end of input: the server's loop ends
+            try:
+                self._server.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._server.kill()
+
+
+def main() -> None:
+    """``flower-superexec`` with the warm executor in place of its subprocess executor."""
+    loop = importlib.import_module("flwr.supercore.superexec.run_superexec")
+    executor = WarmExecutor()
+    loop.get_executor = lambda *args, **kwargs: executor
+    from flwr.supercore.cli.flower_superexec import flower_superexec
+
+    flower_superexec()
+
+
+if __name__ == "__main__":
+    main()
