@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from scripts.cli import main
-from scripts.pki import make_pki
+from scripts.pki import make_pki, make_secrets
 
 
 def test_the_server_certificate_is_signed_by_the_ca_for_every_name(tmp_path: Path) -> None:
@@ -39,4 +39,16 @@ def test_supernode_keys_are_openssh_ecdsa_pairs_and_kept_on_a_second_call(tmp_pa
     make_pki(tmp_path, nodes=2)  # adds supernode-1, changes nothing that exists
     after = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     assert {k: after[k] for k in before} == before
-    assert set(after) - set(before) == {"supernode-1", "supernode-1.pub"}
+    assert set(after) - set(before) == {"supernode-1", "supernode-1.pub", "supernode-1.secret"}
+
+
+def test_each_trust_boundary_gets_its_own_private_secret_kept_on_a_second_call(tmp_path: Path) -> None:
+    """The SuperLink's Runtime API and each SuperNode's: 32 random bytes as hex (Flower reads the file's bytes),
+    readable by the owner only, distinct, and never replaced once made (a running pair shares it)."""
+    secrets = make_secrets(tmp_path, nodes=2)
+    assert set(secrets) == {"superlink", "supernode-0", "supernode-1"}
+    values = {name: path.read_text() for name, path in secrets.items()}
+    assert all(len(v) == 64 and int(v, 16) >= 0 for v in values.values()) and len(set(values.values())) == 3
+    assert all(path.stat().st_mode & 0o077 == 0 for path in secrets.values())
+    again = make_secrets(tmp_path, nodes=3)
+    assert {name: again[name].read_text() for name in values} == values and "supernode-2" in again
