@@ -39,8 +39,10 @@ CUDA_GRAPHS = True  # capture each cohort step on CUDA (benchmarks/cohort.py tur
 
 
 def served(task: LocalTask) -> bool:
-    """Whether `task` runs the standard local recipe on a model the batched computation reproduces."""
-    if type(client_side(task.config)) is not ClientSide or task.recipe.local_objective != "cross-entropy":
+    """Whether `task` runs the standard local recipe on a model the batched computation reproduces (a node with no
+    training data is left to the ClientApp, whose error reply says so)."""
+    if (type(client_side(task.config)) is not ClientSide or task.recipe.local_objective != "cross-entropy"
+            or len(task.parts["train"]) == 0):
         return False
     return not any(isinstance(m, nn.modules.batchnorm._BatchNorm)
                    or (isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0)

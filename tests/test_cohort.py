@@ -142,6 +142,9 @@ def test_models_whose_training_step_is_not_a_function_of_parameters_and_input_ar
     task = _tasks([8], "sgd", [1])[0]
     task.model.body.append(torch.nn.Dropout(0.1))
     assert not cohort.served(task)
+    empty = _tasks([8], "sgd", [1])[0]
+    empty.parts = {"train": empty.parts["train"].subset(np.arange(0))}  # the ClientApp's error reply says why
+    assert not cohort.served(empty)
 
 
 @pytest.mark.parametrize("overrides", NOT_SERVED, ids=lambda o: o.get("local-objective", o["strategy"]))
