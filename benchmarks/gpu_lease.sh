@@ -6,10 +6,23 @@
 #   3. a real sweep on the GPU, `--jobs 10` (lanes x cohort), until the call's end: issue 49's diagnosis sweep,
 #      whose finished runs come back in tuning.jsonl (append the lines the local file lacks);
 #   4. whether this machine can run containers (docker/compose.gpu.yml).
-# Run from the repository root with the wheels in .whl/ and Fashion-MNIST's idx files in .gpudata/fashion-mnist/
-# (both ignored, named in the device tool's `carry`): `bash benchmarks/gpu_lease.sh`. Results go to $OUT (default
-# outputs/gpu-lease), each file as soon as its phase writes it.
+# Here first: `bash benchmarks/gpu_lease.sh prepare` puts the wheels the device image lacks (Flower 1.42 and its
+# needs, for its Python 3.12) in .whl/ and Fashion-MNIST's idx files in .gpudata/fashion-mnist/, both kept out of
+# git (.git/info/exclude). Then on the device, from the repository root, with both named in the tool's `carry`:
+# `bash benchmarks/gpu_lease.sh`. Results go to $OUT (default outputs/gpu-lease), each file as its phase writes it.
 set -u
+if [ "${1:-}" = prepare ]; then
+  set -e
+  grep -qx '/.whl/' .git/info/exclude 2>/dev/null || printf '/.whl/\n/.gpudata/\n' >> .git/info/exclude
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+    flwr==1.42.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 pycryptodome==3.24.1 iterators==0.0.2 \
+    grpcio-health-checking==1.81.1 tomli==2.5.0 tomli-w grpcio==1.85.3 protobuf==6.33.6 typer==0.20.1 click==8.5.1 \
+    rich==14.3.4
+  mkdir -p .gpudata && cp -r /usr/share/datasets/fashion-mnist .gpudata/  # make data, if it is not there
+  du -sh .whl .gpudata
+  exit 0
+fi
 START=$SECONDS
 BUDGET=${BUDGET:-540}  # seconds for the whole script
 OUT=${OUT:-outputs/gpu-lease}
