@@ -14,9 +14,10 @@ pushes the reply, as ``flwr-clientapp`` does, then exits. So:
 - Flower's semantics are kept: node state travels in the Context through the SuperNode; an exception in the app is
   Flower's error reply; a run or FAB is imported afresh by every child (the fork server imports no app code), so
   nothing of one run leaks into another.
-- A child that dies (SIGKILL, out of memory) takes only its message with it; the SuperNode's heartbeat check fails
-  the task as it does for a dead ``flwr-clientapp``, and the server counts the failure. A fork server that dies is
-  started again by the executor before the next task; memory stays bounded because every child exits.
+- A fork server that dies is started again by the executor before the next task (tests/test_warm_executor.py);
+  memory stays bounded because every child exits. A child that dies mid-message (SIGKILL, out of memory) should
+  take only its message, failed by the SuperNode's heartbeat check as a dead ``flwr-clientapp`` is (not yet
+  exercised by a test).
 - Not kept across messages: the node's data and model (read from the node's partition cache, ~0.5 s) and a CUDA
   context (CUDA cannot cross a fork: each child makes its own).
 

@@ -335,6 +335,13 @@ def job(compose: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     raise ComposeError(f"service {SERVERAPP}: no {OUTPUTS!r} volume for the run's outputs")
 
 
+def certificates(compose: dict[str, Any], directory: Path) -> Path | None:
+    """The CA, certificates, SuperNode keys and Runtime API secrets the files mount, made in `directory` (kept where
+    they exist); the CA the CLI verifies the SuperLink with, None where the SuperLink speaks plain HTTP."""
+    make_pki(directory, nodes=len(supernodes(compose)))
+    return None if "--insecure" in compose["services"][SUPERLINK]["command"] else directory / "ca.crt"
+
+
 def twin(files: list[Path], jobs: list[dict[str, Any]], workdir: Path,
          on_started: Callable[[ProcessGroup, Twin], None] | None = None) -> tuple[list[Path], set[int]]:
     """Run the compose files' services natively and the jobs (overrides of :func:`job`) through them one
@@ -348,8 +355,7 @@ def twin(files: list[Path], jobs: list[dict[str, Any]], workdir: Path,
         run_config = job(compose, overrides)
         run_configs.append({**run_config, "output-dir": t.text(SERVERAPP, run_config["output-dir"]),
                             "run-name": f"{run_config['run-name']}-{i}"})
-    make_pki(t.certs, nodes=len(supernodes(compose)))  # once every job is known to be valid
-    ca = None if "--insecure" in compose["services"][SUPERLINK]["command"] else t.certs / "ca.crt"
+    ca = certificates(compose, t.certs)  # once every job is known to be valid
     with ProcessGroup(workdir / "logs", env) as procs:
         for name in start_order(compose["services"]):
             svc = compose["services"][name]
@@ -382,8 +388,7 @@ def demo(files: list[Path], overrides: dict[str, Any]) -> Path:
     flwr_home = PROJECT_DIR / ".flwr-compose"
     env = flower_env(flwr_home)
     dc = ["docker", "compose", *(a for f in files for a in ("-f", str(f)))]
-    make_pki(CERTS, nodes=len(supernodes(compose)))
-    ca = None if "--insecure" in compose["services"][SUPERLINK]["command"] else CERTS / "ca.crt"
+    ca = certificates(compose, CERTS)
     if os.geteuid() == 0:  # the images run as app (UID 49999): let them read their keys and secrets
         for f in CERTS.iterdir():
             os.chown(f, IMAGE_UID, IMAGE_UID)

@@ -304,7 +304,6 @@ def device_timings(logs: list[Path]) -> list[dict[str, Any]]:
             if (m := DEVICE_TIMING.search(line))]
 
 
-
 def acquire_task_anonymously(address: str, ca: Path | None = None) -> httpx.Response | None:
     """What a process that holds no secret gets when it asks the Runtime API at `address` for a task, as a SuperExec
     does (Flower's own client and request): the HTTP response of the refusal, or None if a task was handed out."""

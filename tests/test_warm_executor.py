@@ -80,9 +80,13 @@ def test_a_warm_deployment_runs_as_in_process_and_survives_its_fork_server_s_dea
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline and not (run_path / "summary.json").exists():
                 time.sleep(0.2)
-            executors = [p.pid for name, p in procs.procs if name.startswith("superexec-clientapp")]
-            for pid in process_tree(executors) - set(executors):
-                if b"-P\0-c\0" in Path(f"/proc/{pid}/cmdline").read_bytes():  # a fork server, not one of its children
+            executors = {p.pid for name, p in procs.procs if name.startswith("superexec-clientapp")}
+            for pid in process_tree(sorted(executors)) - executors:
+                try:  # a fork server is an executor's own child (its forks share its command line)
+                    parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue  # it ended meanwhile
+                if parent in executors:
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
 
