@@ -40,7 +40,7 @@ SUPEREXEC_POLL = ("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.2")
 def flower_env(flwr_home: Path) -> dict[str, str]:
     """Environment for Flower processes: private FLWR_HOME, no telemetry, no runtime installs, the SuperExec's
     task poll interval (unless the environment sets it), and this interpreter's bin/ first on PATH
-    (SuperLink/SuperNode start flower-superexec by name)."""
+    (SuperLink/SuperNode start flower-superexec by name, and the flwr CLI is found there the same way)."""
     env = dict(os.environ)
     env.setdefault(*SUPEREXEC_POLL)
     env.update({
@@ -192,7 +192,7 @@ def write_connection(flwr_home: Path, name: str, port: int, ca: Path | None = No
 def register_supernode(env: dict[str, str], connection: str, public_key: Path) -> int:
     """``flwr supernode register``: allow the SuperNode holding `public_key`'s private key on a SuperLink
     started with ``--enable-supernode-auth``; returns its node id (fixed by the key, across restarts)."""
-    out = subprocess.run([str(Path(sys.executable).parent / "flwr"), "supernode", "register", str(public_key),
+    out = subprocess.run(["flwr", "supernode", "register", str(public_key),
                           connection, "--format", "json"], env=env, cwd=PROJECT_DIR, capture_output=True,
                          text=True, timeout=120)
     try:
@@ -212,7 +212,7 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
 
     Output is streamed to this process's stdout as it comes.
     """
-    cmd = [str(Path(sys.executable).parent / "flwr"), "run", ".", connection, "--stream"]
+    cmd = ["flwr", "run", ".", connection, "--stream"]
     if overrides:
         cmd += ["--run-config", run_config_arg(overrides)]
     if federation_config:
@@ -241,7 +241,7 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
 
 def run_status(env: dict[str, str], connection: str, run_id: int) -> str:
     """A run's status text, e.g. ``finished:completed`` (from ``flwr ls --format json``)."""
-    out = subprocess.run([str(Path(sys.executable).parent / "flwr"), "ls", connection, "--run-id", str(run_id),
+    out = subprocess.run(["flwr", "ls", connection, "--run-id", str(run_id),
                           "--format", "json"], env=env, cwd=PROJECT_DIR, capture_output=True, text=True, timeout=120)
     try:
         runs = json.loads(out.stdout)["runs"]
