@@ -4,11 +4,14 @@
 
 In deployment Flower's SuperExec starts one ``flwr-clientapp`` process per message. This runs FedAvg on digits with
 one SuperNode on a local deployment (scripts/deploy_local.py: SuperLink, SuperNode and their SuperExecs, process
-isolation; the node keeps its partition for the run and the SuperExecs poll every 0.2 s) twice, side by side in
-one run:
+isolation; the node keeps its partition for the run and the SuperExecs poll every 0.2 s) three times, side by side
+in one run (``--executor`` of ``hybridfl run --mode deployment``):
 
-- flower: the node's ClientApp tasks run by Flower's ``flower-superexec``, a new process per message;
-- warm: by client_app/warm_executor.py, a child forked per message from a process that imported torch and Flower.
+- flower: Flower's ``flower-supernode`` and ``flower-superexec``, a new process per message;
+- warm-executor: the ClientApp tasks run by client_app/warm_executor.py, a child forked per message from a process
+  that imported torch and Flower; Flower's SuperNode;
+- warm: the same, and the SuperNode's waits paced (client_app/supernode.py: it asks again soon after each reply
+  instead of sleeping 3 s).
 
 Per update (a train message; rounds after the first) it splits the step's wall time (dispatch to reply, on the
 server) into the device's own log line (client_app/app.py ``device timing``: Flower's process start until our module
@@ -28,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from scripts.deploy_local import deploy_runs
+from scripts.deploy_local import EXECUTORS, deploy_runs
 from scripts.flower import device_timings
 
 PARTS = ("flower-s", "import-s", "data-s", "model-s", "work-s")
@@ -79,12 +82,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="a compose test's workdir (outputs/compose-test): print its timings.json")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        stock = measure(args.rounds, "flower", Path(tmp))
-        warm = measure(args.rounds, "warm", Path(tmp))
-    print(table({"flower": stock, "warm": warm}))
-    print(f"\noutside the training: {warm['outside-work']:.2f} s warm / {stock['outside-work']:.2f} s flower = "
-          f"{warm['outside-work'] / stock['outside-work']:.2f}; Flower's process start + our imports: "
-          f"{warm['flower-s'] + warm['import-s']:.2f} s / {stock['flower-s'] + stock['import-s']:.2f} s")
+        columns = {executor: measure(args.rounds, executor, Path(tmp)) for executor in EXECUTORS}
+    print(table(columns))
+    stock = columns["flower"]
+    for name, col in columns.items():
+        print(f"outside the training, {name}: {col['outside-work']:.2f} s = "
+              f"{col['outside-work'] / stock['outside-work']:.2f} of flower's; Flower's process start + our imports "
+              f"{col['flower-s'] + col['import-s']:.2f} s")
     if args.compose:
         timings = json.loads((args.compose / "timings.json").read_text())
         print("\ncompose test:", json.dumps({k: v for k, v in timings.items() if k != "images"}, indent=1))

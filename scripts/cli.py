@@ -53,9 +53,11 @@ Latency = Annotated[list[str] | None, typer.Option(metavar="I=SECONDS",
 Tls = Annotated[bool, typer.Option(help="deployment: HTTPS with a private CA (kept in <flwr-home>/pki)")]
 Auth = Annotated[bool, typer.Option(help="deployment: only registered SuperNode keys are admitted (needs --tls)")]
 Verbose = Annotated[bool, typer.Option(help="in-process on a terminal: the per-step log lines, not a progress line")]
-Executor = Annotated[str, typer.Option(help="deployment: what runs each node's ClientApp tasks: `flower` (Flower's "
-                                            "SuperExec, a process per message) or `warm` (client_app/"
-                                            "warm_executor.py: forked from a process that imported torch once)")]
+Executor = Annotated[str, typer.Option(help="deployment: how each device runs its messages: `flower` (Flower's "
+                                            "SuperNode and SuperExec: a process per message, 3 s idle polls), `warm` "
+                                            "(client_app/warm_executor.py: forked from a process that imported torch "
+                                            "once; and the SuperNode asks again soon after each reply, "
+                                            "client_app/supernode.py) or `warm-executor` (the warm executor alone)")]
 
 
 @app.callback()

@@ -21,7 +21,7 @@ Expect a few seconds per message: a SuperNode polls the SuperLink every 3 s.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +42,13 @@ from scripts.simulate import prepare
 from server_app.config import load_config
 
 CONNECTION = "hybridfl-local"
-# A node's ClientApp executor: Flower's SuperExec (a process per message), or hybridfl's warm one (same flags)
-EXECUTORS = {"flower": ("flower-superexec",), "warm": (sys.executable, "-m", "client_app.warm_executor")}
+# A device's two processes, (SuperNode, ClientApp executor), with Flower's flags: Flower's own (a process per
+# message, 3 s idle polls); the warm executor (client_app/warm_executor.py) with the SuperNode's waits paced
+# (client_app/supernode.py); or the warm executor alone
+_WARM_EXECUTOR = (sys.executable, "-m", "client_app.warm_executor")
+EXECUTORS = {"flower": (("flower-supernode",), ("flower-superexec",)),
+             "warm": ((sys.executable, "-m", "client_app.supernode"), _WARM_EXECUTOR),
+             "warm-executor": (("flower-supernode",), _WARM_EXECUTOR)}
 
 
 def deploy(overrides: dict[str, Any], flwr_home: Path, supernodes: int | None = None,
@@ -58,7 +63,8 @@ def deploy(overrides: dict[str, Any], flwr_home: Path, supernodes: int | None = 
     (tests use it to stop a SuperNode mid-run). `tls` and `auth` as ``--tls`` and ``--auth``; `node_config`
     is added to every SuperNode's ``--node-config``; `app_dir` is the Flower app to run (default: this project;
     a user's project that runs hybridfl's apps, such as examples/tabular); `executor` runs each node's ClientApp
-    tasks: ``flower`` (Flower's SuperExec, a process per message) or ``warm`` (client_app/warm_executor.py). Raises
+    tasks: ``flower`` (Flower's SuperNode and SuperExec, a process per message), ``warm`` (client_app/warm_executor.py
+    and the SuperNode's waits paced, client_app/supernode.py) or ``warm-executor`` (the first alone). Raises
     ConfigError for a bad config and RuntimeError with the reason when the run fails.
     """
     paths, pids = deploy_runs([overrides], flwr_home, supernodes, latency, on_started, tls, auth, node_config, app_dir,
@@ -70,10 +76,13 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
                 latency: dict[int, float] | None = None,
                 on_started: Callable[[ProcessGroup, Path], None] | None = None,
                 tls: bool = False, auth: bool = False, node_config: str = "",
-                app_dir: Path = PROJECT_DIR, executor: str = "flower") -> tuple[list[Path], set[int]]:
+                app_dir: Path | Sequence[Path] = PROJECT_DIR, executor: str = "flower") -> tuple[list[Path], set[int]]:
     """Run several jobs one after the other on the same SuperLink and SuperNodes (all must agree on
     num-clients); see :func:`deploy`. `on_started` gets the first run's folder; `node_config` is added to
-    every SuperNode's ``--node-config`` (e.g. ``cache-dir=""``)."""
+    every SuperNode's ``--node-config`` (e.g. ``cache-dir=""``); `app_dir` is every run's app, or one per run."""
+    app_dirs = [app_dir] * len(runs) if isinstance(app_dir, Path) else list(app_dir)
+    if len(app_dirs) != len(runs):
+        raise ValueError(f"{len(runs)} runs, {len(app_dirs)} app folders")
     if auth and not tls:
         raise ConfigError("--auth", True, "--auth together with --tls (SuperNode authentication needs TLS)")
     if executor not in EXECUTORS:
@@ -114,15 +123,16 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
                 register_supernode(env, CONNECTION, pki / f"supernode-{i}.pub")
                 security += ["--auth-supernode-private-key", str(pki / f"supernode-{i}")]
             node_secret = secret[f"supernode-{i}"]
-            procs.start(f"supernode-{i}", ["flower-supernode", *security, "--superlink", f"127.0.0.1:{port}",
+            supernode_cmd, executor_cmd = EXECUTORS[executor]
+            procs.start(f"supernode-{i}", [*supernode_cmd, *security, "--superlink", f"127.0.0.1:{port}",
                                            *runtime_api(node_secret), "--host", "127.0.0.1", "--port", str(node_port),
                                            "--node-config", node_config_i])
             # the node's ClientApp executor: plain HTTP on the device's loopback, authenticated by the node's secret
             procs.start(f"superexec-clientapp-{i}", superexec(["--insecure"], f"127.0.0.1:{node_port}", node_secret,
-                                                              EXECUTORS[executor]))
+                                                              executor_cmd))
         if on_started:
             on_started(procs, prepared[0][1])
-        outcomes = [(flwr_run(env, CONNECTION, o, app_dir=app_dir), path) for o, path in prepared]
+        outcomes = [(flwr_run(env, CONNECTION, o, app_dir=a), path) for (o, path), a in zip(prepared, app_dirs)]
     for (run_id, status), path in outcomes:
         check_completed(run_id, status, path)
     return [path for _, path in outcomes], procs.pids
@@ -134,7 +144,7 @@ def runtime_api(secret: Path) -> list[str]:
     return ["--isolation", "process", "--superexec-auth-secret-file", str(secret)]
 
 
-def superexec(security: list[str], address: str, secret: Path, command: tuple[str, ...] = EXECUTORS["flower"]
+def superexec(security: list[str], address: str, secret: Path, command: tuple[str, ...] = EXECUTORS["flower"][1]
               ) -> list[str]:
     """A SuperExec serving the Runtime API at `address` with its `secret` (the ServerApp's or a node's ClientApp)."""
     return [*command, *security, "--runtime-api-address", address, "--superexec-auth-secret-file", str(secret)]

@@ -4,6 +4,7 @@ also after its fork server was killed between two runs."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -11,6 +12,7 @@ import os
 import signal
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -20,17 +22,20 @@ from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExec
 from flwr.supercore.superexec.executor.types import ExecutionSpec, LaunchResult
 from helpers import flower_threads
 
+from client_app import supernode
 from client_app.warm_executor import PRELOAD, WarmExecutor
-from scripts.deploy_local import deploy_runs
-from scripts.flower import device_timings, process_tree
+from scripts.deploy_local import deploy, deploy_runs
+from scripts.flower import PROJECT_DIR, device_timings, process_tree
 from server_app.inprocess import run_inprocess
 
+EXAMPLE = PROJECT_DIR / "examples" / "tabular"
 JOB = {"preset": "fedavg-digits", "num-clients": 2, "clients-per-round": 2, "num-rounds": 2, "eval-every": 2}
 
 
 def test_what_it_uses_of_flower_is_there():
     """Flower 1.41–1.42's SuperExec: its loop takes the executor from a module-level ``get_executor``, an executor
-    launches an ExecutionSpec, and ``run_clientapp`` takes a task's token. If Flower moves these, this says which."""
+    launches an ExecutionSpec, and ``run_clientapp`` takes a task's token and installs the FAB through its module's
+    ``install_from_fab``. If Flower moves these, this says which."""
     loop = importlib.import_module("flwr.supercore.superexec.run_superexec")
     assert callable(getattr(loop, "get_executor", None)), "flwr's run_superexec no longer calls get_executor"
     for method in ("get_eligible_capacity", "wait_for_capacity", "launch", "reconcile", "close"):
@@ -41,10 +46,50 @@ def test_what_it_uses_of_flower_is_there():
     from flwr.supernode.runtime.run_clientapp import run_clientapp
 
     params = set(inspect.signature(run_clientapp).parameters)
+    runtime = importlib.import_module("flwr.supernode.runtime.run_clientapp")
+    assert callable(getattr(runtime, "install_from_fab", None)) and "install_from_fab(" in inspect.getsource(
+        run_clientapp), "run_clientapp no longer installs the FAB through its module's install_from_fab"
     assert {"runtime_api_address", "token", "insecure", "certificates", "runtime_dependency_install"} <= params
     assert TaskType.CLIENT_APP.value == "flwr-clientapp" and callable(LaunchResult.failed)
     for module in PRELOAD:
         importlib.import_module(module)
+
+
+def test_the_paced_supernode_asks_again_soon_after_a_reply_and_then_as_flower_does(monkeypatch):
+    """Flower's 3 s idle wait becomes 0.05 s after each reply, doubling back to 3 s; its 0.5 s check for the
+    ClientApp's reply becomes 0.02 s; any other wait is left alone. On Flower's own loop module, the pushes reset it."""
+    slept: list[float] = []
+    monkeypatch.setattr(supernode.time, "sleep", slept.append)
+    pacer = supernode.Pacer()
+    for seconds in (3, 3, 0.5, 7):  # before any reply: Flower's waits, the reply check paced
+        pacer.sleep(seconds)
+    pacer.replied()
+    for _ in range(8):
+        pacer.sleep(3)
+    assert slept == [3, 3, 0.02, 7, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3, 3]
+    assert pacer.monotonic() > 0  # the rest of `time` is the real module
+
+    loop = importlib.import_module(supernode.LOOP)
+    pushed: list[object] = []
+    monkeypatch.setattr(loop, "_push_messages", pushed.append)
+    monkeypatch.setattr(loop, "time", loop.time)  # undone after the test
+    paced = supernode.Pacer()
+    supernode.pace(loop, paced)
+    assert loop.time is paced
+    paced.sleep(3)
+    loop._push_messages("replies")
+    assert pushed == ["replies"] and paced.next_wait_s == supernode.FIRST_WAIT_S
+
+
+def test_the_paced_supernode_refuses_a_loop_it_was_not_written_for():
+    """A Flower whose SuperNode loop no longer has the waits: a clear error naming what moved, not a silent no-op."""
+    fake = types.ModuleType("flwr.supernode.start_client_internal")
+    source = "import time\ndef _push_messages(): pass\ndef loop():\n    time.sleep(5)\n"
+    exec(compile(source, "<fake>", "exec"), fake.__dict__)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(inspect, "getsource", lambda module: source)
+        with pytest.raises(RuntimeError, match=r"has no `time.sleep\(3\)`.*flower-supernode instead"):
+            supernode.pace(fake, supernode.Pacer())
 
 
 def test_a_launch_the_fork_server_cannot_take_fails_and_the_next_starts_another(monkeypatch):
@@ -65,14 +110,64 @@ def test_a_launch_the_fork_server_cannot_take_fails_and_the_next_starts_another(
         executor.close()
 
 
+def warm_processes(procs, name: str) -> tuple[set[int], set[int]]:
+    """The fork servers of the executors whose process names start with `name`, and their children (one per
+    message being handled). A fork server is an executor's own child; its forks share its command line."""
+    executors = {p.pid for n, p in procs.procs if n.startswith(name)}
+    parents = {}
+    for pid in process_tree(sorted(executors)) - executors:
+        try:
+            parents[pid] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # it ended meanwhile
+    servers = {pid for pid, parent in parents.items() if parent in executors}
+    return servers, {pid for pid, parent in parents.items() if parent in servers}
+
+
 @pytest.mark.e2e
-def test_a_warm_deployment_runs_as_in_process_and_survives_its_fork_server_s_death(tmp_path: Path):
-    """TLS, node authentication, the secrets; two runs back to back on the same SuperNodes, the fork servers killed
-    (SIGKILL) once the first has finished: the second completes too. The first run's events and model are the
-    in-process run's (one torch thread on both sides), and the nodes' train messages paid no interpreter start."""
+def test_a_message_whose_child_is_killed_is_counted_and_the_node_goes_on(tmp_path: Path):
+    """SIGKILL of the child handling node 0's first train message (slowed 8 s so that it is caught mid-message):
+    Flower's rule for a dead ClientApp applies: once the task's heartbeat expires (30 s x patience 2) the SuperNode
+    answers the message with Flower's error "ClientApp stopped responding"; the server counts it failed, the run
+    completes, and node 0's next message is handled as usual."""
+    killed: list[int] = []
+
+    def kill_a_child_mid_message(procs, run_path: Path) -> None:
+        def watch() -> None:
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and not killed:
+                _, children = warm_processes(procs, "superexec-clientapp-0")
+                if children:
+                    time.sleep(2)  # inside the 8 s
+                    for pid in children:
+                        with contextlib.suppress(OSError):
+                            os.kill(pid, signal.SIGKILL)
+                            killed.append(pid)
+                time.sleep(0.1)
+
+        threading.Thread(target=watch, daemon=True).start()
+
+    job = {**JOB, "reply-timeout-s": 300, "output-dir": str(tmp_path / "out"), "run-name": "killed"}
+    run, _ = deploy(job, tmp_path / "home", latency={0: 8.0}, executor="warm", on_started=kill_a_child_mid_message)
+    assert killed
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    lost = [e for e in events if e["outcome"] != "accepted"]
+    assert [(e["step"], e["client"], e["outcome"]) for e in lost] == [(1, 0, "failure")], lost
+    assert "ClientApp stopped responding" in lost[0]["reason"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["total-accepted"] == 3 and summary["final-version"] == 2
+
+
+@pytest.mark.e2e
+def test_a_warm_deployment_runs_as_in_process_and_survives_its_fork_server_s_death(tmp_path: Path, monkeypatch):
+    """TLS, node authentication, the secrets; two runs of different apps back to back on the same SuperNodes (this
+    project, then the example project with its own package), the fork servers killed (SIGKILL) once the first has
+    finished: the second completes too, on its own app. The first run's events and model are the in-process run's
+    (one torch thread on both sides), and the nodes' train messages paid no interpreter start."""
+    monkeypatch.syspath_prepend(str(EXAMPLE))
     runs = [{**JOB, "output-dir": str(tmp_path / "out"), "run-name": "first"},
-            {**JOB, "strategy": "fedbuff", "buffer-size": 2, "output-dir": str(tmp_path / "out"),
-             "run-name": "second"}]
+            {"preset": "tabular_task:presets/fedbuff", "num-clients": 2, "clients-per-round": 2, "num-rounds": 2,
+             "output-dir": str(tmp_path / "out"), "run-name": "second"}]  # its app declares only these keys
     killed: list[int] = []
 
     def kill_fork_servers_after_the_first_run(procs, run_path: Path) -> None:
@@ -80,26 +175,23 @@ def test_a_warm_deployment_runs_as_in_process_and_survives_its_fork_server_s_dea
             deadline = time.monotonic() + 600
             while time.monotonic() < deadline and not (run_path / "summary.json").exists():
                 time.sleep(0.2)
-            executors = {p.pid for name, p in procs.procs if name.startswith("superexec-clientapp")}
-            for pid in process_tree(sorted(executors)) - executors:
-                try:  # a fork server is an executor's own child (its forks share its command line)
-                    parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, ValueError, IndexError):
-                    continue  # it ended meanwhile
-                if parent in executors:
-                    os.kill(pid, signal.SIGKILL)
-                    killed.append(pid)
+            servers, _ = warm_processes(procs, "superexec-clientapp")
+            for pid in servers:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
 
         threading.Thread(target=watch, daemon=True).start()
 
     with flower_threads():
         (first, second), _ = deploy_runs(runs, tmp_path / "home", tls=True, auth=True, executor="warm",
-                                         on_started=kill_fork_servers_after_the_first_run)
+                                         on_started=kill_fork_servers_after_the_first_run,
+                                         app_dir=[PROJECT_DIR, EXAMPLE])
         ref = run_inprocess({**runs[0], "run-name": "ref"})
     assert len(killed) == 2, "both nodes' fork servers were killed between the runs"
-    for run in (first, second):
-        summary = json.loads((run / "summary.json").read_text())
-        assert summary["total-accepted"] == 4 and summary["total-failures"] == 0
+    summaries = [json.loads((run / "summary.json").read_text()) for run in (first, second)]
+    assert summaries[0]["total-accepted"] == 4 and summaries[1]["total-accepted"] > 0  # the second: virtual delays
+    assert [s["total-failures"] for s in summaries] == [0, 0]
+    assert summaries[1]["config"]["model"] == "tabular_task.task:mlp"
     events = lambda out: [(e["client"], e["step"], e["outcome"]) for e in
                           map(json.loads, (out / "events.jsonl").read_text().splitlines())]
     assert events(first) == events(ref)
@@ -107,6 +199,6 @@ def test_a_warm_deployment_runs_as_in_process_and_survives_its_fork_server_s_dea
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
     logs = sorted((first / "flower-logs").glob("superexec-clientapp-*.log"))
     trains = [d for d in device_timings(logs) if d["message"] == "train"]
-    assert len(trains) == 8  # both runs' messages: the logs are the nodes'
+    assert len(trains) >= 5  # both runs' messages: the logs are the nodes'
     assert all(d["import-s"] < 0.5 for d in trains), [d["import-s"] for d in trains]  # torch came imported
     assert "starting another" in "".join(p.read_text() for p in logs)
