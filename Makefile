@@ -45,13 +45,14 @@ deploy: $(STAMP)
 # Docker: docker/compose.yml up (app image built), the main job run through it, outputs copied to
 # outputs/compose/. Secure by default (TLS, SuperNode authentication, the Runtime APIs' secrets, made in
 # docker/certs/); PLAIN_HTTP=1 drops TLS and node authentication (it warns), GPU=1 adds the CUDA ServerApp,
-# HOST=1 host networking (docker/host-network.yml). Needs a Docker engine.
+# HOST=1 host networking (docker/host-network.yml), FLOWER_DEVICES=1 Flower's own device processes instead of the
+# warm ones (docker/flower-devices.yml). Needs a Docker engine.
 compose-demo: $(STAMP)
-	$(PY) -m scripts.compose demo $(if $(PLAIN_HTTP),--plain-http) $(if $(GPU),--gpu) $(if $(HOST),--host-network) $(ARGS)
+	$(PY) -m scripts.compose demo $(if $(PLAIN_HTTP),--plain-http) $(if $(GPU),--gpu) $(if $(HOST),--host-network) $(if $(FLOWER_DEVICES),--flower-devices) $(ARGS)
 
 # The same compose files without Docker: every service's command started natively on loopback
 compose-twin: $(STAMP)
-	$(PY) -m scripts.compose twin $(if $(PLAIN_HTTP),--plain-http) $(ARGS)
+	$(PY) -m scripts.compose twin $(if $(PLAIN_HTTP),--plain-http) $(if $(FLOWER_DEVICES),--flower-devices) $(ARGS)
 
 # docker/ on a real Docker engine of its own (root; installs docker.io, debootstrap and the Compose v2 plugin from
 # Debian's packages, builds every image offline): the main job, a SuperLink restart, TLS + node auth. Skips where

@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(f"{name:<40} {s['total-accepted']:>8} {s['train-seconds']:>8.1f} {rates[name]:>10.3f}")
         lat = hyb["reply-to-dispatch-s"]
         rows.append(f"  reply -> next dispatch (hybridfl, {executor}, n={lat['count']}): median "
-                    f"{lat['median'] * 1000:.1f} ms, p95 {lat['p95'] * 1000:.1f} ms (goal <= 50 ms)")
+                    f"{lat['median'] * 1000:.1f} ms, p95 {lat['p95'] * 1000:.1f} ms (goal <= 50 ms); medians of its "
+                    f"parts: hand-over to the strategy {lat['hand-over-median'] * 1000:.1f} ms, Flower's push "
+                    f"{lat['push-median'] * 1000:.1f} ms")
     print(f"\nlocal deployment: {n} SuperNodes, {args.rounds} x {n} updates each (digits CNN, 1 local epoch)")
     print(f"{'loop, executor':<40} {'updates':>8} {'train s':>8} {'updates/s':>10}")
     print("\n".join(rows))

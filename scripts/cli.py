@@ -75,7 +75,7 @@ class Deployment:
     latency: tuple[str, ...] = ()
     tls: bool = False
     auth: bool = False
-    executor: str = "flower"
+    executor: str = "warm"
 
     def slow_nodes(self) -> dict[int, float]:
         """``--latency I=SECONDS`` items as {node: seconds}, or a ConfigError naming the bad item."""
@@ -152,7 +152,7 @@ def run(args: Annotated[list[str] | None, typer.Argument(metavar="[PRESET] [KEY=
                                                              f"{MAIN_JOB}) and run-config overrides")] = None,
         mode: Annotated[Mode, typer.Option(help=MODE_HELP)] = Mode.in_process,
         flwr_home: FlwrHome = PROJECT_DIR / ".flwr", supernodes: Supernodes = None, latency: Latency = None,
-        tls: Tls = False, auth: Auth = False, executor: Executor = "flower", verbose: Verbose = False) -> None:
+        tls: Tls = False, auth: Auth = False, executor: Executor = "warm", verbose: Verbose = False) -> None:
     """Run a preset, with overrides; outputs go to `<output-dir>/<run-name>/`."""
     raise typer.Exit(launch(job(args or []), mode, flwr_home,
                             Deployment(supernodes, tuple(latency or ()), tls, auth, executor), verbose))
@@ -165,7 +165,7 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="a run folder with a che
                                                                       "num-rounds")] = None,
            mode: Annotated[Mode, typer.Option(help=MODE_HELP)] = Mode.in_process,
            flwr_home: FlwrHome = PROJECT_DIR / ".flwr", supernodes: Supernodes = None, latency: Latency = None,
-           tls: Tls = False, auth: Auth = False, executor: Executor = "flower", verbose: Verbose = False) -> None:
+           tls: Tls = False, auth: Auth = False, executor: Executor = "warm", verbose: Verbose = False) -> None:
     """Continue a run from its last checkpoint, in its own folder (any mode resumes a run of any mode)."""
     raise typer.Exit(launch({**parse_overrides(overrides or []), "resume": str(run_dir.resolve())}, mode, flwr_home,
                             Deployment(supernodes, tuple(latency or ()), tls, auth, executor), verbose))

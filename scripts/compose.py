@@ -69,9 +69,11 @@ PLAIN_HTTP_WARNING = ("warning: --plain-http: no TLS and no SuperNode authentica
                       "only.")
 
 
-def compose_files(plain_http: bool = False, gpu: bool = False, host: bool = False) -> list[Path]:
+def compose_files(plain_http: bool = False, gpu: bool = False, host: bool = False,
+                  flower_devices: bool = False) -> list[Path]:
     return [COMPOSE_DIR / "compose.yml", *([COMPOSE_DIR / "plain-http.yml"] if plain_http else []),
-            *([COMPOSE_DIR / "compose.gpu.yml"] if gpu else []), *([COMPOSE_DIR / "host-network.yml"] if host else [])]
+            *([COMPOSE_DIR / "compose.gpu.yml"] if gpu else []), *([COMPOSE_DIR / "host-network.yml"] if host else []),
+            *([COMPOSE_DIR / "flower-devices.yml"] if flower_devices else [])]
 
 
 class Reset(list):
@@ -295,8 +297,11 @@ class Twin:
         return value
 
     def command(self, service: str) -> list[str]:
+        """The service's entrypoint (its own, else its image's) and command, as run on this machine."""
         svc = self.compose["services"][service]
-        args, out = svc["command"], [ENTRYPOINTS[_image(service, svc)]]
+        args = svc["command"]
+        out = ([sys.executable if a == "python" else self.text(service, a) for a in svc["entrypoint"]]
+               if "entrypoint" in svc else [ENTRYPOINTS[_image(service, svc)]])
         for i, arg in enumerate(args):
             before = args[i - 1] if i else ""
             out.append("127.0.0.1" if before == "--host" else str(self.port(service, int(arg))) if before == "--port"
@@ -421,10 +426,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", action="store_true", help="add docker/compose.gpu.yml (CUDA ServerApp)")
     parser.add_argument("--host-network", action="store_true",
                         help="add docker/host-network.yml (no Docker network: every container on the host's)")
+    parser.add_argument("--flower-devices", action="store_true",
+                        help="add docker/flower-devices.yml: Flower's own flower-supernode and flower-superexec on "
+                             "each device instead of the warm ones")
     parser.add_argument("--workdir", type=Path, default=PROJECT_DIR / "outputs" / "compose-twin",
                         help="twin: folder for volumes, FLWR_HOMEs and logs")
     args = parser.parse_intermixed_args(argv)
-    files = compose_files(args.plain_http, args.gpu, args.host_network)
+    files = compose_files(args.plain_http, args.gpu, args.host_network, args.flower_devices)
     if args.plain_http:
         print(PLAIN_HTTP_WARNING, file=sys.stderr)
     try:

@@ -55,7 +55,7 @@ def deploy(overrides: dict[str, Any], flwr_home: Path, supernodes: int | None = 
            latency: dict[int, float] | None = None,
            on_started: Callable[[ProcessGroup, Path], None] | None = None,
            tls: bool = False, auth: bool = False, node_config: str = "",
-           app_dir: Path = PROJECT_DIR, executor: str = "flower") -> tuple[Path, set[int]]:
+           app_dir: Path = PROJECT_DIR, executor: str = "warm") -> tuple[Path, set[int]]:
     """Run one job on a fresh deployment; return its run folder and the PIDs started (all stopped by now).
 
     `latency` slows SuperNode i's train replies by that many seconds (node config ``latency-s``);
@@ -76,7 +76,7 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
                 latency: dict[int, float] | None = None,
                 on_started: Callable[[ProcessGroup, Path], None] | None = None,
                 tls: bool = False, auth: bool = False, node_config: str = "",
-                app_dir: Path | Sequence[Path] = PROJECT_DIR, executor: str = "flower") -> tuple[list[Path], set[int]]:
+                app_dir: Path | Sequence[Path] = PROJECT_DIR, executor: str = "warm") -> tuple[list[Path], set[int]]:
     """Run several jobs one after the other on the same SuperLink and SuperNodes (all must agree on
     num-clients); see :func:`deploy`. `on_started` gets the first run's folder; `node_config` is added to
     every SuperNode's ``--node-config`` (e.g. ``cache-dir=""``); `app_dir` is every run's app, or one per run."""

@@ -174,6 +174,10 @@ class Runner:
         self._step_metrics: dict[str, float] = {}  # what the last strategy step of the current step measured
         self._bytes_down = self._bytes_extra = 0  # payload bytes dispatched in the current step, and extra ones
         self.reply_to_dispatch: list[float] = []  # wall clock: seconds from a reply to the next dispatch
+        # ... and two of its parts: handing the reply to the strategy (a server step when one is due), and
+        # Flower's push of the next message to the SuperLink
+        self.reply_parts: dict[str, list[float]] = {"hand-over": [], "push": []}
+        self._pushed_in = 0.0
 
     # -- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -237,7 +241,9 @@ class Runner:
             return
         msgs = [self._message(f) for f in flights]
         now = time.perf_counter()
-        for flight, mid in zip(flights, self.grid.push_messages(msgs)):
+        ids = list(self.grid.push_messages(msgs))
+        self._pushed_in = time.perf_counter() - now
+        for flight, mid in zip(flights, ids):
             flight.message_id, flight.sent_at = mid, now
             self.flights[flight.client] = flight
 
@@ -334,11 +340,13 @@ class Runner:
             time.sleep(min(1.0, self.runtime.wait_nodes_s))
 
     def latency_summary(self) -> dict[str, float]:
-        """Median and p95 of the wall clock's reply -> next-dispatch latency (empty for the virtual clock)."""
+        """Median and p95 of the wall clock's reply -> next-dispatch latency (empty for the virtual clock), and the
+        medians of its parts: the hand-over to the strategy, and Flower's push."""
         if not self.reply_to_dispatch:
             return {}
         lat = np.asarray(self.reply_to_dispatch)
-        return {"median": float(np.median(lat)), "p95": float(np.percentile(lat, 95)), "count": int(lat.size)}
+        return {"median": float(np.median(lat)), "p95": float(np.percentile(lat, 95)), "count": int(lat.size),
+                **{f"{part}-median": float(np.median(v)) for part, v in self.reply_parts.items()}}
 
     # -- the public API: a run, or one step at a time from another loop (Flower's) ----------------
     def wait_for_nodes(self, count: int, timeout: float | None = None) -> None:
@@ -429,11 +437,14 @@ class Runner:
             for f in arrived:
                 got_at = time.perf_counter()
                 self._hand_over(f, self._replies.pop(f.message_id), step, entry, accepted)
+                handed = time.perf_counter() - got_at
                 # Refill the freed slot at once: the reply -> next dispatch latency is the runtime's overhead.
                 fresh = self._sample(1, refresh_every=1.0)
                 self._dispatch(fresh, step, virtual=False)
                 if fresh:
                     self.reply_to_dispatch.append(time.perf_counter() - got_at)
+                    self.reply_parts["hand-over"].append(handed)
+                    self.reply_parts["push"].append(self._pushed_in)
                     entry.sampled += 1
                 if entry.accepted + entry.failures + entry.rejected + entry.timeouts >= self.runtime.clients_per_round:
                     on_step(self._close_step(entry, accepted, started))

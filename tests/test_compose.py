@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -114,7 +115,7 @@ def test_the_twin_maps_addresses_ports_and_paths(tmp_path: Path) -> None:
     t = Twin(load(compose_files()), tmp_path)
     node = t.command("supernode-1")
     link_port, node_port = t.port("superlink", 8000), t.port("supernode-1", 9095)
-    assert node[0] == "flower-supernode"
+    assert node[:2] == [sys.executable, str(PROJECT_DIR / "client_app" / "supernode.py")]  # warm: the mounted file
     assert node[node.index("--superlink") + 1] == f"127.0.0.1:{link_port}"
     assert node[node.index("--host") + 1] == "127.0.0.1" and node[node.index("--port") + 1] == str(node_port)
     assert t.port("supernode-1", 9095) == node_port  # under host networking each SuperNode needs its own port
@@ -122,12 +123,17 @@ def test_the_twin_maps_addresses_ports_and_paths(tmp_path: Path) -> None:
     assert node[node.index("--node-config") + 1] == "partition-id=1 num-partitions=2"
     assert t.port("supernode-0", 9094) not in (link_port, node_port)
     client = t.command("superexec-clientapp-1")  # in supernode-1's network namespace: its loopback port
-    assert client[0] == "flower-superexec" and f"127.0.0.1:{node_port}" in client
+    assert client[:2] == [sys.executable, str(PROJECT_DIR / "client_app" / "warm_executor.py")]
+    assert f"127.0.0.1:{node_port}" in client
     assert secret_of(client) == secret_of(node) == str(tmp_path / "certs" / "supernode-1.secret")
     link = t.command("superlink")
     assert link[link.index("--database") + 1] == str(tmp_path / "volumes" / "superlink-state" / "superlink.db")
     assert link[link.index("--ssl-keyfile") + 1] == str(tmp_path / "certs" / "server.key")
     assert (PROJECT_DIR / "data").as_posix() in t.text("superexec-serverapp", "/app/data/x")
+    stock = Twin(load(compose_files(flower_devices=True)), tmp_path)  # Flower's own device processes
+    assert stock.command("supernode-1")[:2] == ["flower-supernode", "--root-certificates"]
+    assert stock.command("superexec-clientapp-1")[:2] == ["flower-superexec", "--insecure"]
+    assert stock.command("superlink")[0] == "flower-superlink"
 
 
 def test_the_app_image_matches_the_compose_flower_version() -> None:
@@ -172,12 +178,13 @@ def _compose_cli() -> list[str]:
     pytest.skip(reason)
 
 
-@pytest.mark.parametrize("plain, gpu, host", [(False, False, False), (True, False, False), (False, True, False),
-                                              (True, False, True), (False, False, True)])
-def test_the_twin_reads_the_files_as_compose_itself_does(plain, gpu, host) -> None:
+@pytest.mark.parametrize("plain, gpu, host, stock", [(False, False, False, False), (True, False, False, False),
+                                                     (False, True, False, False), (True, False, True, False),
+                                                     (False, False, True, False), (True, False, False, True)])
+def test_the_twin_reads_the_files_as_compose_itself_does(plain, gpu, host, stock) -> None:
     """`docker compose config` (compose's own parser and merge, no engine needed) against the twin's load: the
     same services, images, commands, entrypoints, container paths, dependencies and healthchecks."""
-    files = compose_files(plain, gpu, host)
+    files = compose_files(plain, gpu, host, flower_devices=stock)
     out = subprocess.run([*_compose_cli(), *(a for f in files for a in ("-f", str(f))), "config", "--format", "json"],
                          capture_output=True, text=True, check=True, env={**os.environ, "FLWR_VERSION": "1.42.0"})
     theirs = json.loads(out.stdout)["services"]
@@ -271,9 +278,10 @@ def test_the_compose_twin_runs_fedavg_through_a_superlink_restart_then_an_asynch
 @pytest.mark.e2e
 @TWIN
 def test_the_plain_http_compose_twin_runs_the_demo_job_as_in_process(tmp_path: Path) -> None:
-    """plain-http.yml natively (the Runtime APIs keep their secrets), running the demo's job (Feddle-ID,
-    shortened): the virtual clock's run, the same arrivals and versions as in-process."""
-    (run,), _ = twin(compose_files(plain_http=True), [{"num-rounds": 10}], tmp_path)
+    """plain-http.yml natively (the Runtime APIs keep their secrets) on Flower's own device processes
+    (flower-devices.yml; the other twin test and the engine test run the warm ones), running the demo's job
+    (Feddle-ID, shortened): the virtual clock's run, the same arrivals and versions as in-process."""
+    (run,), _ = twin(compose_files(plain_http=True, flower_devices=True), [{"num-rounds": 10}], tmp_path)
     reference = run_inprocess({**job(load(compose_files()), {"num-rounds": 10}), "output-dir": str(tmp_path / "ref")})
     summary = _summary(run)
     assert summary["strategy"]["strategy"] == "feddle" and summary["final-version"] >= 1

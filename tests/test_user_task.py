@@ -127,12 +127,13 @@ def test_the_example_project_runs_under_flwr_run_with_its_own_preset(tmp_path):
 
 @pytest.mark.e2e
 def test_the_example_project_runs_on_a_local_deployment(tmp_path):
-    """SuperLink, SuperNodes and SuperExec processes that import the user's package from the app's files."""
+    """SuperLink, SuperNodes and SuperExec processes that import the user's package from the app's files (Flower's
+    own device processes: the other deployments run the warm ones, the default)."""
     from scripts import deploy_local
 
     out, _ = deploy_local.deploy({"preset": "tabular_task:presets/fedbuff", "output-dir": str(tmp_path),
                                   "run-name": "deployed", "num-rounds": 4, "clients-per-round": 3},
-                                 tmp_path / "flwr-home", supernodes=3, app_dir=EXAMPLE)
+                                 tmp_path / "flwr-home", supernodes=3, app_dir=EXAMPLE, executor="flower")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["dataset"] == "tabular_task.task:breast_cancer"
     assert summary["final-version"] >= 1 and summary["total-failures"] == 0  # a full buffer of the nodes' updates
