@@ -251,8 +251,9 @@ def build_images(engine: Engine, version: str, wheels_ready: Callable[[], Any]) 
 # -- 4. the deployments -----------------------------------------------------------------------------------------
 
 class Deployment:
-    """docker/'s compose files (+ host-network.yml) copied into <workdir>/docker, so that their relative paths
-    (certificates, keys, secrets, ../data) land in `workdir`, brought up with ``docker compose``."""
+    """docker/'s compose files (+ host-network.yml) copied into <workdir>/docker, and the project's files they mount
+    (the warm devices' programs) beside it, so that their relative paths (certificates, keys, secrets, ../data,
+    ../client_app) land in `workdir`, brought up with ``docker compose``."""
 
     def __init__(self, engine: Engine, workdir: Path, version: str) -> None:
         self.dir = workdir / "docker"
@@ -263,6 +264,11 @@ class Deployment:
         self.compose_argv = [DOCKER, "compose", *(a for n in names for a in ("-f", str(self.dir / n)))]
         self.env = {**engine.env, "FLWR_VERSION": version}
         self.spec = load([COMPOSE_DIR / n for n in names])
+        for service in self.spec["services"].values():  # the project's files mounted from outside docker/
+            for source in (str(v).split(":", 1)[0] for v in service.get("volumes") or []):
+                if source.startswith("../") and (COMPOSE_DIR / source).is_file():
+                    (self.dir / source).resolve().parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(COMPOSE_DIR / source, self.dir / source)
         self.flwr_home = workdir / "flwr-home"
         self.cli_env = flower_env(self.flwr_home)
         self.ca = make_pki(self.certs, nodes=len(supernodes(self.spec))) / "ca.crt"
