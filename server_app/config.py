@@ -104,6 +104,10 @@ class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig, T
     eval_every: int = option(1, COUNT, "evaluate on the server's test split every this many steps (and at the end)")
     checkpoint_every: int = option(10, Range(0), "write `checkpoint.pt` every this many steps and at the end "
                                    "(0 = never)")
+    max_failed_fraction: float = option(0.8, Range(0, 1), "the run stops with an error (exit 1), quoting the first "
+                                        "failure, once more than this fraction of its replies failed or were "
+                                        "rejected (timeouts aside), judged from `clients-per-round` replies on; "
+                                        "1 = never")
     resume: str = option("", None, "a run folder with a `checkpoint.pt`: continue that run there (the other keys "
                          "come from the checkpoint; see [Checkpoints](#checkpoints-and-resume))", "a run folder")
     output_dir: str = option("outputs", None, "where `<run>/` is written (absolute under `flwr run`)", "path")
@@ -167,9 +171,9 @@ def preset_file(name: str) -> tuple[list[str], dict[str, Any]]:
 
 # Keys a resumed run may change: they do not touch what is computed (or, `device` and `cohort-training`, where and
 # how, to float rounding).
-MAY_CHANGE_ON_RESUME = frozenset({"num-rounds", "checkpoint-every", "eval-every", "reply-timeout-s", "poll-interval-s",
-                                  "wait-nodes-s", "data-root", "device", "cohort-training", "resume", "output-dir",
-                                  "run-name",
+MAY_CHANGE_ON_RESUME = frozenset({"num-rounds", "checkpoint-every", "eval-every", "max-failed-fraction",
+                                  "reply-timeout-s", "poll-interval-s", "wait-nodes-s", "data-root", "device",
+                                  "cohort-training", "resume", "output-dir", "run-name",
                                   *specs_of(TrackingConfig)})
 
 

@@ -104,6 +104,19 @@ class Run:
             entry.failures, entry.rejected, entry.timeouts, entry.version, entry.seconds, duration(left), acc)
         if cfg.checkpoint_every and (entry.round % cfg.checkpoint_every == 0 or last):
             self.checkpoint(entry.round)
+        self.check_failures(entry.round)
+
+    def check_failures(self, step: int) -> None:
+        """Stop a run whose clients fail: more than ``max-failed-fraction`` of the replies so far failed or were
+        rejected, once ``clients-per-round`` replies have arrived (a run must not end as a success having learned
+        nothing)."""
+        totals = {k: sum(row.get(k, 0) for row in self.recorder.rows) for k in ("accepted", "failures", "rejected")}
+        failed = totals["failures"] + totals["rejected"]
+        replies = failed + totals["accepted"]
+        if replies >= self.cfg.clients_per_round and failed > self.cfg.max_failed_fraction * replies:
+            raise RuntimeError(f"step {step}: {failed} of the run's {replies} replies failed or were rejected, more "
+                               f"than max-failed-fraction = {self.cfg.max_failed_fraction:g}; the first: "
+                               f"{self.runner.first_loss or 'not recorded (the run was resumed)'}")
 
     def checkpoint(self, step: int) -> None:
         write_checkpoint(self.out, {

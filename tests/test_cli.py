@@ -52,6 +52,17 @@ def test_a_bad_key_or_value_exits_2_naming_it_and_writes_nothing(tmp_path: Path,
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_run_whose_clients_all_fail_exits_1_saying_why(tmp_path: Path, capsys):
+    """Ditto with more clusters than the data has classes: every client refuses, and the run ends with exit 1 and
+    the first client's reason, not as a success after 0 versions."""
+    assert main(["run", "ditto-digits", "num-rounds=2", "num-clusters=11", f"output-dir={tmp_path}",
+                 "run-name=failing"]) == 1
+    err = capsys.readouterr().err
+    assert "step 1: 10 of the run's 10 replies failed or were rejected" in err
+    assert "num-clusters 11 outside [1, min(classes=10, clients=10)]" in err
+    assert not (tmp_path / "failing" / "summary.json").exists()
+
+
 def test_presets_lists_every_preset_with_one_line(capsys):
     assert main(["presets"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
 from helpers import faulty_client_app
 
 from client_app.app import app as client_app
@@ -64,6 +65,31 @@ def test_bad_replies_are_counted_and_the_run_goes_on(small_run):
     assert [(r["accepted"], r["failures"], r["rejected"]) for r in rows] == [(2, 1, 2)] * 3
     assert summary["total-failures"] == 3 and summary["total-rejected"] == 6 and summary["final-version"] == 3
     assert np.isfinite(summary["final-test-loss"])
+
+
+def test_a_run_whose_replies_mostly_fail_stops_quoting_the_first_failure(small_run, tmp_path):
+    """3 of every 5 replies lost (an exception, NaN, a wrong shape): over max-failed-fraction 0.5 the run stops
+    after its first step with an error that counts them and quotes the first; at the default (0.8) it goes on (the
+    test above); with every reply failing, the default stops it too. What it wrote so far stays."""
+    faulty = {"client_app": faulty_client_app(), "num-clients": 5, "clients-per-round": 5}
+    with pytest.raises(RuntimeError, match=r"step 1: 3 of the run's 5 replies failed or were rejected, more than "
+                                           r"max-failed-fraction = 0.5; the first: step 1, client \d: "):
+        small_run("strict", **faulty, **{"max-failed-fraction": 0.5})
+    rows = (tmp_path / "strict" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["round"] for r in rows] == [0, 1]
+
+    def broken(msg: Message, context) -> Message:
+        raise RuntimeError("the device's disk is full")
+
+    failing = ClientApp()
+    failing.train()(broken)
+    for kind in ("evaluate", "query"):
+        getattr(failing, kind)()(lambda msg, context: client_app(msg, context))
+    with pytest.raises(RuntimeError, match=r"4 of the run's 4 replies .* the first: step 1, client \d: error reply "
+                                           r"\(code \d\): RuntimeError: the device's disk is full"):
+        small_run("broken", client_app=failing)
+    _, summary = small_run("tolerant", client_app=failing, **{"max-failed-fraction": 1.0, "num-rounds": 2})
+    assert summary["total-failures"] == 8 and summary["final-version"] == 0  # asked never to stop: it runs out
 
 
 def test_client_exception_becomes_an_error_reply():
