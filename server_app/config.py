@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from logging import WARNING
 from pathlib import Path
 from typing import Any
 
 import yaml
+from flwr.common.logger import log
 
 from common.config import (
     COUNT,
@@ -243,10 +245,31 @@ def load_config(overrides: Mapping[str, Any] | None = None) -> RunConfig:
         return resumed_config(overrides)
     preset = overrides.get("preset", RunConfig.preset)
     validate(RunConfig.specs()["preset"], preset)
-    given = {**read_preset(preset), **overrides, "preset": preset}
+    from_preset = read_preset(preset)
+    given = {**from_preset, **overrides, "preset": preset}
     cfg = make_config(given)
+    if any(key in overrides for key in METHOD_KEYS):  # another method than the preset's: drop the preset's options
+        dropped = sorted(unused_options(cfg, {k: v for k, v in from_preset.items() if k not in overrides}))
+        if dropped:
+            log(WARNING, "%s = %s on preset %s: its options %s are not this method's and are left out", " / ".join(
+                k for k in METHOD_KEYS if k in overrides), " / ".join(str(overrides[k]) for k in METHOD_KEYS
+                                                                   if k in overrides), preset, ", ".join(dropped))
+            given = {k: v for k, v in given.items() if k not in dropped}
+            cfg = make_config(given)
     check_used(cfg, given)
     return cfg
+
+
+# The keys that choose the method, and so which method options a run uses
+METHOD_KEYS = ("strategy", "local-objective")
+
+
+def unused_options(cfg: RunConfig, given: Mapping[str, Any]) -> dict[str, list[str]]:
+    """The method options in `given`, set to another value than their default, that `cfg`'s strategy and objective
+    do not use: {key: the methods it belongs to}."""
+    used, owners, specs = used_keys(cfg), option_owners(), option_specs()
+    return {key: owners[key] for key, value in given.items()
+            if key in owners and key not in used and value != specs[key].default}
 
 
 def used_keys(cfg: RunConfig) -> set[str]:
@@ -258,11 +281,9 @@ def check_used(cfg: RunConfig, given: Mapping[str, Any]) -> None:
     """Refuse a method key (a strategy's or a client objective's option) set to another value than its default that
     the run's strategy and objective do not use: a preset or an override that sets it would otherwise be silently
     ignored. A key at its default changes nothing either way (a resolved configuration lists every key so)."""
-    used, owners, specs = used_keys(cfg), option_owners(), option_specs()
-    for key, value in given.items():
-        if key in owners and key not in used and value != specs[key].default:
-            raise ConfigError(key, value, f"a key the run uses: '{key}' is an option of {', '.join(owners[key])}, "
-                              f"not of strategy '{cfg.strategy}' with objective '{cfg.local_objective}'")
+    for key, methods in unused_options(cfg, given).items():
+        raise ConfigError(key, given[key], f"a key the run uses: '{key}' is an option of {', '.join(methods)}, "
+                          f"not of strategy '{cfg.strategy}' with objective '{cfg.local_objective}'")
 
 
 class ResumeMismatch(ConfigError):

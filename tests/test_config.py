@@ -176,3 +176,18 @@ def test_command_line_overrides_take_toml_values_or_bare_strings():
     assert load_config(parse_overrides(["preset=fedbuff-digits"])).strategy == "fedbuff"
     with pytest.raises(SystemExit, match="expected KEY=VALUE"):
         parse_overrides(["num-rounds"])
+
+
+def test_another_method_on_a_preset_leaves_out_the_preset_s_options_but_not_the_user_s():
+    """feddle-digits with strategy=fedbuff: Feddle's options that the preset set (atlas-size, search-lr,
+    server-epochs) are left out, not refused as keys the user never typed; the same option typed by the user with
+    that strategy is still refused, and the preset's own method keeps them."""
+    preset = read_preset("feddle-digits")
+    assert preset["strategy"] == "feddle" and {"atlas-size", "search-lr"} <= set(preset)
+    cfg = load_config({"preset": "feddle-digits", "strategy": "fedbuff"})
+    defaults = option_specs()
+    assert cfg.strategy == "fedbuff" and cfg.options["atlas-size"] == defaults["atlas-size"].default
+    assert cfg.central_size == preset.get("central-size", cfg.central_size)  # run keys stay
+    with pytest.raises(ConfigError, match="'atlas-size' is an option of feddle, not of strategy 'fedbuff'"):
+        load_config({"preset": "feddle-digits", "strategy": "fedbuff", "atlas-size": 12})
+    assert load_config({"preset": "feddle-digits"}).options["atlas-size"] == preset["atlas-size"]
