@@ -3,7 +3,8 @@
     python -m benchmarks.warm_rss [--messages 1000] [--supernodes 2] [--out outputs/warm-rss.jsonl]
 
 A local deployment (scripts/deploy_local.py, ``--executor warm``) runs FedBuff on digits on the wall clock, one
-local epoch per update, until `messages` updates have arrived. Every 2 s it records the RSS (``VmRSS``) of each node's
+local epoch on a tenth of each node's data per update (the messages, not the training, are measured), until
+`messages` updates have arrived. Every 2 s it records the RSS (``VmRSS``) of each node's
 long-lived processes: the SuperNode (client_app/supernode.py), the warm executor and its fork server
 (client_app/warm_executor.py); the children forked per message exit with their message and are not counted. Printed:
 each process's RSS after the first 10 % of the messages and at the end, and the largest. A leak shows as growth
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         job = {"preset": "fedavg-digits", "strategy": "fedbuff", "clock": "wall", "concurrency": n, "buffer-size": n,
                "num-clients": n, "clients-per-round": n, "num-rounds": -(-args.messages // n), "local-epochs": 1,
+               "data-fraction": 0.1,
                "eval-every": 1000000, "output-dir": str(Path(tmp) / "out"), "run-name": "rss"}
         deploy(job, Path(tmp) / "home", executor="warm", on_started=sample)
         stop.set()
