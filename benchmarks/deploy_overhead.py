@@ -78,17 +78,19 @@ def table(columns: dict[str, dict[str, float]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--executors", default=",".join(EXECUTORS),
+                        help=f"comma-separated device setups, the first the reference ({', '.join(EXECUTORS)})")
     parser.add_argument("--compose", type=Path, default=None,
                         help="a compose test's workdir (outputs/compose-test): print its timings.json")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        columns = {executor: measure(args.rounds, executor, Path(tmp)) for executor in EXECUTORS}
+        columns = {executor: measure(args.rounds, executor, Path(tmp)) for executor in args.executors.split(",")}
     print(table(columns))
-    stock = columns["flower"]
+    reference, base = next(iter(columns.items()))
     for name, col in columns.items():
         print(f"outside the training, {name}: {col['outside-work']:.2f} s = "
-              f"{col['outside-work'] / stock['outside-work']:.2f} of flower's; Flower's process start + our imports "
-              f"{col['flower-s'] + col['import-s']:.2f} s")
+              f"{col['outside-work'] / base['outside-work']:.2f} of {reference}'s; Flower's process start + our "
+              f"imports {col['flower-s'] + col['import-s']:.2f} s")
     if args.compose:
         timings = json.loads((args.compose / "timings.json").read_text())
         print("\ncompose test:", json.dumps({k: v for k, v in timings.items() if k != "images"}, indent=1))
