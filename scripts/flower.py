@@ -116,10 +116,22 @@ class ProcessGroup:
             p.wait()
 
     def __enter__(self) -> ProcessGroup:
+        # SIGTERM (a `kill`, a service manager, CI's timeout) unwinds like Ctrl-C, so that this group is stopped
+        # too rather than left running with nobody to stop it
+        self._on_term = (signal.signal(signal.SIGTERM, _terminated)
+                         if threading.current_thread() is threading.main_thread() else None)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            if self._on_term is not None:
+                signal.signal(signal.SIGTERM, self._on_term)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -141,3 +143,21 @@ def test_async_deployment_survives_a_slow_and_a_lost_supernode(tmp_path: Path) -
     assert summary["final-version"] == sum(accepted.values())  # FedAsync: one version per update
     assert len(events) >= 15  # 5 steps of 3 arrivals (lost ones count as arrivals)
     assert summary["reply-to-dispatch-s"]["median"] < 0.5
+
+
+def test_a_launcher_stopped_by_sigterm_stops_the_processes_it_started(tmp_path: Path) -> None:
+    """A launcher killed with SIGTERM (a `kill`, a service manager, a CI timeout) unwinds as after Ctrl-C: the
+    processes its ProcessGroup started are stopped, not left running with nobody to stop them; it exits 143."""
+    script = ("import sys, time\nfrom pathlib import Path\nfrom scripts.flower import ProcessGroup\n"
+              "with ProcessGroup(Path(sys.argv[1]), {}) as procs:\n"
+              "    print(procs.start('sleeper', ['sleep', '300']).pid, flush=True)\n    time.sleep(300)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                                cwd=Path(__file__).resolve().parent.parent)
+    sleeper = int(launcher.stdout.readline())
+    assert running(sleeper)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=60) == 143
+    deadline = time.monotonic() + 10
+    while running(sleeper) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running(sleeper)
