@@ -52,7 +52,8 @@ Latency = Annotated[list[str] | None, typer.Option(metavar="I=SECONDS",
                                                    help="deployment: slow SuperNode I's train replies (repeatable)")]
 Tls = Annotated[bool, typer.Option(help="deployment: HTTPS with a private CA (kept in <flwr-home>/pki)")]
 Auth = Annotated[bool, typer.Option(help="deployment: only registered SuperNode keys are admitted (needs --tls)")]
-Verbose = Annotated[bool, typer.Option(help="in-process on a terminal: the per-step log lines, not a progress line")]
+Verbose = Annotated[bool, typer.Option(help="in-process on a terminal: the per-step log lines, not a progress "
+                                            "line; and an unexpected error's traceback")]
 Executor = Annotated[str, typer.Option(help="deployment: how each device runs its messages: `flower` (Flower's "
                                             "SuperNode and SuperExec: a process per message, 3 s idle polls), `warm` "
                                             "(client_app/warm_executor.py: forked from a process that imported torch "
@@ -111,7 +112,7 @@ def launch(overrides: dict[str, Any], mode: Mode, flwr_home: Path, deployment: D
         return deploy(overrides, flwr_home.resolve(), deployment.supernodes, deployment.slow_nodes(),
                       tls=deployment.tls, auth=deployment.auth, executor=deployment.executor)[0]
 
-    return run_and_report(go)
+    return run_and_report(go, verbose)
 
 
 @contextlib.contextmanager

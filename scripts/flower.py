@@ -12,8 +12,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -281,8 +283,10 @@ def final_status(env: dict[str, str], connection: str, run_id: int, timeout: flo
         time.sleep(2.0)
 
 
-def run_and_report(fn: Callable[[], Path]) -> int:
-    """Run a launcher; print its summary. Exit code 0 = completed, 1 = the run failed, 2 = bad config."""
+def run_and_report(fn: Callable[[], Path], verbose: bool = False) -> int:
+    """Run a launcher; print its summary. Exit code 0 = completed, 1 = the run failed, 2 = bad config. A failure
+    other than a bad config or a failed run (which say what went wrong themselves) prints one line, the exception,
+    and writes its traceback to a file that the line names (`verbose`: prints it too)."""
 
     try:
         run_path = fn()
@@ -291,6 +295,14 @@ def run_and_report(fn: Callable[[], Path]) -> int:
         return 2
     except RuntimeError as err:
         print(f"error: {err}", file=sys.stderr)
+        return 1
+    except Exception as err:  # noqa: BLE001 - any other failure: one line here, the traceback in a file
+        trace = traceback.format_exc()
+        if verbose:
+            print(trace, file=sys.stderr)
+        path = Path(tempfile.gettempdir()) / f"hybridfl-error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+        path.write_text(trace)
+        print(f"error: {type(err).__name__}: {err} (the traceback: {path})", file=sys.stderr)
         return 1
     summary = json.loads((run_path / "summary.json").read_text())
     print(f"\nrun {summary['run']}: final test accuracy {summary['final-test-accuracy']:.4f} "

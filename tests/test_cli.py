@@ -63,6 +63,28 @@ def test_a_run_whose_clients_all_fail_exits_1_saying_why(tmp_path: Path, capsys)
     assert not (tmp_path / "failing" / "summary.json").exists()
 
 
+def test_an_unexpected_error_prints_one_line_and_keeps_the_traceback_in_a_file(tmp_path, monkeypatch, capsys):
+    """Not a config error (exit 2) nor a failed run: one line naming the exception and where its traceback went,
+    exit 1; `--verbose` prints the traceback too."""
+    from server_app import inprocess
+
+    def broken(overrides):
+        raise ValueError("the loader returned 3 columns, the model expects 4")
+
+    monkeypatch.setattr(inprocess, "run_inprocess", broken)
+    assert main(["run", "fedavg-digits", f"output-dir={tmp_path}"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ValueError: the loader returned 3 columns, the model expects 4 "
+                                               "(the traceback: ")
+    trace = Path(err[0].rsplit("(the traceback: ", 1)[1].rstrip(")"))
+    assert "Traceback (most recent call last)" in trace.read_text() and "in broken" in trace.read_text()
+    trace.unlink()
+    assert main(["run", "fedavg-digits", f"output-dir={tmp_path}", "--verbose"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and err.rstrip().splitlines()[-1].startswith("error: ValueError")
+    Path(err.rsplit("(the traceback: ", 1)[1].strip().rstrip(")")).unlink()
+
+
 def test_presets_lists_every_preset_with_one_line(capsys):
     assert main(["presets"]) == 0
     lines = capsys.readouterr().out.splitlines()
