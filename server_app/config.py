@@ -10,6 +10,7 @@ A ``resume`` run takes its configuration from the checkpoint (:func:`resumed_con
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from logging import WARNING
@@ -217,7 +218,9 @@ def make_config(values: Mapping[str, Any]) -> RunConfig:
         elif key in options:
             given_options[key] = validate(options[key], value)
         else:
-            raise ConfigError(key, value, "a known key: " + ", ".join(sorted({*run, *options})))
+            close = difflib.get_close_matches(str(key), [*run, *options], n=3)
+            raise ConfigError(key, value, "a known key" + (f"; did you mean {' or '.join(map(repr, close))}?"
+                                                           if close else "") + " (every key: README, 'Configuration')")
     cfg = RunConfig(**given_run, options=given_options)
     for key, value, what in (("model", cfg.model, "a model factory 'module:function'"),
                              ("dataset", cfg.dataset, "a data loader 'module:function'"),

@@ -120,7 +120,7 @@ def test_a_preset_builds_on_its_bases_in_order_and_a_cycle_is_an_error(tmp_path,
 @pytest.mark.parametrize(
     ("key", "value", "allowed"),
     [
-        ("num-roundz", 3, "a known key"),
+        ("num-roundz", 3, "a known key; did you mean 'num-rounds'?"),
         ("lr", "fast", "a number"),
         ("num-rounds", 2.5, "an integer"),
         ("num-rounds", True, "an integer"),
