@@ -63,6 +63,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -567,6 +568,29 @@ def build_model(name: str, in_channels: int, image_size: int, num_classes: int, 
 def model_config(config: Mapping[str, object]) -> dict[str, object]:
     """The model keys of a run's or a message's config, to send to nodes (a run config holds them all)."""
     return options_dict(from_keys(ModelSpec, config))
+
+
+def check_on_data(model: nn.Module, x: np.ndarray, num_classes: int, name: str) -> None:
+    """Run `model` (eval mode, no gradient) on the first rows of the data `x`: a model that cannot take the data's
+    inputs, or whose output is not one score per class, is a config error naming ``model``, found at start on the
+    server rather than at the first evaluation, or on every client."""
+    batch = torch.from_numpy(np.ascontiguousarray(x[:4]))
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(batch.to(device))
+    except Exception as err:  # noqa: BLE001 - whatever the user's model raises, the key is named
+        raise ConfigError("model", name, f"a model that takes this data's inputs; on a batch of shape "
+                          f"{tuple(batch.shape)} it raised {type(err).__name__}: {err}") from None
+    finally:
+        model.train(was_training)
+    expected = (len(batch), num_classes)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != expected:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ConfigError("model", name, f"a model with one score per class: {expected} for {len(batch)} samples of "
+                          f"{num_classes} classes; it returned {got}")
 
 
 def build_from_config(config: Mapping[str, object], input_shape: tuple[int, ...], num_classes: int,

@@ -93,7 +93,12 @@ def build_user_model(value: str, input_shape: tuple[int, ...], num_classes: int,
     factory = resolve("model", value, "a model factory 'module:function'")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = factory(tuple(int(d) for d in input_shape), int(num_classes))
+        try:
+            model = factory(tuple(int(d) for d in input_shape), int(num_classes))
+        except Exception as err:  # noqa: BLE001 - a class or a function of another signature: the contract
+            raise ConfigError("model", value, f"a model factory called as factory(input_shape, num_classes) -> "
+                              f"torch.nn.Module; factory({tuple(input_shape)}, {num_classes}) raised "
+                              f"{type(err).__name__}: {err}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError("model", value, f"a model factory returning a torch.nn.Module; it returned a "
                           f"{type(model).__name__}")

@@ -20,7 +20,7 @@ from torch import nn
 
 from common.config import part_of
 from common.data import Splits, data_spec, make_splits, task_data
-from common.models import build_from_config
+from common.models import build_from_config, check_on_data
 from common.params import ParamSpec
 from common.server_data import ServerData, build_server_data
 from common.training import LocalRecipe, evaluate
@@ -188,6 +188,7 @@ def build_run(grid: Grid, cfg: RunConfig) -> Run:
     splits, full = make_splits(spec), task_data(spec)
     server_data = build_server_data(cfg, splits)
     model = build_from_config(cfg.to_dict(), full.x.shape[1:], full.num_classes, seed=cfg.seed)
+    check_on_data(model, full.x, full.num_classes, cfg.model)
     pspec = ParamSpec.of(model)
     recipe = part_of(LocalRecipe, cfg)
     strategy = build_strategy(cfg.strategy, cfg.options, seed=cfg.seed, num_clients=cfg.num_clients, recipe=recipe)

@@ -36,6 +36,14 @@ def frozen_only(input_shape, num_classes):
     return torch.nn.Linear(input_shape[0], num_classes).requires_grad_(False)
 
 
+def five_outputs(input_shape, num_classes):
+    return torch.nn.Linear(input_shape[0], 5)
+
+
+def wrong_width(input_shape, num_classes):
+    return torch.nn.Linear(7, num_classes)
+
+
 def three_things(root):
     return np.zeros((4, 2), np.float32), np.zeros(4, np.int64), 2
 
@@ -77,9 +85,16 @@ def test_an_import_path_that_does_not_resolve_fails_at_start_naming_key_value_an
     ("dataset", "test_user_task:three_things", "returning an ArrayDataset or \\(x, y\\) arrays; it returned a tuple"),
     ("dataset", "test_user_task:float_labels", "integer labels 0..K-1; got float32"),
     ("model", "cnn", r"'model' = 'cnn'.*for inputs of shape \(30,\): the built-in models take images"),
+    ("model", "test_user_task:five_outputs", r"one score per class: \(4, 2\) for 4 samples of 2 classes; it "
+                                             r"returned \(4, 5\)"),
+    ("model", "test_user_task:wrong_width", r"takes this data's inputs; on a batch of shape \(4, 30\) it raised "
+                                            r"RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
+    ("model", "torch.nn:Linear", r"a model factory called as factory\(input_shape, num_classes\) -> torch.nn.Module; "
+                                 r"factory\(\(30,\), 2\) raised TypeError"),
 ])
 def test_a_factory_or_loader_that_returns_the_wrong_thing_fails_naming_what_was_expected(tmp_path, key, value,
                                                                                          message):
+    """Each at start, on the server, before any client is asked: the model is built and run on 4 samples."""
     with pytest.raises(ConfigError, match=message):
         run_inprocess({"preset": "tabular_task:presets/fedavg", key: value, "output-dir": str(tmp_path)})
 
