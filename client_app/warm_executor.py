@@ -126,7 +126,8 @@ class WarmExecutor(SubprocessExecutor):
             return super().launch(spec)
         task = {"runtime_api_address": spec.runtime_api_address, "token": spec.token, "insecure": spec.insecure,
                 "root_certificates_path": None if spec.insecure else spec.root_certificates_path,
-                "runtime_dependency_install": spec.runtime_dependency_install}
+                "runtime_dependency_install": spec.runtime_dependency_install,
+                "parent_pid": spec.parent_pid}  # as Flower's: the child ends when this executor does
         try:
             self._start()
             print(json.dumps(task), file=self._tasks, flush=True)

@@ -10,6 +10,8 @@ import inspect
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import types
@@ -25,7 +27,7 @@ from helpers import flower_threads
 from client_app import supernode
 from client_app.warm_executor import PRELOAD, WarmExecutor
 from scripts.deploy_local import deploy, deploy_runs
-from scripts.flower import PROJECT_DIR, device_timings, process_tree
+from scripts.flower import PROJECT_DIR, alive, device_timings, process_tree
 from server_app.inprocess import run_inprocess
 
 EXAMPLE = PROJECT_DIR / "examples" / "tabular"
@@ -41,7 +43,7 @@ def test_what_it_uses_of_flower_is_there():
     for method in ("get_eligible_capacity", "wait_for_capacity", "launch", "reconcile", "close"):
         assert callable(getattr(SubprocessExecutor, method, None)), f"Flower's executor has no {method}()"
     fields = {"task_type", "runtime_api_address", "token", "insecure", "root_certificates_path",
-              "runtime_dependency_install"}
+              "runtime_dependency_install", "parent_pid"}
     assert fields <= set(inspect.signature(ExecutionSpec).parameters), "ExecutionSpec lost a field the executor reads"
     from flwr.supernode.runtime.run_clientapp import run_clientapp
 
@@ -49,7 +51,8 @@ def test_what_it_uses_of_flower_is_there():
     runtime = importlib.import_module("flwr.supernode.runtime.run_clientapp")
     assert callable(getattr(runtime, "install_from_fab", None)) and "install_from_fab(" in inspect.getsource(
         run_clientapp), "run_clientapp no longer installs the FAB through its module's install_from_fab"
-    assert {"runtime_api_address", "token", "insecure", "certificates", "runtime_dependency_install"} <= params
+    assert {"runtime_api_address", "token", "insecure", "certificates", "runtime_dependency_install",
+            "parent_pid"} <= params
     assert TaskType.CLIENT_APP.value == "flwr-clientapp" and callable(LaunchResult.failed)
     for module in PRELOAD:
         importlib.import_module(module)
@@ -90,6 +93,29 @@ def test_the_paced_supernode_refuses_a_loop_it_was_not_written_for():
         mp.setattr(inspect, "getsource", lambda module: source)
         with pytest.raises(RuntimeError, match=r"has no `time.sleep\(3\)`.*flower-supernode instead"):
             supernode.pace(fake, supernode.Pacer())
+
+
+def test_a_child_ends_when_its_executor_dies_as_flower_s_clientapp_does():
+    """An executor killed (SIGKILL) while its child waits on a SuperNode that does not answer: the child, told the
+    executor's pid as Flower's `flwr-clientapp` is, ends within seconds, and the fork server with it; without it the
+    child retried for over a minute (measured), an orphan."""
+    script = ("import os, time\nfrom flwr.supercore.constant import TaskType\n"
+              "from flwr.supercore.superexec.executor.types import ExecutionSpec\n"
+              "from client_app.warm_executor import WarmExecutor\nex = WarmExecutor()\n"
+              "spec = ExecutionSpec(TaskType.CLIENT_APP, '127.0.0.1:1', 'token', True, None, False, os.getpid(), "
+              "False, 1)\nprint(ex.launch(spec).status, ex._server.pid, flush=True)\ntime.sleep(300)\n")
+    executor = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                                cwd=PROJECT_DIR)
+    status, server = executor.stdout.readline().split()
+    time.sleep(3)
+    children = process_tree([int(server)]) - {int(server)}
+    assert status == "accepted" and len(children) == 1  # still trying to reach the SuperNode
+    executor.kill()
+    executor.wait()
+    deadline = time.monotonic() + 30
+    while (left := alive(children | {int(server)})) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left
 
 
 def test_a_launch_the_fork_server_cannot_take_fails_and_the_next_starts_another(monkeypatch):
