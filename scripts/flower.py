@@ -41,8 +41,9 @@ SUPEREXEC_POLL = ("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.2")
 
 def flower_env(flwr_home: Path) -> dict[str, str]:
     """Environment for Flower processes: private FLWR_HOME, no telemetry, no runtime installs, the SuperExec's
-    task poll interval (unless the environment sets it), and this interpreter's bin/ first on PATH
-    (SuperLink/SuperNode start flower-superexec by name, and the flwr CLI is found there the same way)."""
+    task poll interval (unless the environment sets it), this interpreter's bin/ first on PATH
+    (SuperLink/SuperNode start flower-superexec by name, and the flwr CLI is found there the same way), and the
+    current folder on PYTHONPATH."""
     env = dict(os.environ)
     env.setdefault(*SUPEREXEC_POLL)
     env.update({
@@ -51,6 +52,9 @@ def flower_env(flwr_home: Path) -> dict[str, str]:
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        # the user's own code (model, dataset, a package:path preset) imports in the Flower processes as it does
+        # here, from the folder this runs in; a run's own app still comes first, from its FAB
+        "PYTHONPATH": os.pathsep.join(filter(None, (os.getcwd(), env.get("PYTHONPATH")))),
         "PYTHONUNBUFFERED": "1",
     })
     return env

@@ -53,13 +53,13 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
 
 
 def prepare(overrides: dict[str, Any]) -> tuple[dict[str, Any], Path]:
-    """Validate `overrides`, pin an absolute output-dir and a run-name (or, with ``resume``, the absolute
-    folder of the run to continue); return them and the run folder."""
+    """Validate `overrides`, pin an absolute output-dir (a relative one is under the folder this runs in, as
+    in-process) and a run-name (or, with ``resume``, the absolute folder of the run to continue); return them and
+    the run folder."""
     cfg = load_config(overrides)
     if cfg.resume:
         return {**overrides, "resume": cfg.resume}, Path(cfg.resume)
-    out_root = Path(cfg.output_dir)
-    out_root = out_root if out_root.is_absolute() else PROJECT_DIR / out_root
+    out_root = Path(cfg.output_dir).resolve()
     name = run_dir(cfg, out_root).name  # created now, so a parallel run cannot take it
     return {**overrides, "output-dir": str(out_root), "run-name": name}, out_root / name
 

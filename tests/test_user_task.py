@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -152,3 +154,29 @@ def test_the_example_project_runs_on_a_local_deployment(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["dataset"] == "tabular_task.task:breast_cancer"
     assert summary["final-version"] >= 1 and summary["total-failures"] == 0  # a full buffer of the nodes' updates
+
+
+USER_MODEL = """import math
+
+import torch
+
+
+def mlp(input_shape, num_classes):
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(math.prod(input_shape), num_classes))
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode", ["simulation", "deployment"])
+def test_flower_modes_find_the_users_code_and_write_outputs_where_the_user_runs(tmp_path, mode):
+    """As a user runs it: `hybridfl run` from a folder holding their own model factory (no Flower app there, no
+    edit in hybridfl), in a mode that runs Flower's processes: they import the factory from that folder, and the
+    run's outputs land under it."""
+    (tmp_path / "mytask.py").write_text(USER_MODEL)
+    done = subprocess.run([str(Path(sys.executable).parent / "hybridfl"), "run", "fedavg-digits", "model=mytask:mlp",
+                           "num-clients=2", "clients-per-round=2", "num-rounds=1", "run-name=mine", "--mode", mode,
+                           "--flwr-home", str(tmp_path / "home")], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "outputs" / "mine" / "summary.json").read_text())
+    assert summary["config"]["model"] == "mytask:mlp" and summary["final-version"] == 1
