@@ -21,6 +21,7 @@ import contextlib
 import enum
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -172,15 +173,26 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="a run folder with a che
                             Deployment(supernodes, tuple(latency or ()), tls, auth, executor), verbose))
 
 
+# A sentence ends at a full stop before a capital, a digit, a bracket or the end, but not after an abbreviation
+SENTENCE_END = re.compile(r"(?<!App)(?<!Tab)(?<!Fig)(?<!Eq)(?<!Alg)(?<!Sec)(?<!al)(?<!e\.g)(?<!i\.e)"
+                          r"\.(?=\s+[A-Z0-9(`]|$)")
+
+
 def describe(name: str) -> str:
-    """A preset's one line: the first line of its leading comment, else what it builds on and what it sets."""
+    """A preset's one line: the first sentence of its leading comment, whole, else what it builds on and what it
+    sets."""
     from server_app.config import preset_file, preset_path
 
+    comment = []
     for line in preset_path(name).read_text().splitlines():
-        if not line.startswith("#"):
+        if not line.startswith("#") or (comment and not line.strip("# ")):
             break
         if line.strip("# "):
-            return line.strip("# ")
+            comment.append(line.strip("# "))
+    if comment:
+        text = " ".join(comment)
+        end = SENTENCE_END.search(text)
+        return text[:end.end()] if end else text
     bases, data = preset_file(name)
     return " + ".join(filter(None, [", ".join(bases), ", ".join(f"{k}={v}" for k, v in data.items())]))
 

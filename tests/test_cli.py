@@ -90,6 +90,9 @@ def test_presets_lists_every_preset_with_one_line(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == preset_names()
     assert all(len(line.split(maxsplit=1)) == 2 for line in lines)  # every one has a description
+    # a preset's own comment is given as its first sentence, whole (not its first line, cut mid-sentence)
+    assert describe("ca2fl-digits").endswith(".") and "each server step samples" in describe("ca2fl-digits")
+    assert all(d.endswith(".") for d in map(describe, preset_names()) if " + " not in d and "/methods/" not in d)
     assert main(["presets", "feddle-fmnist/fedbuff"]) == 0
     assert {line.split()[0] for line in capsys.readouterr().out.splitlines()} == {
         n for n in preset_names() if n.startswith("feddle-fmnist/fedbuff")}
