@@ -180,3 +180,18 @@ def test_flower_modes_find_the_users_code_and_write_outputs_where_the_user_runs(
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "outputs" / "mine" / "summary.json").read_text())
     assert summary["config"]["model"] == "mytask:mlp" and summary["final-version"] == 1
+
+
+def test_hybridfls_apps_are_flower_components_as_they_are(tmp_path):
+    """Flower's own check of a component reference (its static read of the module) accepts hybridfl's apps named
+    directly, and a user's module that re-exports one with `__all__`; a bare re-export is the case Flower refuses
+    (README says so)."""
+    from flwr.supercore.object_ref import validate
+
+    assert validate("server_app.app:app", project_dir=PROJECT_DIR) == (True, None)
+    assert validate("client_app.app:app", project_dir=PROJECT_DIR) == (True, None)
+    (tmp_path / "mine.py").write_text("from server_app.app import app\n\n__all__ = [\"app\"]\n")
+    (tmp_path / "bare.py").write_text("from server_app.app import app\n")
+    assert validate("mine:app", project_dir=tmp_path) == (True, None)
+    ok, why = validate("bare:app", project_dir=tmp_path)
+    assert not ok and "Unable to find attribute app" in why
