@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from scripts.deploy_local import deploy
-from scripts.flower import process_tree
+from scripts.flower import children
 
 
 def rss_mib(pid: int) -> float | None:
@@ -42,13 +42,8 @@ def long_lived(procs) -> dict[str, int]:
             found[name] = proc.pid
         elif name.startswith("superexec-clientapp-"):
             found[name] = proc.pid
-            for pid in process_tree([proc.pid]) - {proc.pid}:
-                try:
-                    parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, ValueError, IndexError):
-                    continue
-                if parent == proc.pid:
-                    found[name.replace("superexec-clientapp", "fork-server")] = pid
+            for pid in children({proc.pid}):
+                found[name.replace("superexec-clientapp", "fork-server")] = pid
     return found
 
 

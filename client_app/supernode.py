@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 import time
 from types import ModuleType
 from typing import Any
@@ -81,8 +82,12 @@ def pace(loop: ModuleType, pacer: Pacer) -> None:
 
 
 def main() -> None:
-    """``flower-supernode`` with its waits paced."""
-    pace(importlib.import_module(LOOP), Pacer())
+    """``flower-supernode`` with its waits paced; exit 1 with one line if this Flower's loop is not the one it
+    paces."""
+    try:
+        pace(importlib.import_module(LOOP), Pacer())
+    except RuntimeError as err:
+        sys.exit(f"error: {err}")
     from flwr.supernode.cli import flower_supernode
 
     flower_supernode()

@@ -15,7 +15,8 @@ default; ``--tls`` serves every SuperLink API over HTTPS with a private CA (kept
 also admits only SuperNodes whose keys were registered (``flwr supernode register``) before they start.
 It runs ``flwr run . --stream`` against them, checks that the run *finished:completed* and wrote
 ``summary.json``, and stops exactly the processes it started (logs in <run>/flower-logs/).
-Expect a few seconds per message: a SuperNode polls the SuperLink every 3 s.
+Each device runs warm by default (``--executor``, :data:`EXECUTORS`): about 0.3 s per message besides its training
+on a quiet machine, against 5–6 s with Flower's own SuperNode and SuperExec (BENCHMARKS, "Warm devices").
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
         "--ssl-ca-certfile", str(ca), "--ssl-certfile", str(pki / "server.crt"),
         "--ssl-keyfile", str(pki / "server.key"), *(["--enable-supernode-auth"] if auth else [])]
     to_link = ["--insecure"] if ca is None else ["--root-certificates", str(ca)]
+    supernode_cmd, executor_cmd = EXECUTORS[executor]
     with ProcessGroup(prepared[0][1] / "flower-logs", env) as procs:
         link = procs.start("superlink", ["flower-superlink", *link_security, *runtime_api(secret["superlink"]),
                                          "--host", "127.0.0.1", "--port", str(port),
@@ -123,7 +125,6 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
                 register_supernode(env, CONNECTION, pki / f"supernode-{i}.pub")
                 security += ["--auth-supernode-private-key", str(pki / f"supernode-{i}")]
             node_secret = secret[f"supernode-{i}"]
-            supernode_cmd, executor_cmd = EXECUTORS[executor]
             procs.start(f"supernode-{i}", [*supernode_cmd, *security, "--superlink", f"127.0.0.1:{port}",
                                            *runtime_api(node_secret), "--host", "127.0.0.1", "--port", str(node_port),
                                            "--node-config", node_config_i])

@@ -152,6 +152,11 @@ def _ps(fields: str) -> list[list[str]]:
     return [line.split() for line in out.splitlines()]
 
 
+def children(parents: set[int]) -> set[int]:
+    """The processes whose parent is in `parents` (one level: a warm executor's fork server, or its forks)."""
+    return {int(pid) for pid, ppid in _ps("pid=,ppid=") if int(ppid) in parents}
+
+
 def process_tree(roots: list[int]) -> set[int]:
     """`roots` and all their live descendants."""
     children: dict[int, list[int]] = {}

@@ -251,12 +251,12 @@ def load_config(overrides: Mapping[str, Any] | None = None) -> RunConfig:
     from_preset = read_preset(preset)
     given = {**from_preset, **overrides, "preset": preset}
     cfg = make_config(given)
-    if any(key in overrides for key in METHOD_KEYS):  # another method than the preset's: drop the preset's options
+    chosen = {key: overrides[key] for key in METHOD_KEYS if key in overrides}
+    if chosen:  # another method than the preset's: drop the preset's options of its own method
         dropped = sorted(unused_options(cfg, {k: v for k, v in from_preset.items() if k not in overrides}))
         if dropped:
-            log(WARNING, "%s = %s on preset %s: its options %s are not this method's and are left out", " / ".join(
-                k for k in METHOD_KEYS if k in overrides), " / ".join(str(overrides[k]) for k in METHOD_KEYS
-                                                                   if k in overrides), preset, ", ".join(dropped))
+            log(WARNING, "%s on preset %s: its options %s are not this method's and are left out",
+                ", ".join(f"{k} = {v}" for k, v in chosen.items()), preset, ", ".join(dropped))
             given = {k: v for k, v in given.items() if k not in dropped}
             cfg = make_config(given)
     check_used(cfg, given)

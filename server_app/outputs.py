@@ -137,6 +137,10 @@ class Recorder:
         with open(self.path / "events.jsonl", "a") as f:
             f.write(json.dumps(event) + "\n")
 
+    def totals(self) -> dict[str, int]:
+        """The run's replies so far by outcome: accepted, failures, rejected, timeouts."""
+        return {k: sum(r.get(k, 0) for r in self.rows) for k in ("accepted", "failures", "rejected", "timeouts")}
+
     def finish(self, summary: dict[str, Any], models: dict[str, dict[str, torch.Tensor]],
                figures: Callable[[list[dict[str, Any]], list[dict[str, Any]]], dict[str, Any]]) -> dict[str, Any]:
         """Write summary.json, ``model.pt`` (the headline model's ``state_dict``; ``models.pt`` holds all of
@@ -144,7 +148,7 @@ class Recorder:
         ``figures(rows, client_rows)`` (``Strategy.figures``); return the summary."""
         evals = [r for r in self.rows if "test-accuracy" in r]
         accs = [r["test-accuracy"] for r in evals]
-        totals = {k: sum(r.get(k, 0) for r in self.rows) for k in ("accepted", "failures", "rejected", "timeouts")}
+        totals = self.totals()
         summary = {
             **summary,
             "final-test-accuracy": accs[-1] if accs else None,

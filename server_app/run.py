@@ -110,7 +110,7 @@ class Run:
         """Stop a run whose clients fail: more than ``max-failed-fraction`` of the replies so far failed or were
         rejected, once ``clients-per-round`` replies have arrived (a run must not end as a success having learned
         nothing)."""
-        totals = {k: sum(row.get(k, 0) for row in self.recorder.rows) for k in ("accepted", "failures", "rejected")}
+        totals = self.recorder.totals()
         failed = totals["failures"] + totals["rejected"]
         replies = failed + totals["accepted"]
         if replies >= self.cfg.clients_per_round and failed > self.cfg.max_failed_fraction * replies:

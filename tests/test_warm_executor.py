@@ -27,7 +27,7 @@ from helpers import flower_threads
 from client_app import supernode
 from client_app.warm_executor import PRELOAD, WarmExecutor
 from scripts.deploy_local import deploy, deploy_runs
-from scripts.flower import PROJECT_DIR, alive, device_timings, process_tree
+from scripts.flower import PROJECT_DIR, alive, children, device_timings
 from server_app.inprocess import run_inprocess
 
 EXAMPLE = PROJECT_DIR / "examples" / "tabular"
@@ -108,14 +108,27 @@ def test_a_child_ends_when_its_executor_dies_as_flower_s_clientapp_does():
                                 cwd=PROJECT_DIR)
     status, server = executor.stdout.readline().split()
     time.sleep(3)
-    children = process_tree([int(server)]) - {int(server)}
-    assert status == "accepted" and len(children) == 1  # still trying to reach the SuperNode
+    forks = children({int(server)})
+    assert status == "accepted" and len(forks) == 1  # still trying to reach the SuperNode
     executor.kill()
     executor.wait()
     deadline = time.monotonic() + 30
-    while (left := alive(children | {int(server)})) and time.monotonic() < deadline:
+    while (left := alive(forks | {int(server)})) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left
+
+
+def test_the_paced_supernode_on_another_loop_ends_with_one_line(tmp_path, monkeypatch):
+    """`python -m client_app.supernode` under a Flower whose SuperNode loop moved: exit 1 with one line saying
+    what moved and what to run instead, before it connects anywhere."""
+    (tmp_path / "moved_loop.py").write_text("import time\n\ndef loop():\n    time.sleep(5)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(supernode, "LOOP", "moved_loop")
+    with pytest.raises(SystemExit) as done:
+        supernode.main()
+    message = str(done.value.code)
+    assert message.startswith("error: flwr ") and "moved_loop has no `time.sleep(3)`" in message
+    assert "\n" not in message and "run Flower's own flower-supernode instead" in message
 
 
 def test_a_launch_the_fork_server_cannot_take_fails_and_the_next_starts_another(monkeypatch):
@@ -139,15 +152,8 @@ def test_a_launch_the_fork_server_cannot_take_fails_and_the_next_starts_another(
 def warm_processes(procs, name: str) -> tuple[set[int], set[int]]:
     """The fork servers of the executors whose process names start with `name`, and their children (one per
     message being handled). A fork server is an executor's own child; its forks share its command line."""
-    executors = {p.pid for n, p in procs.procs if n.startswith(name)}
-    parents = {}
-    for pid in process_tree(sorted(executors)) - executors:
-        try:
-            parents[pid] = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue  # it ended meanwhile
-    servers = {pid for pid, parent in parents.items() if parent in executors}
-    return servers, {pid for pid, parent in parents.items() if parent in servers}
+    servers = children({p.pid for n, p in procs.procs if n.startswith(name)})
+    return servers, children(servers)
 
 
 @pytest.mark.e2e
