@@ -32,7 +32,8 @@ from torch.nn import functional as F
 from client_app.app import node_partition
 from client_app.work import load_task, update_message
 from common.training import LocalRecipe, epoch_batches
-from strategies.client import ClientSide, LocalTask, client_side
+from strategies import client_side
+from strategies.client import ClientSide, LocalTask
 
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults, which make_optimizer uses
 CUDA_GRAPHS = True  # capture each cohort step on CUDA (benchmarks/cohort.py turns it off to measure what it buys)

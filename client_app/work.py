@@ -23,7 +23,8 @@ from common.devices import resolve_device
 from common.models import build_from_config, model_config
 from common.params import ParamSpec, extras_from_record, extras_to_record
 from common.protocol import ARRAYS, BASE_VERSION, CONFIG, EXTRAS, METRICS, NUM_EXAMPLES, PARTITION_ID, VERSION
-from strategies.client import LocalTask, client_side
+from strategies import client_side
+from strategies.client import LocalTask
 
 
 def node_device(context: Context) -> torch.device:

@@ -10,5 +10,6 @@ NUM_EXAMPLES, PARTITION_ID, BASE_VERSION = "num-examples", "partition-id", "base
 REPLY_KEYS = (NUM_EXAMPLES, PARTITION_ID, BASE_VERSION)
 
 # Keys of a message's config (besides the data spec, the model spec and the local recipe, which carry their own):
-# the model version, the seed of a train message's local run, and the method's client side (strategies/client.py).
-VERSION, TRAIN_SEED, CLIENT_SIDE = "version", "train-seed", "client-side"
+# the model version, the seed of a train message's local run, and the strategy (``Strategy.reference()``: a node
+# runs its client side, and imports a user's own first).
+VERSION, TRAIN_SEED, STRATEGY = "version", "train-seed", "strategy"

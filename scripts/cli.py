@@ -7,6 +7,7 @@
     hybridfl certs docker/certs --nodes 2
     hybridfl resume outputs/feddle-digits-s0-20261126-101500 num-rounds=200
     hybridfl presets
+    hybridfl options tabular_task.fedavgm:FedAvgM      # a method's own keys (yours by import path)
     hybridfl sweep benchmarks/sweeps/fedmerge-fmnist.yaml --jobs 2
     hybridfl report benchmarks/sweeps/fedmerge-fmnist.yaml
 
@@ -140,12 +141,18 @@ def progress_line(verbose: bool) -> Iterator[None]:
 
 def job(args: list[str]) -> dict[str, Any]:
     """``[PRESET] [KEY=VALUE ...]`` -> run-config overrides: the preset named first (else a ``preset`` key, else,
-    unless a run is resumed, the main job) and the overrides."""
+    unless a run is resumed or names its own task, the main job) and the overrides. A task of one's own
+    (``dataset`` or ``model`` given, no preset) runs on the plain base, the run keys' defaults (``RunConfig.preset``:
+    FedAvg, no server data), not on the main job's protocol."""
     preset = args[0] if args and "=" not in args[0] else None
     given = parse_overrides(args[1:] if preset else args)
     if preset:
         return {**given, "preset": preset}
-    return given if "resume" in given or "preset" in given else {"preset": MAIN_JOB, **given}
+    own = {"resume", "preset", *OWN_TASK} & set(given)
+    return given if own else {"preset": MAIN_JOB, **given}
+
+
+OWN_TASK = ("dataset", "model")  # keys that name a task of one's own
 
 
 @app.command()
@@ -206,6 +213,16 @@ def presets(family: Annotated[str, typer.Argument(help="only presets whose name 
     width = max((len(n) for n in names), default=0)
     for name in names:
         typer.echo(f"{name:<{width}}  {describe(name)}")
+
+
+@app.command()
+def options(strategy: Annotated[str, typer.Argument(help="a strategy's name (`fedbuff`), or your own "
+                                                         "'module:Class'")]) -> None:
+    """A method's own keys, with their defaults, what is allowed and what they mean (README "Configuration" has
+    every key)."""
+    from scripts.config_table import method_table
+
+    _echo_or_exit_2(lambda: method_table(strategy))
 
 
 @app.command()

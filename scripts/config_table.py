@@ -20,6 +20,7 @@ from typing import Any
 from common.config import OptionSpec, specs_of
 from scripts.flower import PROJECT_DIR, toml_value
 from server_app.config import PARTS, RunConfig, option_owners, option_specs
+from strategies import strategy_class
 
 BEGIN, END = "<!-- keys:begin (python -m scripts.config_table --write) -->", "<!-- keys:end -->"
 
@@ -57,6 +58,17 @@ def key_tables() -> str:
               "| key | default | allowed | used by | meaning |", "|---|---|---|---|---|"]
     lines += [_row(spec, ", ".join(f"`{o}`" for o in owners[key])) for key, spec in option_specs().items()]
     return "\n".join(lines)
+
+
+def method_table(strategy: str) -> str:
+    """One method's own keys (a registered name, or a user's ``module:Class``): its strategy's options, as the key
+    table lists them (``hybridfl options``)."""
+    cls = strategy_class(strategy)
+    specs = specs_of(cls.Config)
+    if not specs:
+        return f"{strategy} ({_declared(cls)}) has no options of its own"
+    return "\n".join([f"{strategy} ({_declared(cls)}):", "", "| key | default | allowed | meaning |",
+                      "|---|---|---|---|", *(_row(spec) for spec in specs.values())])
 
 
 def pyproject_table() -> str:

@@ -41,7 +41,7 @@ from common.user_code import is_import_path, resolve
 from server_app.checkpoint import read_config
 from server_app.runtime import RuntimeConfig
 from server_app.tracking import TrackingConfig, check_tracking
-from strategies import STRATEGIES, MethodChoice
+from strategies import STRATEGIES, MethodChoice, strategy_class
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -180,10 +180,16 @@ MAY_CHANGE_ON_RESUME = frozenset({"num-rounds", "checkpoint-every", "eval-every"
                                   *specs_of(TrackingConfig)})
 
 
-def option_owners() -> dict[str, list[str]]:
-    """Every option key -> the methods that declare it (``fedbuff``, ``objective proximal``)."""
+def method_classes(strategy: str = "") -> dict[str, type]:
+    """Every registered strategy by name, and `strategy` when it is a user's own (by its import path)."""
+    return {**STRATEGIES, **({strategy: strategy_class(strategy)} if strategy and strategy not in STRATEGIES else {})}
+
+
+def option_owners(strategy: str = "") -> dict[str, list[str]]:
+    """Every option key -> the methods that declare it (``fedbuff``, ``objective proximal``); with a user's own
+    `strategy`, its keys too."""
     owners: dict[str, list[str]] = {}
-    for name, cls in sorted(STRATEGIES.items()):
+    for name, cls in sorted(method_classes(strategy).items()):
         for key in specs_of(cls.Config):
             owners.setdefault(key, []).append(name)
     for name, entry in sorted(OBJECTIVES.items()):
@@ -192,8 +198,9 @@ def option_owners() -> dict[str, list[str]]:
     return owners
 
 
-def option_specs() -> dict[str, OptionSpec]:
-    """Every method option by key; a key declared twice must be declared identically."""
+def option_specs(strategy: str = "") -> dict[str, OptionSpec]:
+    """Every method option by key; a key declared twice must be declared identically, except by a user's own
+    `strategy` (an import path), whose declarations are the run's: its keys mean what its author says."""
     run = RunConfig.specs()
     specs: dict[str, OptionSpec] = {}
     configs = [cls.Config for cls in STRATEGIES.values()] + [entry.Config for entry in OBJECTIVES.values()]
@@ -205,12 +212,21 @@ def option_specs() -> dict[str, OptionSpec]:
                 raise ValueError(f"option '{key}' is declared twice with different types, defaults, checks or "
                                  f"docs ({config.__qualname__}); define it once as a common.config.Option")
             specs[key] = spec
+    if strategy and strategy not in STRATEGIES:
+        own = specs_of(strategy_class(strategy).Config)
+        if clash := sorted(set(own) & set(run)):
+            raise ConfigError("strategy", strategy, f"a strategy whose Config declares no run-level key; it declares "
+                              f"{', '.join(clash)}")
+        specs.update(own)
     return dict(sorted(specs.items()))
 
 
 def make_config(values: Mapping[str, Any]) -> RunConfig:
     """A validated :class:`RunConfig` from a flat key -> value mapping (missing keys take their defaults)."""
-    run, options = RunConfig.specs(), option_specs()
+    run = RunConfig.specs()
+    strategy = validate(run["strategy"], values.get("strategy", RunConfig.strategy))
+    strategy_class(strategy)  # a user's own imported here, at start (with the client objectives it declares)
+    options = option_specs(strategy)
     given_run, given_options = {}, {key: spec.default for key, spec in options.items()}
     for key, value in values.items():
         if key in run:
@@ -270,14 +286,14 @@ METHOD_KEYS = ("strategy", "local-objective")
 def unused_options(cfg: RunConfig, given: Mapping[str, Any]) -> dict[str, list[str]]:
     """The method options in `given`, set to another value than their default, that `cfg`'s strategy and objective
     do not use: {key: the methods it belongs to}."""
-    used, owners, specs = used_keys(cfg), option_owners(), option_specs()
+    used, owners, specs = used_keys(cfg), option_owners(cfg.strategy), option_specs(cfg.strategy)
     return {key: owners[key] for key, value in given.items()
             if key in owners and key not in used and value != specs[key].default}
 
 
 def used_keys(cfg: RunConfig) -> set[str]:
     """The method keys `cfg`'s strategy and client objective read."""
-    return set(specs_of(STRATEGIES[cfg.strategy].Config)) | set(specs_of(OBJECTIVES[cfg.local_objective].Config))
+    return set(specs_of(strategy_class(cfg.strategy).Config)) | set(specs_of(OBJECTIVES[cfg.local_objective].Config))
 
 
 def check_used(cfg: RunConfig, given: Mapping[str, Any]) -> None:

@@ -40,7 +40,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from common.config import COUNT, POSITIVE, OneOf, Range, check_options, option
-from common.protocol import CLIENT_SIDE
+from common.protocol import STRATEGY
 from server_app.evaluation import weighted_mean
 from server_app.wire import Dispatcher, NodeDirectory, RejectedReply, parse_reply
 from strategies.base import Payload, Strategy, Unusable, Update
@@ -159,7 +159,7 @@ class Runner:
         check_options(self.runtime)
         self.grid, self.strategy = grid, strategy
         self.directory = NodeDirectory(grid)
-        self.dispatcher = Dispatcher(strategy.spec, {**run_config, CLIENT_SIDE: strategy.client_side.name}, seed)
+        self.dispatcher = Dispatcher(strategy.spec, {**run_config, STRATEGY: strategy.reference()}, seed)
         self.server_data = server_data
         strategy.attach(server_data)
         self.on_event = on_event or (lambda event: None)

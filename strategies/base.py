@@ -19,15 +19,18 @@ One global model ω is the default case: ``model_for`` sends it to everybody and
 is ``{"global": ω}``; a method with per-client models (FedMerge) overrides the two. A method's
 hyperparameters are a dataclass of options (``Config``) next to its class; the keys are the same
 in YAML, ``flwr run -c``, the dataclass and ``describe()``. A subclass with a ``name`` is
-registered in :data:`STRATEGIES` under it. The method's client side, if it needs more than local training
-with the run's objective, is a :class:`~strategies.client.ClientSide` in the same file, named by the class
-attribute ``client_side`` (every message says which); a client objective of its own is registered there too
-(``common.objectives.objective``) and named by its payload in ``config["local-objective"]``.
+registered in :data:`STRATEGIES` under it; a user's own strategy, in their own package, is named by its import path
+(``strategy = "mypkg.methods:FedAvgM"``, :func:`strategy_class`). The method's client side, if it needs more than
+local training with the run's objective, is a :class:`~strategies.client.ClientSide` in the same file, named by the
+class attribute ``client_side`` (every message names the strategy, :meth:`Strategy.reference`, and a node runs its
+client side); a client objective of its own is registered there too (``common.objectives.objective``) and named by
+its payload in ``config["local-objective"]``.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -36,11 +39,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from common.config import NoOptions, check_options, options_dict
+from common.config import NoOptions, OneOf, check_options, options_dict
+from common.errors import ConfigError
 from common.params import ParamSpec
 from common.server_data import ServerData, check_server_data
 from common.training import LocalRecipe
-from strategies.client import ClientSide, register
+from common.user_code import is_import_path, resolve
+from strategies.client import ClientSide
 
 
 @dataclass
@@ -96,7 +101,53 @@ class Unusable(ValueError):
     counts and logs it, and the run goes on."""
 
 
-STRATEGIES: dict[str, type[Strategy]] = {}
+STRATEGIES: dict[str, type[Strategy]] = {}  # hybridfl's own, by name: every node has them
+_BY_PATH: dict[str, type[Strategy]] = {}  # the others this process has met, by import path
+
+
+def register(registry: dict[str, type], cls: type, kind: str) -> None:
+    """Register `cls` under its own ``name`` (a subclass that declares one); a name taken by another class is an
+    error (the same class, re-imported, may register again)."""
+    if cls.__dict__.get("name"):
+        if cls.name in registry and registry[cls.name].__qualname__ != cls.__qualname__:
+            raise ValueError(f"{kind} name {cls.name!r} is taken by {registry[cls.name].__qualname__}")
+        registry[cls.name] = cls
+
+
+STRATEGY_PATH = "your own 'module:Class' (a subclass of strategies.base.Strategy)"
+
+
+@dataclass(frozen=True)
+class StrategyName(OneOf):
+    """A registered strategy, or a user's own class by import path (imported and checked by
+    :func:`strategy_class`)."""
+
+    def ok(self, v: str) -> bool:
+        return v in set(self.allowed()) or is_import_path(v)
+
+    def describe(self) -> str:
+        return f"{super().describe()}, or {STRATEGY_PATH}"
+
+    def short(self) -> str:
+        return super().short() + ", or `module:Class` (your own)"
+
+
+def strategy_class(value: str) -> type[Strategy]:
+    """The strategy class `value` names: a registered name, or ``module:Class`` (imported here, as a node imports it;
+    importing it registers the client objectives its module declares). A :class:`ConfigError` naming the key
+    ``strategy`` says why it is not one."""
+    if value in STRATEGIES or value in _BY_PATH:
+        return STRATEGIES.get(value) or _BY_PATH[value]
+    if not is_import_path(value):
+        raise ConfigError("strategy", value, StrategyName(lambda: STRATEGIES).describe())
+    found = resolve("strategy", value, f"a strategy class: {STRATEGY_PATH}")
+    if not (isinstance(found, type) and issubclass(found, Strategy)):
+        raise ConfigError("strategy", value, f"{STRATEGY_PATH}; '{value}' is a {type(found).__name__}")
+    if inspect.isabstract(found):
+        raise ConfigError("strategy", value, f"{STRATEGY_PATH} that implements the contract; it does not define "
+                          + ", ".join(sorted(found.__abstractmethods__)))
+    _BY_PATH[value] = found
+    return found
 
 
 class Strategy(ABC):
@@ -152,9 +203,7 @@ class Strategy(ABC):
         carry some of it (example transfer, a central gradient); ``step`` gets it as its argument too. Raises
         ``ConfigError``, naming the key to change, when it does not meet :meth:`server_need`: the one check of
         server data, so every path (the runtime, Flower's loop, a user's own ServerApp) fails before anything runs."""
-        # The registered name a run configures; a user's unregistered subclass by its class (not its parent's name).
-        label = self.name if STRATEGIES.get(self.name) is type(self) else type(self).__name__
-        check_server_data(server, self.server_need(), label)
+        check_server_data(server, self.server_need(), self.reference())
         self.server = server
 
     # -- the contract -------------------------------------------------------------------------
@@ -197,9 +246,21 @@ class Strategy(ABC):
         figures by file name (a suptitle says what each shows); the outputs save them. Default none."""
         return {}
 
+    @classmethod
+    def reference(cls) -> str:
+        """How a run and its messages name this class: hybridfl's own by name (every node has them), any other by its
+        import path ``module:Class``, which a node imports (even one that registered a name: only the process that
+        imported it knows that name). This process remembers the path, so a class no node could import, a test's
+        own, still runs in-process."""
+        if STRATEGIES.get(cls.name) is cls and cls.__module__.partition(".")[0] == __name__.partition(".")[0]:
+            return cls.name
+        path = f"{cls.__module__}:{cls.__qualname__}"
+        _BY_PATH.setdefault(path, cls)
+        return path
+
     def describe(self) -> dict[str, Any]:
         """The strategy's hyperparameters by key, for logs and summary.json."""
-        return {"strategy": self.name, **options_dict(self.config)}
+        return {"strategy": self.reference(), **options_dict(self.config)}
 
     # -- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -1,11 +1,11 @@
 """The client side of a method: what a node does with a train or an evaluate message.
 
 The ClientApp (client_app/work.py) loads the node's data and the received model, then hands a
-:class:`LocalTask` to the method's :class:`ClientSide`, named in the message config (``client-side``) by the
-strategy's ``client_side`` class attribute. The default is the clients of FedAvg and most methods: train the
-received model with the run's local recipe and client objective (common/objectives.py), reply with the delta;
-evaluate the received model. A method that does more subclasses :class:`ClientSide` in its own file, next to its
-strategy, and overrides what differs:
+:class:`LocalTask` to the method's :class:`ClientSide`: the ``client_side`` class attribute of the strategy the
+message names (``strategy``: one channel, so a node runs what the server's strategy declares). The default is
+the clients of FedAvg and most methods: train the received model with the run's local recipe and client objective
+(common/objectives.py), reply with the delta; evaluate the received model. A method that does more subclasses
+:class:`ClientSide` in its own file, next to its strategy, and overrides what differs:
 
     prepare(task, evaluating)   make task.model the model to train or evaluate (IFCA: the best candidate;
                                 FedAvg+: fine-tuned; Ditto: the personal model)
@@ -30,19 +30,8 @@ from common.config import from_keys
 from common.datasets import ArrayDataset
 from common.objectives import Received, build_loss
 from common.params import ParamSpec
-from common.protocol import CLIENT_SIDE, TRAIN_SEED
+from common.protocol import TRAIN_SEED
 from common.training import LocalRecipe, accuracy_of, evaluate, train
-
-CLIENT_SIDES: dict[str, type[ClientSide]] = {}
-
-
-def register(registry: dict[str, type], cls: type, kind: str) -> None:
-    """Register `cls` under its own ``name`` (a subclass that declares one); a name taken by another class is an
-    error (the same class, re-imported, may register again)."""
-    if cls.__dict__.get("name"):
-        if cls.name in registry and registry[cls.name].__qualname__ != cls.__qualname__:
-            raise ValueError(f"{kind} name {cls.name!r} is taken by {registry[cls.name].__qualname__}")
-        registry[cls.name] = cls
 
 
 @dataclass
@@ -80,17 +69,11 @@ class LocalTask:
 
 
 class ClientSide:
-    """Local training with the run's recipe and client objective; evaluation of the received model. A subclass
-    with a ``name`` is registered in :data:`CLIENT_SIDES`."""
+    """Local training with the run's recipe and client objective; evaluation of the received model."""
 
-    name: ClassVar[str] = "local-training"
     # Keeps state in the node's Context.state: it lives as long as the node does (a SuperNode restart, or a resumed
     # in-process run, which starts new nodes, begins it afresh; the server's checkpoint never holds a client's state)
     stateful: ClassVar[bool] = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        register(CLIENT_SIDES, cls, "client side")
 
     def prepare(self, task: LocalTask, evaluating: bool) -> None:
         """Make ``task.model`` the model to train (``evaluating`` false) or to evaluate; default: as received."""
@@ -116,14 +99,3 @@ class ClientSide:
         """``loss`` and ``accuracy`` of ``task.model`` on `data`."""
         return evaluate(task.model, data, seed=task.seed)
 
-
-CLIENT_SIDES[ClientSide.name] = ClientSide
-
-
-def client_side(config: Mapping[str, Any]) -> ClientSide:
-    """A fresh instance of the client side a message names (the default when it names none)."""
-    name = str(config.get(CLIENT_SIDE, ClientSide.name))
-    if name not in CLIENT_SIDES:
-        raise KeyError(f"unknown client side {name!r} (known: {sorted(CLIENT_SIDES)}): this node runs another "
-                       "version of hybridfl, or a method whose package it lacks")
-    return CLIENT_SIDES[name]()

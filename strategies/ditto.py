@@ -38,7 +38,6 @@ class DittoConfig:
 class DittoClient(ClientSide):
     """The global model's local update, sent; then the personal model's, kept in the node's state."""
 
-    name = "ditto"
     stateful = True
 
     def personal(self, task: LocalTask) -> torch.Tensor | None:

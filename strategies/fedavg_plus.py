@@ -25,8 +25,6 @@ class FedAvgPlusClient(ClientSide):
     """Before an evaluation, ``finetune-epochs`` of the local recipe (cross-entropy) on the client's training data,
     seeded by (run seed, client, version)."""
 
-    name = "fedavg-plus"
-
     def prepare(self, task: LocalTask, evaluating: bool) -> None:
         if evaluating and (epochs := int(task.config.get(FINETUNE_EPOCHS, 0))):
             recipe = dataclasses.replace(task.recipe, local_epochs=epochs)

@@ -150,8 +150,6 @@ class FedDualClient(ClientSide):
     """Local training with the run's objective (``feddual``: the adaptive loss), then, when the message asks
     (``loss-gradient``), the summed cross-entropy gradient of the trained model's last arrays."""
 
-    name = "feddual"
-
     def train(self, task: LocalTask) -> torch.Tensor:
         delta = super().train(task)
         if arrays := int(task.config.get(LOSS_GRADIENT, 0)):

@@ -88,8 +88,6 @@ class FedEMClient(ClientSide):
     """The E-step, the M-step for π and a local update of every component (:func:`train_mixture`); evaluation of
     the client's mixture (:func:`evaluate_mixture`)."""
 
-    name = "fedem"
-
     def components(self, task: LocalTask) -> torch.Tensor:
         """The M components (M × P): the message's model, then the payload's ``components``."""
         return torch.cat([task.spec.flatten(task.model)[None], task.arrays[COMPONENTS].reshape(-1, task.spec.numel)])

@@ -54,8 +54,6 @@ def choose_candidate(model: nn.Module, spec: ParamSpec, candidates: torch.Tensor
 class IFCAClient(ClientSide):
     """The client trains, or evaluates, the cluster model that fits its training data best, and names it."""
 
-    name = "ifca"
-
     def prepare(self, task: LocalTask, evaluating: bool) -> None:
         self.chosen = choose_candidate(task.model, task.spec, task.arrays.get(CANDIDATES), task.parts["train"],
                                        task.seed)

@@ -142,8 +142,6 @@ def with_central_examples(data: ArrayDataset, arrays: dict[str, torch.Tensor]) -
 class ExampleTransferClient(ClientSide):
     """Trains on its own data and the payload's central examples together."""
 
-    name = "example-transfer"
-
     def training_data(self, task: LocalTask) -> ArrayDataset:
         return with_central_examples(task.parts["train"], task.arrays)
 

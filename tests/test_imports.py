@@ -117,14 +117,14 @@ def test_the_clientapp_and_the_serverapp_never_name_a_method_or_its_keys():
     from common.config import specs_of
     from server_app.config import RunConfig
     from strategies import STRATEGIES
-    from strategies.client import CLIENT_SIDES
 
-    names = {cls.__name__ for cls in STRATEGIES.values()}
-    method = {*STRATEGIES, *CLIENT_SIDES, *(key for cls in STRATEGIES.values() for key in specs_of(cls.Config))}
+    names = {cls.__name__ for cls in STRATEGIES.values()} | {cls.client_side.__name__ for cls in STRATEGIES.values()}
+    names -= {"ClientSide"}  # the contract's base
+    method = {*STRATEGIES, *(key for cls in STRATEGIES.values() for key in specs_of(cls.Config))}
     method |= {w for p in (PROJECT_DIR / "strategies").glob("*.py") if p.name not in SHARED
                for w in _code_words(p, names=False) if re.fullmatch(r"[a-z][a-z0-9]*(-[a-z0-9]+)*", w)}
     common = {w for p in (PROJECT_DIR / "common").rglob("*.py") for w in _code_words(p)}
-    contract = {"local-training", "in-domain", "any", "none"}  # the default client side, server-data kinds
+    contract = {"in-domain", "any", "none"}  # the server-data kinds
     method -= common | set(RunConfig.specs()) | contract
     found = {(str(p.relative_to(PROJECT_DIR)), w) for pkg in ("client_app", "server_app")
              for p in (PROJECT_DIR / pkg).rglob("*.py")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -143,17 +144,61 @@ def test_the_example_project_runs_under_flwr_run_with_its_own_preset(tmp_path):
 
 
 @pytest.mark.e2e
-def test_the_example_project_runs_on_a_local_deployment(tmp_path):
-    """SuperLink, SuperNodes and SuperExec processes that import the user's package from the app's files (Flower's
-    own device processes: the other deployments run the warm ones, the default)."""
+def test_the_example_projects_own_method_runs_on_a_local_deployment(tmp_path):
+    """SuperLink, SuperNodes and SuperExec processes (Flower's own: a process per message) that import the user's
+    package, and its method by import path: every node runs the method's client side, which clips each update to
+    C, so the server's momentum stays within C / (1 − β)."""
     from scripts import deploy_local
 
-    out, _ = deploy_local.deploy({"preset": "tabular_task:presets/fedbuff", "output-dir": str(tmp_path),
-                                  "run-name": "deployed", "num-rounds": 4, "clients-per-round": 3},
+    clip, beta = 0.02, 0.5
+    out, _ = deploy_local.deploy({"preset": "tabular_task:presets/fedavgm", "output-dir": str(tmp_path),
+                                  "run-name": "deployed", "num-rounds": 3, "clients-per-round": 3,
+                                  "clip-norm": clip, "server-momentum": beta},
                                  tmp_path / "flwr-home", supernodes=3, app_dir=EXAMPLE, executor="flower")
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["config"]["dataset"] == "tabular_task.task:breast_cancer"
-    assert summary["final-version"] >= 1 and summary["total-failures"] == 0  # a full buffer of the nodes' updates
+    assert summary["config"]["strategy"] == "tabular_task.fedavgm:FedAvgM" and summary["config"]["clip-norm"] == clip
+    assert summary["final-version"] == 3 and summary["total-failures"] == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "momentum-norm" in r]
+    assert len(steps) == 3 and all(r["momentum-norm"] <= clip / (1 - beta) + 1e-6 for r in steps)
+    assert all(r["train-delta-norm"] > clip for r in steps)  # reported by the nodes' ClippingClient
+
+
+def readme_commands(readme: Path) -> list[str]:
+    """The commands of a README's bash blocks, without their comments."""
+    blocks = re.findall(r"```bash\n(.*?)```", readme.read_text(), re.S)
+    return [line.split("  #")[0].strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+@pytest.mark.e2e
+def test_the_example_readmes_commands_run_as_written(tmp_path):
+    """Each command of examples/tabular/README.md, as a user runs it in a copy of the folder: it exits 0 and its run
+    completed (Flower's `flwr run` exits 0 either way: its run's summary says). The local SuperLink `flwr run`
+    starts is stopped here, by its port."""
+    import shlex
+    import shutil
+
+    from scripts.flower import flower_env, free_port
+
+    project = tmp_path / "tabular"
+    shutil.copytree(EXAMPLE, project, ignore=shutil.ignore_patterns("outputs", "__pycache__", ".flwr*"))
+    env = {**flower_env(tmp_path / "flwr-home"), "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+           "FLWR_LOCAL_CONTROL_API_PORT": str(free_port())}
+    commands = readme_commands(project / "README.md")
+    assert [c.split()[:2] for c in commands] == [["hybridfl", "run"]] * 4 + [["hybridfl", "options"], ["flwr", "run"]]
+    try:
+        for command in commands:
+            done = subprocess.run(shlex.split(command), cwd=project, env=env, capture_output=True, text=True,
+                                  timeout=1200)
+            assert done.returncode == 0, f"{command}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    finally:
+        port = env["FLWR_LOCAL_SUPERLINK_HTTP_API_PORT"]
+        subprocess.run(["pkill", "-f", f"flower-superlink .*--port {port}"], check=False)
+    runs = sorted((project / "outputs").iterdir())
+    assert len(runs) == 5  # the four `hybridfl run`s and Flower's
+    for run in runs:
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["total-failures"] == 0 and summary["best-test-accuracy"] >= 0.9, run.name
 
 
 USER_MODEL = """import math
