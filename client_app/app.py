@@ -26,7 +26,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable
-from logging import ERROR, INFO
+from logging import DEBUG, ERROR, INFO
 
 from flwr.app import Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -81,13 +81,15 @@ def _process_started() -> float | None:
 def _timing(kind: str, started: float, imported: float, timings: dict[str, float]) -> None:
     """One log line per message: where this device's time went (BENCHMARKS "Seconds per update in deployment").
     ``flower-s``: the process's start until this module loaded (a new process per message in deployment; 0
-    where processes are reused), ``import-s``: importing the local work (torch), then the work's own parts."""
+    where processes are reused), ``import-s``: importing the local work (torch), then the work's own parts. At INFO
+    for a process's first message (every message on a deployment's devices: a process each), at DEBUG after it (a
+    process that serves many, in-process or a simulation's, would fill the run's log)."""
     born = _process_started()
     _HANDLED[0] += 1
     line = {"message": kind, "flower-s": round(_LOADED_AT - born, 3) if born and _HANDLED[0] == 1 else 0.0,
             "import-s": round(imported - started, 3), **{k: round(v, 3) for k, v in timings.items()},
             "handler-s": round(time.time() - started, 3)}
-    log(INFO, "device timing %s", json.dumps(line))
+    log(INFO if _HANDLED[0] == 1 else DEBUG, "device timing %s", json.dumps(line))
 
 
 @app.train()

@@ -28,6 +28,7 @@ from common import datasets as _ds
 from common import partitions
 from common.config import COUNT, POSITIVE, ClassList, OneOf, Range, option, part_of
 from common.datasets import ArrayDataset, class_ids
+from common.errors import ConfigError
 from common.user_code import is_import_path, load_user_dataset
 
 
@@ -170,7 +171,7 @@ def binary(data: ArrayDataset, positive: str) -> ArrayDataset:
     """`data` as a two-class task: the classes in `positive` (``binary-positive``) are label 1, the others 0."""
     ids = class_ids(positive)
     if max(ids) >= data.num_classes:
-        raise ValueError(f"binary-positive {positive!r}: the dataset has classes 0..{data.num_classes - 1}")
+        raise ConfigError("binary-positive", positive, f"class ids of the dataset, 0..{data.num_classes - 1}")
     return replace(data, y=np.isin(data.y, ids).astype(np.int64), num_classes=2, fine=None)
 
 
@@ -199,14 +200,14 @@ def make_splits(spec: DataSpec) -> Splits:
     shift = class_ids(spec.central_classes)
     c, v = (0 if shift else spec.central_size), spec.validation_size
     if c + v >= len(test_idx):
-        raise ValueError(f"central-size {c} + validation-size {v} leave no test samples "
-                         f"(the test split has {len(test_idx)}; raise test-fraction or lower them)")
+        raise ConfigError("central-size", c, f"fewer than the test split's {len(test_idx)} samples together with "
+                          f"validation-size {v}, so some are left to test on (raise test-fraction or lower them)")
     test_idx = rng.permutation(test_idx)
     central_idx, val_idx, test_idx = np.split(test_idx, [c, c + v])
     if shift:
         if max(shift) >= full.num_classes:
-            raise ValueError(f"central-classes {spec.central_classes!r}: the dataset has classes "
-                             f"0..{full.num_classes - 1}")
+            raise ConfigError("central-classes", spec.central_classes, f"class ids of the dataset, "
+                              f"0..{full.num_classes - 1}")
         moved = np.isin(full.y[train_idx], shift)
         central_idx = np.random.default_rng([spec.seed, 6]).permutation(train_idx[moved])
         central_idx = central_idx[: spec.central_size or len(central_idx)]
@@ -241,6 +242,14 @@ def client_labels(spec: DataSpec) -> np.ndarray:
 CLIENT_PARTS = ("train", "validation", "test")
 
 
+def check_partitions(spec: DataSpec) -> None:
+    """Cut every client's partition and holdout here, as each node will: a setting impossible for the data (more
+    clusters than classes, a client left nothing to train on) stops the run at start with a ``ConfigError``, not
+    on every client."""
+    for partition_id in range(spec.num_clients):
+        client_holdout(spec, partition_id)
+
+
 def client_holdout(spec: DataSpec, partition_id: int) -> dict[str, np.ndarray]:
     """Indices into the train split of client `partition_id`'s own train / validation / test parts: a seeded
     random split of its partition (stream ``[seed, 5, id]``; not stratified, as FedMerge's code), the held-out
@@ -251,9 +260,9 @@ def client_holdout(spec: DataSpec, partition_id: int) -> dict[str, np.ndarray]:
     n = len(idx)
     n_test, n_val = round(spec.client_test_fraction * n), round(spec.client_validation_fraction * n)
     if (spec.client_test_fraction or spec.client_validation_fraction) and n_test + n_val >= n:
-        raise ValueError(f"client-test-fraction {spec.client_test_fraction} + client-validation-fraction "
-                         f"{spec.client_validation_fraction} leave client {partition_id} ({n} samples) nothing to "
-                         "train on")
+        raise ConfigError("client-test-fraction", spec.client_test_fraction, f"with client-validation-fraction "
+                          f"{spec.client_validation_fraction}, a holdout that leaves client {partition_id} ({n} "
+                          "samples) something to train on")
     order = np.random.default_rng([spec.seed, 5, partition_id]).permutation(idx) if n_test + n_val else idx
     test, val, train = np.split(order, [n_test, n_test + n_val])
     return {"train": np.sort(train), "validation": np.sort(val), "test": np.sort(test)}

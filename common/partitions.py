@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from common.errors import ConfigError
+
 Parts = tuple[np.ndarray, ...]
 
 
@@ -32,13 +34,14 @@ def _finish(parts: Iterable[np.ndarray], what: str) -> Parts:
     """Sorted int64 index arrays; an empty partition is an error naming the scheme."""
     out = tuple(np.sort(np.asarray(p, dtype=np.int64)) for p in parts)
     if empty := [i for i, p in enumerate(out) if len(p) == 0]:
-        raise ValueError(f"{what}: partitions {empty} are empty; use fewer clients or a milder setting")
+        raise ConfigError("num-clients", len(out), f"fewer clients or a milder setting: {what} leaves partitions "
+                          f"{empty} empty")
     return out
 
 
 def _check_k(n: int, k: int) -> None:
     if k < 1 or n < k:
-        raise ValueError(f"{n} training samples cannot fill {k} partitions")
+        raise ConfigError("num-clients", k, f"at least 1 and at most the {n} training samples")
 
 
 def _counts(n: int, p: np.ndarray) -> np.ndarray:
@@ -105,7 +108,7 @@ def pathological(labels: np.ndarray, k: int, classes_per_client: int, seed: int)
     classes = np.unique(labels)
     c = classes_per_client
     if not 1 <= c <= len(classes):
-        raise ValueError(f"classes-per-client {c} outside [1, {len(classes)}]")
+        raise ConfigError("classes-per-client", c, f"a value in [1, {len(classes)}], the data's classes")
     _check_k(len(labels), k)
     rng = _rng(seed)
     held = np.zeros(len(classes), dtype=np.int64)
@@ -120,7 +123,8 @@ def pathological(labels: np.ndarray, k: int, classes_per_client: int, seed: int)
         if not holders[j]:
             continue
         if len(idx) < len(holders[j]):
-            raise ValueError(f"class {cls} has {len(idx)} samples for {len(holders[j])} clients")
+            raise ConfigError("num-clients", k, f"fewer clients: class {cls} has {len(idx)} training samples for "
+                              f"its {len(holders[j])} holders")
         for client, chunk in zip(holders[j], np.array_split(idx, len(holders[j]))):
             parts[client].append(chunk)
     return _finish(map(np.concatenate, parts), "pathological")
@@ -181,11 +185,11 @@ def clusters(labels: np.ndarray, k: int, num_clusters: int, seed: int, alpha: fl
     """
     classes = np.unique(labels)
     if not 1 <= num_clusters <= min(len(classes), k):
-        raise ValueError(f"num-clusters {num_clusters} outside [1, min(classes={len(classes)}, clients={k})]")
+        raise ConfigError("num-clusters", num_clusters, f"a value in [1, min(classes={len(classes)}, clients={k})]")
     _check_k(len(labels), k)
     rng = _rng(seed)
     if not 0 <= classes_per_cluster <= len(classes):
-        raise ValueError(f"cluster-classes {classes_per_cluster} outside [0, classes={len(classes)}]")
+        raise ConfigError("cluster-classes", classes_per_cluster, f"a value in [0, classes={len(classes)}]")
     groups = (_picked_groups(classes, num_clusters, classes_per_cluster, rng) if classes_per_cluster
               else np.array_split(rng.permutation(classes), num_clusters))
     if sizes == "equal":
@@ -238,11 +242,11 @@ def natural(groups: np.ndarray | None, k: int, seed: int) -> Parts:
     ``i`` is the ``i``-th sampled owner in sorted owner-id order.
     """
     if groups is None:
-        raise ValueError("the natural partitioner needs a dataset with natural owners (groups)")
+        raise ConfigError("partitioner", "natural", "a dataset with natural owners (groups) for it")
     groups = np.asarray(groups)
     owners = np.unique(groups)
     if len(owners) < k:
-        raise ValueError(f"{len(owners)} natural owners cannot fill {k} partitions")
+        raise ConfigError("num-clients", k, f"at most the data's {len(owners)} natural owners")
     chosen = np.sort(_rng(seed).choice(owners, size=k, replace=False)) if len(owners) > k else owners
     order = np.argsort(groups, kind="stable")
     lo, hi = np.searchsorted(groups[order], chosen, "left"), np.searchsorted(groups[order], chosen, "right")
@@ -281,7 +285,7 @@ def label_noise(labels: np.ndarray, fraction: float, num_classes: int, seed: int
     one; allowing it would change only (C-1)/C of them.] Returns (noisy labels, sorted flipped indices).
     """
     if not 0.0 <= fraction <= 1.0:
-        raise ValueError(f"label-noise fraction {fraction} outside [0, 1]")
+        raise ConfigError("label-noise", fraction, "a value in [0, 1]")
     labels = np.asarray(labels, dtype=np.int64)
     m = int(round(fraction * len(labels)))
     if m == 0:

@@ -1,4 +1,5 @@
-"""The run's outputs: ``outputs/<run>/{metrics.jsonl, events.jsonl, clients.jsonl, summary.json, model.pt, *.png}``."""
+"""The run's outputs: ``outputs/<run>/{metrics.jsonl, events.jsonl, summary.json, model.pt, *.png}``, and
+``clients.jsonl`` in a run that evaluates its clients (``client-test-fraction``)."""
 
 from __future__ import annotations
 
@@ -11,24 +12,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from server_app.config import RunConfig
+from common.user_code import is_import_path
+from server_app.config import RunConfig, read_preset
 from server_app.tracking import Tracker
 
 
 def run_dir(cfg: RunConfig, root: Path | None = None) -> Path:
     """Create and return ``<root>/<run-name>`` (root defaults to output-dir).
 
-    An empty run-name becomes ``<preset>-s<seed>-<timestamp>`` (a preset's folders, and a user preset's
-    ``package:``, joined by '-': no ':' in a folder name),
-    with ``-2``, ``-3``… when another run took that name in the same second, so no run writes into
-    another's folder.
+    An empty run-name becomes ``<label>-s<seed>-<timestamp>`` (:func:`run_label`), with ``-2``, ``-3``… when another
+    run took that name in the same second, so no run writes into another's folder.
     """
     root = root or Path(cfg.output_dir).expanduser().resolve()
     if cfg.run_name:
         path = root / cfg.run_name
         path.mkdir(parents=True, exist_ok=True)
         return path
-    base = f"{cfg.preset.replace('/', '-').replace(':', '-')}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    base = f"{run_label(cfg)}-s{cfg.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     path, k = root / base, 1
     while True:
         try:
@@ -37,6 +37,17 @@ def run_dir(cfg: RunConfig, root: Path | None = None) -> Path:
         except FileExistsError:
             k += 1
             path = root / f"{base}-{k}"
+
+
+def run_label(cfg: RunConfig) -> str:
+    """What a run is named after: its preset (its folders, and a user preset's ``package:``, joined by '-': no ':' in a
+    folder name); or, when its method or data are not the preset's, the two (``FedAvgM-breast_cancer``: an import
+    path by its last name), so a run on one's own data is not named after the preset's."""
+    preset, defaults = read_preset(cfg.preset), RunConfig()
+    ran = {"strategy": cfg.strategy, "dataset": cfg.dataset}
+    chosen = ran.values() if any(preset.get(k, getattr(defaults, k)) != v for k, v in ran.items()) else [cfg.preset]
+    return "-".join(v.rpartition(":")[2] if is_import_path(v) else v.replace("/", "-").replace(":", "-")
+                    for v in chosen)
 
 
 def papers_metric(accuracies: list[float]) -> float | None:
@@ -94,17 +105,18 @@ class Recorder:
         self.first_event_t: float | None = None
         self.last_event_t = 0.0
         self.client_rows: list[dict[str, Any]] = []
+        clients = path / "clients.jsonl"  # written from a run's first personalised evaluation on
         if position is None:
-            for name in ("metrics.jsonl", "events.jsonl", "clients.jsonl"):
+            for name in ("metrics.jsonl", "events.jsonl"):
                 (path / name).write_text("")
+            clients.unlink(missing_ok=True)  # a named folder's earlier run's
             return
         self.rows = [json.loads(line) for line in _kept_lines(path / "metrics.jsonl", position["rows"])]
         for line in _kept_lines(path / "events.jsonl", position["events"]):
             self._count(json.loads(line))
-        if not (path / "clients.jsonl").exists():  # a checkpoint from before personalised evaluation
-            (path / "clients.jsonl").write_text("")
-        self.client_rows = [json.loads(line)
-                            for line in _kept_lines(path / "clients.jsonl", position.get("clients", 0))]
+        count = position.get("clients", 0)
+        kept = _kept_lines(clients, count) if count or clients.exists() else []
+        self.client_rows = [json.loads(line) for line in kept]
 
     def state_dict(self) -> dict[str, int]:
         """The recorder's position: rows, events and per-client rows written so far."""

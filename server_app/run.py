@@ -19,7 +19,7 @@ from flwr.serverapp import Grid
 from torch import nn
 
 from common.config import part_of
-from common.data import Splits, data_spec, make_splits, task_data
+from common.data import Splits, check_partitions, data_spec, make_splits, task_data
 from common.models import build_from_config, check_on_data
 from common.params import ParamSpec
 from common.server_data import ServerData, build_server_data
@@ -181,11 +181,9 @@ def duration(seconds: float) -> str:
 def build_run(grid: Grid, cfg: RunConfig) -> Run:
     """Everything a run needs, from its configuration; with ``resume``, restored from the run's checkpoint."""
     resumed = read_checkpoint(Path(cfg.resume)) if cfg.resume else None
-    out = Path(cfg.resume) if cfg.resume else run_dir(cfg)
-    if resumed is None:  # a named folder may hold an older run's checkpoint: it must not be resumed into this run
-        (out / CHECKPOINT).unlink(missing_ok=True)
     spec = data_spec(cfg)
     splits, full = make_splits(spec), task_data(spec)
+    check_partitions(spec)
     server_data = build_server_data(cfg, splits)
     model = build_from_config(cfg.to_dict(), full.x.shape[1:], full.num_classes, seed=cfg.seed)
     check_on_data(model, full.x, full.num_classes, cfg.model)
@@ -197,6 +195,10 @@ def build_run(grid: Grid, cfg: RunConfig) -> Run:
     strategy.initialize(pspec.flatten(model), pspec, copy.deepcopy(model))
     runner = Runner(grid, strategy, client_config(cfg), part_of(RuntimeConfig, cfg), seed=cfg.seed,
                     server_data=server_data)
+    # The run's folder once every check at start passed: a run refused at start leaves none
+    out = Path(cfg.resume) if cfg.resume else run_dir(cfg)
+    if resumed is None:  # a named folder may hold an older run's checkpoint: it must not be resumed into this run
+        (out / CHECKPOINT).unlink(missing_ok=True)
     first_step, earlier = 1, 0.0
     if resumed is not None:
         check_layout(out, resumed, pspec.names, pspec.shapes)

@@ -28,6 +28,8 @@ def test_the_arguments_name_a_preset_or_the_main_job_then_overrides():
                                                                      "run-name": "x"}
     assert job(["preset=fedbuff-digits", "lr=0.1"]) == {"preset": "fedbuff-digits", "lr": 0.1}
     assert job(["resume=outputs/a"]) == {"resume": "outputs/a"}  # a resumed run keeps its own preset
+    assert job(["dataset=mypkg.data:load", "model=mypkg.nets:mlp"]) == {  # a task of one's own: the plain base
+        "dataset": "mypkg.data:load", "model": "mypkg.nets:mlp"}
 
 
 def test_run_then_resume_in_process(tmp_path: Path, capsys):
@@ -52,14 +54,40 @@ def test_a_bad_key_or_value_exits_2_naming_it_and_writes_nothing(tmp_path: Path,
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_run_whose_clients_all_fail_exits_1_saying_why(tmp_path: Path, capsys):
-    """Ditto with more clusters than the data has classes: every client refuses, and the run ends with exit 1 and
-    the first client's reason, not as a success after 0 versions."""
+def test_a_setting_impossible_for_the_data_is_refused_at_start_on_the_server(tmp_path: Path, capsys):
+    """Ditto with more clusters than the data has classes: the partitions are cut on the server first, so the run
+    stops there (exit 2, the key named), not on every client, and leaves no run folder."""
     assert main(["run", "ditto-digits", "num-rounds=2", "num-clusters=11", f"output-dir={tmp_path}",
+                 "run-name=failing"]) == 2
+    err = capsys.readouterr().err
+    assert "config key 'num-clusters' = 11 is not allowed: expected a value in [1, min(classes=10, clients=10)]" in err
+    assert not (tmp_path / "failing").exists()
+
+
+BROKEN_DEVICES = """from strategies.client import ClientSide
+from strategies.fedavg import FedAvg
+
+
+class Unplugged(ClientSide):
+    def train(self, task):
+        raise RuntimeError("this device's sensor is unplugged")
+
+
+class BrokenClients(FedAvg):
+    client_side = Unplugged
+"""
+
+
+def test_a_run_whose_clients_all_fail_exits_1_saying_why(tmp_path: Path, capsys, monkeypatch):
+    """A method (one's own, by import path) whose every client fails: the run ends with exit 1 and the first
+    client's reason, not as a success after 0 versions."""
+    (tmp_path / "broken.py").write_text(BROKEN_DEVICES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["run", "fedavg-digits", "num-rounds=2", "strategy=broken:BrokenClients", f"output-dir={tmp_path}",
                  "run-name=failing"]) == 1
     err = capsys.readouterr().err
     assert "step 1: 10 of the run's 10 replies failed or were rejected" in err
-    assert "num-clusters 11 outside [1, min(classes=10, clients=10)]" in err
+    assert "this device's sensor is unplugged" in err
     assert not (tmp_path / "failing" / "summary.json").exists()
 
 

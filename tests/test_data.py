@@ -98,7 +98,8 @@ def test_a_client_holds_out_its_own_test_and_validation_parts_of_its_partition()
     train = make_splits(spec()).train
     np.testing.assert_array_equal(client_partition(spec(), 3).y, train.y[partition_indices(spec())[3]])
     assert len(client_partition(spec(), 3, "test")) == 0
-    with pytest.raises(ValueError, match="nothing to train on"):
+    with pytest.raises(ValueError, match=r"'client-test-fraction' = 0.9 .*leaves client 0 \(\d+ samples\) "
+                                         r"something to train on"):
         client_holdout(spec(client_test_fraction=0.9, client_validation_fraction=0.9), 0)
     with pytest.raises(ValueError, match="client part 'val'"):
         client_partition(s, 0, "val")
@@ -149,7 +150,8 @@ def test_validation_split_comes_from_the_test_split_and_leaves_the_central_split
     rows = lambda d: {r.tobytes() for r in d.x.reshape(len(d), -1)}
     validation = rows(with_val.validation)
     assert not validation & rows(with_val.test) and not validation & rows(with_val.central)
-    with pytest.raises(ValueError, match="validation-size 400 leave no test samples"):
+    with pytest.raises(ValueError, match=r"'central-size' = 100 .*fewer than the test split's 359 "
+                                         r"samples together with validation-size 400"):
         make_splits(spec(validation_size=400))
 
 
