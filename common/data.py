@@ -242,12 +242,11 @@ def client_labels(spec: DataSpec) -> np.ndarray:
 CLIENT_PARTS = ("train", "validation", "test")
 
 
-def check_partitions(spec: DataSpec) -> None:
+def check_partitions(spec: DataSpec) -> int:
     """Cut every client's partition and holdout here, as each node will: a setting impossible for the data (more
     clusters than classes, a client left nothing to train on) stops the run at start with a ``ConfigError``, not
-    on every client."""
-    for partition_id in range(spec.num_clients):
-        client_holdout(spec, partition_id)
+    on every client. Returns the fewest test samples a client holds out (0 without ``client-test-fraction``)."""
+    return min(len(client_holdout(spec, i)["test"]) for i in range(spec.num_clients))
 
 
 def client_holdout(spec: DataSpec, partition_id: int) -> dict[str, np.ndarray]:

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -69,8 +70,21 @@ def toml_value(value: Any) -> str:
     return json.dumps(str(value))
 
 
-def run_config_arg(overrides: Mapping[str, Any]) -> str:
-    return " ".join(f"{k}={toml_value(v)}" for k, v in overrides.items())
+def run_config_arg(overrides: Mapping[str, Any], app_dir: Path = PROJECT_DIR) -> str:
+    """`overrides` as ``flwr run -c``'s argument for the Flower app in `app_dir`: Flower accepts only the keys the app's
+    ``[tool.flwr.app.config]`` declares, so the others (a user's own method's keys) travel packed in
+    ``method-options`` when the app declares it, and are refused naming the first one when it does not."""
+    with open(app_dir / "pyproject.toml", "rb") as f:
+        declared = tomllib.load(f)["tool"]["flwr"]["app"].get("config", {})
+    packed = {k: v for k, v in overrides.items() if k not in declared}
+    plain = {k: v for k, v in overrides.items() if k in declared}
+    if packed:
+        if "method-options" not in declared:
+            key = next(iter(packed))
+            raise ConfigError(key, packed[key], f"a key that {app_dir / 'pyproject.toml'} declares in "
+                              "[tool.flwr.app.config] (Flower's `flwr run -c` accepts no other)")
+        plain["method-options"] = "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in packed.items()) + " }"
+    return " ".join(f"{k}={toml_value(v)}" for k, v in plain.items())
 
 
 class ProcessGroup:
@@ -237,7 +251,7 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
     """
     cmd = ["flwr", "run", ".", connection, "--stream"]
     if overrides:
-        cmd += ["--run-config", run_config_arg(overrides)]
+        cmd += ["--run-config", run_config_arg(overrides, app_dir)]
     if federation_config:
         cmd += ["--federation-config", federation_config]
     print("$", shlex.join(cmd), flush=True)

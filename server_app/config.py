@@ -11,6 +11,7 @@ A ``resume`` run takes its configuration from the checkpoint (:func:`resumed_con
 from __future__ import annotations
 
 import difflib
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from logging import WARNING
@@ -116,6 +117,10 @@ class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig, T
     output_dir: str = option("outputs", None, "where `<run>/` is written (absolute under `flwr run`)", "path")
     run_name: str = option("", None, "run folder; empty = `<preset>-s<seed>-<timestamp>` (`-2`, `-3`… when that "
                            "folder exists)", "name")
+    method_options: str = option("", None, "a method's own keys as one TOML inline table (`{ clip-norm = 0.1 }`), "
+                                 "taken as if given one by one: how a user's own method's keys pass `flwr run -c`, "
+                                 "which accepts only the keys a Flower app declares (hybridfl's launchers pack them "
+                                 "so)", "TOML inline table")
     options: dict[str, Any] = field(default_factory=dict, compare=True, hash=False)
 
     @staticmethod
@@ -259,7 +264,7 @@ def load_config(overrides: Mapping[str, Any] | None = None) -> RunConfig:
 
     `overrides` are the keys the user set explicitly (Flower's ``Run.override_config``).
     """
-    overrides = dict(overrides or {})
+    overrides = unpack_method_options(dict(overrides or {}))
     if overrides.get("resume"):
         return resumed_config(overrides)
     preset = overrides.get("preset", RunConfig.preset)
@@ -277,6 +282,22 @@ def load_config(overrides: Mapping[str, Any] | None = None) -> RunConfig:
             cfg = make_config(given)
     check_used(cfg, given)
     return cfg
+
+
+def unpack_method_options(overrides: dict[str, Any]) -> dict[str, Any]:
+    """`overrides` with ``method-options``' table spread into keys of their own (a key given both ways is an error)."""
+    packed = overrides.pop("method-options", "")
+    if not packed:
+        return overrides
+    try:
+        table = tomllib.loads(f"t = {packed}")["t"]
+        if not isinstance(table, dict):
+            raise TypeError
+    except (tomllib.TOMLDecodeError, TypeError):
+        raise ConfigError("method-options", packed, "a TOML inline table such as '{ clip-norm = 0.1 }'") from None
+    if twice := sorted(set(table) & set(overrides)):
+        raise ConfigError("method-options", packed, f"keys not also given on their own ({', '.join(twice)})")
+    return {**overrides, **table}
 
 
 # The keys that choose the method, and so which method options a run uses

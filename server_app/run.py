@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 
 import torch
@@ -178,12 +178,19 @@ def duration(seconds: float) -> str:
     return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
+FEW_TEST_ROWS = 10  # fewer test samples per client than this make a personalised accuracy coarse
+
+
 def build_run(grid: Grid, cfg: RunConfig) -> Run:
     """Everything a run needs, from its configuration; with ``resume``, restored from the run's checkpoint."""
     resumed = read_checkpoint(Path(cfg.resume)) if cfg.resume else None
     spec = data_spec(cfg)
     splits, full = make_splits(spec), task_data(spec)
-    check_partitions(spec)
+    fewest = check_partitions(spec)
+    if spec.client_test_fraction and fewest < FEW_TEST_ROWS:
+        log(WARNING, "client-test-fraction %s leaves a client %d test samples: its personalised accuracy moves in "
+            "steps of %.0f points (raise client-test-fraction, or use fewer clients)", spec.client_test_fraction,
+            fewest, 100 / max(fewest, 1))
     server_data = build_server_data(cfg, splits)
     model = build_from_config(cfg.to_dict(), full.x.shape[1:], full.num_classes, seed=cfg.seed)
     check_on_data(model, full.x, full.num_classes, cfg.model)

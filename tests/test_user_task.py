@@ -110,6 +110,25 @@ def test_the_example_projects_presets_learn_in_process(tmp_path, preset, floor):
     assert summary["total-failures"] == 0 and summary["best-test-accuracy"] >= floor
 
 
+def test_a_holdout_of_a_few_samples_per_client_is_flagged_at_start(tmp_path):
+    """The example's FedMerge protocol holds out 20 % of partitions of ~34 samples: 2 test samples for one client,
+    whose personalised accuracy can only be 0, 50 or 100 %: said at start, before the plots."""
+    import logging
+
+    from flwr.common.logger import FLOWER_LOGGER
+
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    FLOWER_LOGGER.addHandler(handler)
+    try:
+        run_inprocess({"preset": "tabular_task:presets/fedmerge", "num-rounds": 1, "output-dir": str(tmp_path)})
+    finally:
+        FLOWER_LOGGER.removeHandler(handler)
+    assert any("client-test-fraction 0.2 leaves a client 2 test samples" in m and "steps of 50 points" in m
+               for m in seen)
+
+
 def test_a_users_own_serverapp_trains_with_a_hybridfl_strategy_through_flower_start():
     from client_app.app import app as client_app
     from tabular_task.own_server import app
@@ -128,6 +147,32 @@ def test_the_apps_own_config_table_counts_and_hybridfls_defaults_do_not():
     assert user_keys(defaults, {}) == {}
     assert user_keys({**defaults, "preset": "tabular_task:presets/fedmerge"}, {"lr": 0.1}) == {
         "preset": "tabular_task:presets/fedmerge", "lr": 0.1}
+    # The example's table declares its own method's keys at their defaults: they count once set, for that method
+    table = {**defaults, "preset": "tabular_task:presets/fedavgm", "server-momentum": 0.9, "clip-norm": 0.0}
+    assert user_keys(table, {}) == {"preset": "tabular_task:presets/fedavgm"}  # the preset's 0.5 stands
+    assert user_keys({**table, "clip-norm": 0.3}, {"server-momentum": 0.7}) == {
+        "preset": "tabular_task:presets/fedavgm", "clip-norm": 0.3, "server-momentum": 0.7}
+    assert user_keys({**table, "preset": "tabular_task:presets/fedavg", "clip-norm": 0.3}, {}) == {
+        "preset": "tabular_task:presets/fedavg"}  # FedAvg has no clip-norm: the declaration is not its
+
+
+def test_a_users_method_keys_pass_flower_run_c_packed_unless_the_app_declares_them():
+    """Flower's `flwr run -c` refuses keys the app does not declare: hybridfl's own app carries a user's method keys
+    in `method-options`; the example app declares its method's keys; a key neither can carry is refused by name."""
+    from scripts.flower import run_config_arg
+
+    assert run_config_arg({"preset": "x", "clip-norm": 0.1, "server-momentum": 0.5}) == (
+        'preset="x" method-options="{ clip-norm = 0.1, server-momentum = 0.5 }"')
+    assert run_config_arg({"clip-norm": 0.1, "preset": "x"}, EXAMPLE) == 'clip-norm=0.1 preset="x"'
+    with pytest.raises(ConfigError, match=r"'lr' = 0.1 .*declares in \[tool.flwr.app.config\]"):
+        run_config_arg({"lr": 0.1}, EXAMPLE)
+    cfg = load_config({"preset": "tabular_task:presets/fedavgm", "method-options": "{ clip-norm = 0.1 }"})
+    assert cfg.options["clip-norm"] == 0.1 and cfg.options["server-momentum"] == 0.5
+    with pytest.raises(ConfigError, match="method-options.*not also given on their own \\(clip-norm\\)"):
+        load_config({"preset": "tabular_task:presets/fedavgm", "method-options": "{ clip-norm = 0.1 }",
+                     "clip-norm": 0.2})
+    with pytest.raises(ConfigError, match="method-options.*a TOML inline table"):
+        load_config({"method-options": "clip-norm"})
 
 
 @pytest.mark.e2e
