@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install data demo test lint simulate deploy compose-demo compose-twin compose-test clean
+.PHONY: install data demo test lint docs browser simulate deploy compose-demo compose-twin compose-test clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,8 +35,18 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Debian's Chromium, for the test that opens the documentation site in a real browser (tests/test_site.py): installed
+# as root where apt is; elsewhere that test skips (CI sets HYBRIDFL_REQUIRE_BROWSER=1: it fails instead)
+browser:
+	@command -v chromium >/dev/null || ! { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; } || \
+		apt-get install -y chromium || { apt-get update && apt-get install -y chromium; }
+
+# The documentation site (mkdocs.yml) into site/, every warning an error: a broken link or a page missing fails
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # Local deployment: one SuperLink and N SuperNodes on loopback; ARGS='--supernodes 3 num-rounds=5'
 deploy: $(STAMP)
@@ -61,4 +71,4 @@ compose-test: $(STAMP)
 	$(PY) -m scripts.compose_engine $(COMPOSE_TEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .flwr outputs .pytest_cache
+	rm -rf $(VENV) .flwr outputs .pytest_cache site

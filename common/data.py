@@ -103,7 +103,7 @@ class DatasetName(OneOf):
         return super().describe() + ", or your own loader 'module:function'"
 
     def short(self) -> str:
-        return "see [Data](#data)"
+        return "see [Data](data-and-models.md#data)"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -515,8 +515,8 @@ class ModelSpec:
     """The model keys: what the server and every node build the same model from. Travel in every message's
     config; a model ignores the options it has no use for (the LoRA ones without LoRA)."""
 
-    model: str = option("cnn", ModelName(tuple(MODELS)), "see [Models](#models); `module:function`: your own model "
-                        "factory (see [Your own model and data](#your-own-model-and-data))")
+    model: str = option("cnn", ModelName(tuple(MODELS)), "see [Models](data-and-models.md#models); "
+                        "`module:function`: your own model factory (see [Your own task](../tutorials/own-task.md))")
     pretrained_weights: str = option("", None, "resnet18 / vit-b16: a local torchvision-format `state_dict` "
                                      "(present on every node); `\"\"` = random init", "path")
     input_size: int = option(0, Range(0), "model input size; 0 = the model's default (cnn: the data's own, "

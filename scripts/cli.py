@@ -218,8 +218,8 @@ def presets(family: Annotated[str, typer.Argument(help="only presets whose name 
 @app.command()
 def options(strategy: Annotated[str, typer.Argument(help="a strategy's name (`fedbuff`), or your own "
                                                          "'module:Class'")]) -> None:
-    """A method's own keys, with their defaults, what is allowed and what they mean (README "Configuration" has
-    every key)."""
+    """A method's own keys, with their defaults, what is allowed and what they mean (the reference's
+    configuration keys have every key)."""
     from scripts.config_table import method_table
 
     _echo_or_exit_2(lambda: method_table(strategy))
@@ -232,14 +232,14 @@ def certs(directory: Annotated[Path, typer.Argument(help="where the files go (ke
           nodes: Annotated[int, typer.Option(min=0, help="SuperNode key pairs and secrets to create")] = 0) -> None:
     """Certificates, SuperNode keys and Runtime API secrets for a secured deployment (TLS, SuperNode authentication,
     SuperExec authentication): a CA, the SuperLink's certificate, `supernode-I` key pairs, and `superlink.secret`
-    and `supernode-I.secret` (README "Deployment")."""
+    and `supernode-I.secret` (docs: "TLS and node authentication")."""
     from scripts.pki import DEFAULT_NAMES, make_pki
 
     make_pki(directory, tuple(name or DEFAULT_NAMES), nodes)
     typer.echo(f"certificates, keys and secrets in {directory} (keep the keys and the secrets private)")
 
 
-SweepSpec = Annotated[Path, typer.Argument(help="a sweep spec (YAML; README \"Sweeps and tracking\")")]
+SweepSpec = Annotated[Path, typer.Argument(help="a sweep spec (YAML; docs: \"Sweeps and tracking\")")]
 
 
 @app.command()

@@ -1,7 +1,8 @@
-"""The README's key tables and pyproject's ``[tool.flwr.app.config]``, generated from the config dataclasses.
+"""The reference's key tables (docs/reference/configuration.md) and pyproject's ``[tool.flwr.app.config]``, generated
+from the config dataclasses.
 
     python -m scripts.config_table            # print both
-    python -m scripts.config_table --write    # rewrite them in README.md and pyproject.toml
+    python -m scripts.config_table --write    # rewrite them in the reference page and pyproject.toml
 
 The run's keys come from ``server_app.config.RunConfig`` and the parts it inherits (method, data, model,
 local recipe, runtime: ``server_app.config.PARTS``); method options from every registered strategy's
@@ -22,6 +23,7 @@ from scripts.flower import PROJECT_DIR, toml_value
 from server_app.config import PARTS, RunConfig, option_owners, option_specs
 from strategies import strategy_class
 
+REFERENCE = "docs/reference/configuration.md"  # the page the key tables live in
 BEGIN, END = "<!-- keys:begin (python -m scripts.config_table --write) -->", "<!-- keys:end -->"
 
 
@@ -78,7 +80,7 @@ def pyproject_table() -> str:
     return "[tool.flwr.app.config]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in defaults.items())
 
 
-def readme_with_tables(text: str) -> str:
+def page_with_tables(text: str) -> str:
     start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
     return text[:start] + "\n" + key_tables() + "\n" + text[end:]
 
@@ -89,12 +91,12 @@ def pyproject_with_table(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--write", action="store_true", help="rewrite README.md and pyproject.toml")
+    parser.add_argument("--write", action="store_true", help="rewrite the reference page and pyproject.toml")
     args = parser.parse_args(argv)
     if not args.write:
         print(key_tables() + "\n\n" + pyproject_table())
         return 0
-    for name, rewrite in (("README.md", readme_with_tables), ("pyproject.toml", pyproject_with_table)):
+    for name, rewrite in ((REFERENCE, page_with_tables), ("pyproject.toml", pyproject_with_table)):
         path = PROJECT_DIR / name
         path.write_text(rewrite(path.read_text()))
     return 0

@@ -104,7 +104,7 @@ class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig, T
     cohort_training: str = option("auto", OneOf(("auto", "on", "off")),
                                   "in-process runs: train the clients of a step together as one batched computation "
                                   "where their method and model allow (`auto`: when the clients train on CUDA; "
-                                  "see [GPU](#gpu))")
+                                  "see [GPU](../tutorials/gpu.md))")
     eval_every: int = option(1, COUNT, "evaluate on the server's test split every this many steps (and at the end)")
     checkpoint_every: int = option(10, Range(0), "write `checkpoint.pt` every this many steps and at the end "
                                    "(0 = never)")
@@ -113,7 +113,7 @@ class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig, T
                                         "rejected (timeouts aside), judged from `clients-per-round` replies on; "
                                         "1 = never")
     resume: str = option("", None, "a run folder with a `checkpoint.pt`: continue that run there (the other keys "
-                         "come from the checkpoint; see [Checkpoints](#checkpoints-and-resume))", "a run folder")
+                         "come from the checkpoint; see [Checkpoints](../how-to/resume.md))", "a run folder")
     output_dir: str = option("outputs", None, "where `<run>/` is written (absolute under `flwr run`)", "path")
     run_name: str = option("", None, "run folder; empty = `<preset>-s<seed>-<timestamp>` (`-2`, `-3`… when that "
                            "folder exists)", "name")

@@ -7,7 +7,7 @@ import tomllib
 import pytest
 
 from common.config import ConfigError
-from scripts.config_table import pyproject_with_table, readme_with_tables
+from scripts.config_table import REFERENCE, page_with_tables, pyproject_with_table
 from scripts.flower import PROJECT_DIR
 from server_app.config import CONFIG_DIR, RunConfig, load_config, option_owners, option_specs, read_preset
 from strategies import STRATEGIES, FedBuff, build_strategy
@@ -19,13 +19,13 @@ def test_pyproject_run_config_mirrors_schema_defaults():
     assert pyproject["tool"]["flwr"]["app"]["config"] == defaults
 
 
-def test_readme_and_pyproject_tables_are_generated_from_the_config_dataclasses():
+def test_the_reference_and_pyproject_tables_are_generated_from_the_config_dataclasses():
     """`python -m scripts.config_table --write` leaves both files unchanged: every key is documented."""
-    readme, pyproject = (PROJECT_DIR / "README.md").read_text(), (PROJECT_DIR / "pyproject.toml").read_text()
-    assert readme_with_tables(readme) == readme, "run: python -m scripts.config_table --write"
+    page, pyproject = (PROJECT_DIR / REFERENCE).read_text(), (PROJECT_DIR / "pyproject.toml").read_text()
+    assert page_with_tables(page) == page, "run: python -m scripts.config_table --write"
     assert pyproject_with_table(pyproject) == pyproject, "run: python -m scripts.config_table --write"
     for key in [*RunConfig.specs(), *option_specs()]:
-        assert f"| `{key}` |" in readme
+        assert f"| `{key}` |" in page
 
 
 def test_method_options_live_with_their_strategy_and_keep_their_names_from_yaml_to_code():
