@@ -244,6 +244,9 @@ def test_the_example_readmes_commands_run_as_written(tmp_path):
     for run in runs:
         summary = json.loads((run / "summary.json").read_text())
         assert summary["total-failures"] == 0 and summary["best-test-accuracy"] >= 0.9, run.name
+    # the project's own method ran in-process, on Flower's simulation and on a deployment
+    assert [json.loads((r / "summary.json").read_text())["config"]["strategy"] for r in runs].count(
+        "tabular_task.fedavgm:FedAvgM") == 3
 
 
 USER_MODEL = """import math
