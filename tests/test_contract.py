@@ -215,7 +215,7 @@ OOD = ServerData(ArrayDataset(np.zeros((4, 1, 8, 8), np.float32), np.zeros(4, np
     (Center(), OOD, "server-dataset", "center"),
     (FedFT(), OOD, "server-dataset", "fedft"),
     (Feddle(server_finetune_epochs=1), OOD, "server-dataset", "feddle"),
-    (InDomainMethod(), OOD, "server-dataset", "InDomainMethod"),
+    (InDomainMethod(), OOD, "server-dataset", InDomainMethod.reference()),  # not hybridfl's: named by its path
 ])
 def test_a_strategy_built_by_hand_refuses_unfit_server_data_at_attach(strategy, server, key, label):
     """Strategy.attach is the one check, so a strategy outside build_run (a user's own ServerApp) gets it too."""

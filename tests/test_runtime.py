@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import math
@@ -168,8 +167,11 @@ def test_default_run_folders_never_collide_and_named_ones_are_reused(tmp_path, m
     assert names == [base, f"{base}-2", f"{base}-3"]
     named = load_config({"run-name": "mine", "output-dir": str(tmp_path)})
     assert outputs.run_dir(named) == outputs.run_dir(named) == tmp_path / "mine"
-    users = dataclasses.replace(cfg, preset="mytask:presets/fedavg")  # a user's package:path preset
-    assert outputs.run_dir(users).name == "mytask-presets-fedavg-s3-20261122-120000"
+    users = load_config({"preset": "tabular_task:presets/fedavg", "seed": 3, "output-dir": str(tmp_path)})
+    assert outputs.run_dir(users).name == "tabular_task-presets-fedavg-s3-20261122-120000"  # a package:path preset
+    own = load_config({"preset": "tabular_task:presets/fedavg", "strategy": "fedbuff", "seed": 3,
+                       "output-dir": str(tmp_path)})
+    assert outputs.run_dir(own).name == "fedbuff-breast_cancer-s3-20261122-120000"  # not the preset's method
 
 
 def test_the_time_left_reads_in_the_largest_sensible_units():
