@@ -5,7 +5,7 @@ is used: the data spec (``common.data.DataSpec``), the model (``common.models.Mo
 local recipe (``common.training.LocalRecipe``), the runtime (``server_app.runtime.RuntimeConfig``), the
 method's name (``strategies.MethodChoice``), each method's options (a strategy's or a client objective's
 ``Config``), and the run itself (``server_app.config.RunConfig``, which inherits the first five). A key is
-spelled the same everywhere: YAML, pyproject, ``-c``, messages and the README use ``num-rounds``, the dataclass
+spelled the same everywhere: YAML, pyproject, ``-c``, messages and the docs use ``num-rounds``, the dataclass
 field is ``num_rounds`` (hyphens become underscores, nothing else changes). Every value is checked at
 start-up; a bad one raises :class:`ConfigError` naming the key, the value and what is allowed.
 """
@@ -41,7 +41,7 @@ class Range:
         return f"a value in {lo}{self.low}, {self.high}]"
 
     def short(self) -> str:
-        """The README's spelling: ``> 0``, ``≥ 1``, ``[0, 1]``."""
+        """The key table's spelling: ``> 0``, ``≥ 1``, ``[0, 1]``."""
         low = int(self.low) if float(self.low).is_integer() else self.low
         if self.high == math.inf:
             return f"{'>' if self.low_open else '≥'} {low}"
@@ -91,7 +91,7 @@ Check = Range | OneOf | ClassList | None
 
 def option(default: Any, check: Check = None, doc: str = "", allowed: str = "") -> Any:
     """A configuration field: its default, the check its values must pass, one line of documentation, and
-    (where the check does not say it well) how the README states what is allowed."""
+    (where the check does not say it well) how the reference's key table states what is allowed."""
     return field(default=default, metadata={"check": check, "doc": doc, "allowed": allowed})
 
 
@@ -110,7 +110,7 @@ class Option:
 
 @dataclass(frozen=True)
 class OptionSpec:
-    """One key of a config dataclass: what :func:`validate` and the README's key table need."""
+    """One key of a config dataclass: what :func:`validate` and the reference's key table need."""
 
     key: str
     name: str
@@ -124,7 +124,7 @@ class OptionSpec:
         return (self.type, self.default, self.check, self.doc) == (other.type, other.default, other.check, other.doc)
 
     def allowed_text(self) -> str:
-        """What the README's key table says is allowed."""
+        """What the reference's key table says is allowed."""
         return self.allowed or (self.check.short() if self.check else {bool: "bool", str: "text"}.get(self.type, ""))
 
 

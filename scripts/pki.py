@@ -15,7 +15,7 @@ writes into DIR:
 
 SuperLink: ``--ssl-ca-certfile ca.crt --ssl-certfile server.crt --ssl-keyfile server.key
 --enable-supernode-auth``; SuperNode I: ``--root-certificates ca.crt --auth-supernode-private-key supernode-I``,
-after ``flwr supernode register supernode-I.pub`` (see README "Deployment"). Each Runtime API (``--isolation
+after ``flwr supernode register supernode-I.pub`` (see docs/tutorials/deployment.md). Each Runtime API (``--isolation
 process``) and the SuperExec that serves it: ``--superexec-auth-secret-file`` with its secret. Files that exist are
 kept, so a second call adds nodes without changing the CA, the keys already registered or the secrets in use.
 """

@@ -1,6 +1,6 @@
 """Sweeps: many runs of presets over a grid of keys and seeds, in parallel, resumable, and chosen on validation.
 
-A sweep spec is a YAML file (README "Sweeps and tracking"; paths are relative to the folder you run from):
+A sweep spec is a YAML file (docs/how-to/sweeps-and-tracking.md; paths are relative to the folder you run from):
 
     runs:                              # blocks; a sweep's jobs are every block's, in order
       - presets: fedmerge-fmnist/{method}-{setting}   # a preset name, or a template over `vars`

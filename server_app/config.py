@@ -84,7 +84,7 @@ class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig, T
     """Every key of a run: the method, the data spec, the model, the clients' local recipe, the runtime and the
     tracking (each
     declared in the dataclass that carries it, inherited here), the run's own keys below, and ``options``: every
-    method option's value (see README "Configuration")."""
+    method option's value (docs/reference/configuration.md)."""
 
     preset: str = option("fedavg-digits", PresetName(preset_names), "YAML preset applied before overrides",
                          "a file in `configs/`, without `.yaml` (`feddle-animal/fedbuff-dir0.1-n20`), or "
@@ -132,7 +132,7 @@ class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig, T
         return {**{key: getattr(self, spec.name) for key, spec in self.specs().items()}, **self.options}
 
 
-# The parts a run's keys are declared in, in the README's order (the run's own keys are the rest); data, model
+# The parts a run's keys are declared in, in the reference's order (the run's own keys are the rest); data, model
 # and local recipe travel in every message to the clients (client_config).
 PARTS: dict[str, type] = {"method": MethodChoice, "data": DataSpec, "model": ModelSpec, "local recipe": LocalRecipe,
                           "runtime": RuntimeConfig, "tracking": TrackingConfig}
