@@ -139,6 +139,9 @@ def progress_line(verbose: bool) -> Iterator[None]:
         line.close()
 
 
+OWN_TASK = ("dataset", "model")  # keys that name a task of one's own
+
+
 def job(args: list[str]) -> dict[str, Any]:
     """``[PRESET] [KEY=VALUE ...]`` -> run-config overrides: the preset named first (else a ``preset`` key, else,
     unless a run is resumed or names its own task, the main job) and the overrides. A task of one's own
@@ -150,9 +153,6 @@ def job(args: list[str]) -> dict[str, Any]:
         return {**given, "preset": preset}
     own = {"resume", "preset", *OWN_TASK} & set(given)
     return given if own else {"preset": MAIN_JOB, **given}
-
-
-OWN_TASK = ("dataset", "model")  # keys that name a task of one's own
 
 
 @app.command()
