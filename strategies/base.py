@@ -105,13 +105,13 @@ STRATEGIES: dict[str, type[Strategy]] = {}  # hybridfl's own, by name: every nod
 _BY_PATH: dict[str, type[Strategy]] = {}  # the others this process has met, by import path
 
 
-def register(registry: dict[str, type], cls: type, kind: str) -> None:
-    """Register `cls` under its own ``name`` (a subclass that declares one); a name taken by another class is an
-    error (the same class, re-imported, may register again)."""
+def register(cls: type[Strategy]) -> None:
+    """Register `cls` in :data:`STRATEGIES` under its own ``name`` (a subclass that declares one); a name taken by
+    another class is an error (the same class, re-imported, may register again)."""
     if cls.__dict__.get("name"):
-        if cls.name in registry and registry[cls.name].__qualname__ != cls.__qualname__:
-            raise ValueError(f"{kind} name {cls.name!r} is taken by {registry[cls.name].__qualname__}")
-        registry[cls.name] = cls
+        if cls.name in STRATEGIES and STRATEGIES[cls.name].__qualname__ != cls.__qualname__:
+            raise ValueError(f"strategy name {cls.name!r} is taken by {STRATEGIES[cls.name].__qualname__}")
+        STRATEGIES[cls.name] = cls
 
 
 STRATEGY_PATH = "your own 'module:Class' (a subclass of strategies.base.Strategy)"
@@ -173,7 +173,7 @@ class Strategy(ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        register(STRATEGIES, cls, "strategy")
+        register(cls)
 
     def __init__(self, config: Any = None, *, seed: int = 0, num_clients: int = 0,
                  recipe: LocalRecipe | None = None, **options: Any) -> None:
