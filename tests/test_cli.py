@@ -41,6 +41,7 @@ def test_run_then_resume_in_process(tmp_path: Path, capsys):
     assert main(["resume", str(tmp_path / "cli"), "num-rounds=3"]) == 0
     resumed = _summary(tmp_path / "cli")
     assert resumed["final-version"] == 3 and resumed["resumed-after-step"] == 2
+    assert not (tmp_path / "cli" / "clients.jsonl").exists()  # no client evaluation, no empty per-client file
 
 
 def test_a_bad_key_or_value_exits_2_naming_it_and_writes_nothing(tmp_path: Path, capsys):
