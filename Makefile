@@ -58,17 +58,17 @@ deploy: $(STAMP)
 # HOST=1 host networking (docker/host-network.yml), FLOWER_DEVICES=1 Flower's own device processes instead of the
 # warm ones (docker/flower-devices.yml). Needs a Docker engine.
 compose-demo: $(STAMP)
-	$(PY) -m scripts.compose demo $(if $(PLAIN_HTTP),--plain-http) $(if $(GPU),--gpu) $(if $(HOST),--host-network) $(if $(FLOWER_DEVICES),--flower-devices) $(ARGS)
+	$(PY) -m hybridfl.compose demo $(if $(PLAIN_HTTP),--plain-http) $(if $(GPU),--gpu) $(if $(HOST),--host-network) $(if $(FLOWER_DEVICES),--flower-devices) $(ARGS)
 
 # The same compose files without Docker: every service's command started natively on loopback
 compose-twin: $(STAMP)
-	$(PY) -m scripts.compose twin $(if $(PLAIN_HTTP),--plain-http) $(if $(FLOWER_DEVICES),--flower-devices) $(ARGS)
+	$(PY) -m hybridfl.compose twin $(if $(PLAIN_HTTP),--plain-http) $(if $(FLOWER_DEVICES),--flower-devices) $(ARGS)
 
 # docker/ on a real Docker engine of its own (root; installs docker.io, debootstrap and the Compose v2 plugin from
 # Debian's packages, builds every image offline): the main job, a SuperLink restart, TLS + node auth. Skips where
 # no engine can start; COMPOSE_TEST_ARGS=--require (CI) fails instead.
 compose-test: $(STAMP)
-	$(PY) -m scripts.compose_engine $(COMPOSE_TEST_ARGS)
+	$(PY) -m hybridfl.compose_engine $(COMPOSE_TEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .flwr outputs .pytest_cache site

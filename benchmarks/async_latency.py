@@ -23,7 +23,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from scripts.deploy_local import deploy_runs
+from hybridfl.deploy_local import deploy_runs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
     python -m benchmarks.deploy_overhead [--rounds 4] [--compose outputs/compose-test]
 
 In deployment Flower's SuperExec starts one ``flwr-clientapp`` process per message. This runs FedAvg on digits with
-one SuperNode on a local deployment (scripts/deploy_local.py: SuperLink, SuperNode and their SuperExecs, process
+one SuperNode on a local deployment (hybridfl/deploy_local.py: SuperLink, SuperNode and their SuperExecs, process
 isolation; the node keeps its partition for the run and the SuperExecs poll every 0.2 s) three times, side by side
 in one run (``--executor`` of ``hybridfl run --mode deployment``):
 
@@ -18,7 +18,7 @@ server) into the device's own log line (client_app/app.py ``device timing``: Flo
 loaded,
 our imports (torch), the data, the model, the work) and the rest, which is Flower's: the SuperNode's and the
 SuperExec's polls, moving the messages, starting the process. With --compose it also prints what the compose
-test measured on the real engine (scripts/compose_engine.py: the main job's train messages, split the same way).
+test measured on the real engine (hybridfl/compose_engine.py: the main job's train messages, split the same way).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from scripts.deploy_local import EXECUTORS, deploy_runs
-from scripts.flower import device_timings
+from hybridfl.deploy_local import EXECUTORS, deploy_runs
+from hybridfl.flower import device_timings
 
 PARTS = ("flower-s", "import-s", "data-s", "model-s", "work-s")
 

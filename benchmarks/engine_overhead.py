@@ -20,7 +20,7 @@ alternating order (engine, bare, bare, engine, ...). It prints the median of eac
 engine/bare (goal: <= 1.10), the median of the paired ratios (repeat i's engine over repeat i's bare,
 CPU time: neighbours in time share the machine's state, so drift between invocations cancels), and
 checks that both paths end with bitwise the same global model and the same evaluations.
-``--flwr-run`` also runs the job through ``flwr run`` on a simulation SuperLink (``scripts.simulate``,
+``--flwr-run`` also runs the job through ``flwr run`` on a simulation SuperLink (``hybridfl.simulate``,
 temporary FLWR_HOME) and prints its total wall time (SuperLink, Ray, FAB install included) and the
 ServerApp's own ``wall-seconds`` from its summary.json.
 Exits 1 if the engine and bare runs disagree (the comparison would not be like with like).
@@ -152,7 +152,7 @@ def run_bare(cfg: RunConfig) -> Outcome:
 
 def run_flwr(overrides: dict[str, Any]) -> tuple[Outcome, float]:
     """The job through ``flwr run`` (simulation): its outcome (total wall s) and the ServerApp's wall-seconds."""
-    from scripts.simulate import simulate
+    from hybridfl.simulate import simulate
 
     with tempfile.TemporaryDirectory(prefix="flwr-home-") as home:
         t0 = time.perf_counter()

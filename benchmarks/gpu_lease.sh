@@ -76,7 +76,7 @@ echo "== 4. a sweep on the GPU, 10 lanes ($(left) s left)"
 RESULTS=benchmarks/results/feddle-fmnist/tuning.jsonl
 (while sleep 10; do cp "$RESULTS" "$OUT/tuning.jsonl"; done) &
 COPIER=$!
-timeout $(( $(left) > 30 ? $(left) - 10 : 20 )) python3 -m scripts.cli sweep benchmarks/sweeps/feddle-fmnist-async.yaml \
+timeout $(( $(left) > 30 ? $(left) - 10 : 20 )) python3 -m hybridfl.cli sweep benchmarks/sweeps/feddle-fmnist-async.yaml \
   --jobs 10 > "$OUT/sweep.log" 2>&1
 echo "exit $? after $((SECONDS - START)) s"
 kill $COPIER; cp "$RESULTS" "$OUT/tuning.jsonl"; grep -c . "$OUT/tuning.jsonl"; grep '^\[' "$OUT/sweep.log" | tail -20

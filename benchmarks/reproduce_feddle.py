@@ -39,7 +39,7 @@ from typing import Any
 import yaml
 
 from benchmarks.runs import pyplot
-from scripts.sweep import Results, Sweep, candidates, mean_std
+from hybridfl.sweep import Results, Sweep, candidates, mean_std
 
 SETTINGS: list[tuple[float, int]] = [(0.1, 20), (0.1, 5), (0.3, 20), (0.3, 5)]
 MAIN = (0.1, 20)

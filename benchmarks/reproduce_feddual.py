@@ -26,7 +26,7 @@ from typing import Any
 import yaml
 
 from benchmarks.runs import mean_curves, pyplot, seeded
-from scripts.sweep import Results, Sweep, mean_std
+from hybridfl.sweep import Results, Sweep, mean_std
 
 FAMILY = "feddual-fmnist"
 # (preset method, label) in the table's order

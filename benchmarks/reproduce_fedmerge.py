@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 
 from benchmarks.runs import pyplot
-from scripts.sweep import Results, Sweep, mean_std
+from hybridfl.sweep import Results, Sweep, mean_std
 
 FAMILY = "fedmerge-fmnist"
 SETTINGS = ("cluster", "personal")

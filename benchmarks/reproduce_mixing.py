@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.runs import mean_curves, pyplot, seeded
-from scripts.sweep import Results, Sweep, mean_std
+from hybridfl.sweep import Results, Sweep, mean_std
 
 FAMILY = "mixing-fmnist"
 SETTINGS = ("binary", "classes10")

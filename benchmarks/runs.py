@@ -1,5 +1,5 @@
 """What the reproduction families' tables share: their runs' rows and curves. Running them is the sweep
-machinery's (scripts/sweep.py, ``hybridfl sweep``)."""
+machinery's (hybridfl/sweep.py, ``hybridfl sweep``)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ Each run is a fresh process (``--child``), so its peak is its own:
 
 * ``inprocess``: ``run_inprocess`` (ServerApp, ClientApp and every client's work in one process);
   the peak is that process's ``ru_maxrss``.
-* ``flwr``: ``scripts.simulate`` (a simulation SuperLink, ``flwr run`` with one simulated SuperNode per
+* ``flwr``: ``hybridfl.simulate`` (a simulation SuperLink, ``flwr run`` with one simulated SuperNode per
   client on Ray, 1 CPU each); the peak is the largest sum of the PSS of the process tree (SuperLink,
   ServerApp, simulation runtime, Ray), sampled every 0.5 s.
 
@@ -39,7 +39,7 @@ from typing import Any
 import psutil
 
 from benchmarks.runs import pyplot
-from scripts.sweep import append, config_digest, load_results, pending
+from hybridfl.sweep import append, config_digest, load_results, pending
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scale"
 PRESET = {"fedavg": "feddle-animal/fedavg-dir0.1-n20", "fedasync": "feddle-animal/fedasync-dir0.1-n20",
@@ -83,7 +83,7 @@ def child(engine: str, method: str, clients: int, steps: int) -> dict[str, Any]:
             out = run_inprocess(ov)
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         else:
-            from scripts.simulate import simulate
+            from hybridfl.simulate import simulate
 
             samples: list[float] = []
             done = threading.Event()

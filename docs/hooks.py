@@ -24,7 +24,7 @@ def cli_reference() -> str:
     import click
     import typer
 
-    from scripts.cli import app
+    from hybridfl.cli import app
 
     root = typer.main.get_command(app)
     out = []

@@ -1,4 +1,4 @@
-"""The ``hybridfl`` command (scripts/cli.py): each subcommand in-process, its errors and its help."""
+"""The ``hybridfl`` command (hybridfl/cli.py): each subcommand in-process, its errors and its help."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from scripts.cli import describe, job, main
-from scripts.flower import PROJECT_DIR
-from scripts.simulate import MAIN_JOB
+from hybridfl.cli import describe, job, main
+from hybridfl.flower import PROJECT_DIR
+from hybridfl.job import MAIN_JOB
 from server_app.config import preset_names
 
 SHORT = ["num-rounds=2", "eval-every=1", "checkpoint-every=1"]
@@ -133,8 +133,8 @@ def test_presets_lists_every_preset_with_one_line(capsys):
 
 def test_the_console_command_is_installed_with_help_on_every_subcommand():
     scripts = tomllib.loads((PROJECT_DIR / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"hybridfl": "scripts.cli:app"}
-    done = subprocess.run([sys.executable, "-m", "scripts.cli", "--help"], capture_output=True, text=True,
+    assert scripts == {"hybridfl": "hybridfl.cli:app"}
+    done = subprocess.run([sys.executable, "-m", "hybridfl.cli", "--help"], capture_output=True, text=True,
                           cwd=PROJECT_DIR, timeout=120)
     assert done.returncode == 0 and all(sub in done.stdout for sub in ("run", "resume", "presets")), done.stderr
 

@@ -1,6 +1,6 @@
 """docker/: the compose files' structure, the translation of their commands, and their native twin end to
 end (each service's exact command as a local process). The files on a real Docker engine are
-`make compose-test` (scripts/compose_engine.py); here, compose's own parser is compared with the twin's."""
+`make compose-test` (hybridfl/compose_engine.py); here, compose's own parser is compared with the twin's."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from scripts import compose_engine, flower
-from scripts.compose import (
+from hybridfl import compose_engine, flower
+from hybridfl.compose import (
     COMPOSE_DIR,
     ComposeError,
     Twin,
@@ -34,7 +34,7 @@ from scripts.compose import (
     twin,
     validate,
 )
-from scripts.flower import PROJECT_DIR, acquire_task_anonymously
+from hybridfl.flower import PROJECT_DIR, acquire_task_anonymously
 from server_app.inprocess import run_inprocess
 
 # The twin stands in for the real engine; CI runs `make compose-test` first, on the same files and code.
@@ -324,7 +324,7 @@ def test_the_final_status_outlives_a_superlink_restart_but_not_its_end(monkeypat
 def test_the_engine_test_skips_where_no_engine_can_start_and_fails_so_under_require(monkeypatch, tmp_path,
                                                                                    capsys) -> None:
     """`make compose-test` on a machine that cannot run dockerd says why and skips; CI's --require fails."""
-    from scripts import compose_engine
+    from hybridfl import compose_engine
 
     monkeypatch.setattr(compose_engine.os, "geteuid", lambda: 1000)
     assert compose_engine.main(["--workdir", str(tmp_path / "ct")]) == 0

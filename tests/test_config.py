@@ -7,8 +7,8 @@ import tomllib
 import pytest
 
 from common.config import ConfigError
-from scripts.config_table import REFERENCE, page_with_tables, pyproject_with_table
-from scripts.flower import PROJECT_DIR
+from hybridfl.config_table import REFERENCE, page_with_tables, pyproject_with_table
+from hybridfl.flower import PROJECT_DIR
 from server_app.config import CONFIG_DIR, RunConfig, load_config, option_owners, option_specs, read_preset
 from strategies import STRATEGIES, FedBuff, build_strategy
 
@@ -20,10 +20,10 @@ def test_pyproject_run_config_mirrors_schema_defaults():
 
 
 def test_the_reference_and_pyproject_tables_are_generated_from_the_config_dataclasses():
-    """`python -m scripts.config_table --write` leaves both files unchanged: every key is documented."""
+    """`python -m hybridfl.config_table --write` leaves both files unchanged: every key is documented."""
     page, pyproject = (PROJECT_DIR / REFERENCE).read_text(), (PROJECT_DIR / "pyproject.toml").read_text()
-    assert page_with_tables(page) == page, "run: python -m scripts.config_table --write"
-    assert pyproject_with_table(pyproject) == pyproject, "run: python -m scripts.config_table --write"
+    assert page_with_tables(page) == page, "run: python -m hybridfl.config_table --write"
+    assert pyproject_with_table(pyproject) == pyproject, "run: python -m hybridfl.config_table --write"
     for key in [*RunConfig.specs(), *option_specs()]:
         assert f"| `{key}` |" in page
 
@@ -168,7 +168,7 @@ def test_bad_key_inside_a_preset_is_reported(tmp_path, monkeypatch):
 
 def test_command_line_overrides_take_toml_values_or_bare_strings():
     """`make demo ARGS='preset="x"'` reaches the script as preset=x (make's shell drops the quotes)."""
-    from scripts.simulate import parse_overrides
+    from hybridfl.job import parse_overrides
 
     assert parse_overrides(['preset="fedbuff-digits"', "num-rounds=5", "lr=0.1", "fallback-init=false",
                             "data-root=/data/x"]) == {"preset": "fedbuff-digits", "num-rounds": 5, "lr": 0.1,

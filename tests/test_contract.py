@@ -20,7 +20,7 @@ from client_app.app import app as client_app
 from common.config import ConfigError, specs_of
 from common.datasets import ArrayDataset
 from common.server_data import ServerData
-from scripts.sweep import config_digest
+from hybridfl.sweep import config_digest
 from server_app.config import load_config
 from server_app.inprocess import InProcessGrid, run_inprocess
 from server_app.run import Run, build_run

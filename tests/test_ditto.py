@@ -105,7 +105,7 @@ def test_personal_models_persist_under_flwr_run_as_in_process(tmp_path):
     """The personalised accuracies equal the in-process run's, where the nodes' states are known to persist: under
     `flwr run` too each node's Context.state carries its personal model from round to round (a lost state would
     evaluate the received global model instead). On a deployment: tests/test_e2e_deploy.py's TLS run."""
-    from scripts import simulate
+    from hybridfl import simulate
 
     job = {**DITTO_TWO_NODES, "output-dir": str(tmp_path)}
     with flower_threads():

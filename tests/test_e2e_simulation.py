@@ -1,4 +1,4 @@
-"""`flwr run .` local simulation (Ray) through scripts/simulate.py, with a temporary FLWR_HOME."""
+"""`flwr run .` local simulation (Ray) through hybridfl/simulate.py, with a temporary FLWR_HOME."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 from helpers import digest, flower_threads, rows
 
-from scripts import simulate
-from scripts.flower import alive, process_tree
+from hybridfl import simulate
+from hybridfl.flower import alive, process_tree
 from server_app.checkpoint import CHECKPOINT
 from server_app.inprocess import run_inprocess
 

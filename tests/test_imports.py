@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import ast
 import re
+import tomllib
 from pathlib import Path
 
-from scripts.flower import PROJECT_DIR
+from hybridfl.flower import PROJECT_DIR
 
-PACKAGES = ("common", "strategies", "server_app", "client_app")
-# What each package may import from the others: common is the bottom, the ServerApp the top (its in-process
-# engine runs the ClientApp); a method's client side lives with its strategy, so the ClientApp imports strategies.
+PACKAGES = ("common", "strategies", "server_app", "client_app", "hybridfl")
+# What each package may import from the others: common is the bottom, the ServerApp above the apps' code (its
+# in-process engine runs the ClientApp), the command and its launchers (hybridfl/) the top; a method's client side
+# lives with its strategy, so the ClientApp imports strategies.
 ALLOWED = {"common": set(), "strategies": {"common"}, "client_app": {"common", "strategies"},
-           "server_app": {"common", "strategies", "client_app"}}
+           "server_app": {"common", "strategies", "client_app"},
+           "hybridfl": {"common", "strategies", "client_app", "server_app"}}
 
 
 def module_name(path: Path) -> str:
@@ -77,6 +80,14 @@ def test_no_import_cycle_among_the_packages():
     g = graph()
     assert "strategies.base" in g and "common.training" in g["strategies.base"]  # the walk sees real imports
     assert cycles(g) == []
+
+
+def test_the_installed_packages_are_the_layers_and_none_has_a_generic_name():
+    """What the wheel installs at the top of site-packages: the four layers and the command's own package, which
+    carries the project's name (a top-level `scripts` would collide with other projects' in a user's environment)."""
+    wheel = tomllib.loads((PROJECT_DIR / "pyproject.toml").read_text())["tool"]["hatch"]["build"]["targets"]["wheel"]
+    assert sorted(wheel["packages"]) == sorted(PACKAGES)
+    assert not (PROJECT_DIR / "scripts").exists()
 
 
 def test_each_package_imports_only_the_layers_below_it():

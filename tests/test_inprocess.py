@@ -140,7 +140,7 @@ def test_strategy_runs_under_flowers_start(name, clock):
 def test_main_job_reaches_085_in_process(tmp_path):
     """README command (1)'s job (Feddle-ID on digits: 20 clients, 5 per step, delays σ = 5 steps,
     150 held-out digits on the server) through the in-process engine."""
-    from scripts.simulate import MAIN_JOB
+    from hybridfl.job import MAIN_JOB
 
     out = run_inprocess({"preset": MAIN_JOB, "output-dir": str(tmp_path), "run-name": "main"})
     summary = json.loads((out / "summary.json").read_text())

@@ -1,4 +1,4 @@
-"""The command's progress (scripts/progress.py): a line rewritten in place on a terminal, plain lines elsewhere; an
+"""The command's progress (hybridfl/progress.py): a line rewritten in place on a terminal, plain lines elsewhere; an
 in-process run's step, accepted updates, last evaluation and time left; a sweep's finished runs and time left."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from scripts.cli import main
-from scripts.progress import Line, RunProgress, SweepProgress
+from hybridfl.cli import main
+from hybridfl.progress import Line, RunProgress, SweepProgress
 
 
 class Terminal(io.StringIO):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks import reproduce_feddle as R
-from scripts import sweep as S
+from hybridfl import sweep as S
 from server_app.config import load_config, used_keys
 from server_app.inprocess import run_inprocess
 

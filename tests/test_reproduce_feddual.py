@@ -4,7 +4,7 @@ benchmarks/reproduce_feddual.py tabulates."""
 from __future__ import annotations
 
 from benchmarks import reproduce_feddual as F
-from scripts import sweep as S
+from hybridfl import sweep as S
 from server_app.config import load_config
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from benchmarks import reproduce_fedmerge as F
-from scripts import sweep as S
+from hybridfl import sweep as S
 from server_app.config import load_config
 from server_app.inprocess import run_inprocess
 

@@ -10,7 +10,7 @@ import torch
 from helpers import write_jpg, write_leaf
 
 from benchmarks import reproduce_mixing as M
-from scripts import sweep as S
+from hybridfl import sweep as S
 from server_app.config import load_config
 from server_app.inprocess import run_inprocess
 

@@ -16,7 +16,7 @@ import torch
 from helpers import Crash, crashing, digest, rows
 
 from common.config import ConfigError
-from scripts.flower import PROJECT_DIR
+from hybridfl.flower import PROJECT_DIR
 from server_app.checkpoint import CHECKPOINT, read_checkpoint, write_checkpoint
 from server_app.config import MAY_CHANGE_ON_RESUME, load_config
 from server_app.inprocess import run_inprocess

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import typer
 
-from scripts.cli import app
-from scripts.flower import PROJECT_DIR, free_port
+from hybridfl.cli import app
+from hybridfl.flower import PROJECT_DIR, free_port
 from server_app.config import RunConfig, option_specs
 from strategies import STRATEGIES
 

@@ -1,4 +1,4 @@
-"""Sweeps (scripts/sweep.py, ``hybridfl sweep`` / ``hybridfl report``): the spec's checks, the jobs it names, the
+"""Sweeps (hybridfl/sweep.py, ``hybridfl sweep`` / ``hybridfl report``): the spec's checks, the jobs it names, the
 one-standard-error rule on validation, and a real two-point sweep over two seeds killed mid-run and resumed."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from common.errors import ConfigError
-from scripts import sweep as sweeps
-from scripts.cli import main
+from hybridfl import sweep as sweeps
+from hybridfl.cli import main
 
 SPEC = {"runs": [{"presets": "fedavg-digits", "grid": {"lr": [0.05, 0.1]}, "seeds": [0, 1]}],
         "overrides": {"num-rounds": 4, "eval-every": 1, "checkpoint-every": 1, "validation-size": 100}}
@@ -96,7 +96,7 @@ def test_a_sweep_killed_mid_run_resumes_then_reports_its_choice(tmp_path: Path, 
     spec = _spec(tmp_path, SPEC)
     results, folders = tmp_path / "out" / "runs.jsonl", tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.cli", "sweep", str(spec)], env=env, cwd=tmp_path,
+    proc = subprocess.Popen([sys.executable, "-m", "hybridfl.cli", "sweep", str(spec)], env=env, cwd=tmp_path,
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:  # kill it once the first run is recorded and the second has checkpointed past its first step
         second = folders / "fedavg-digits_s0_lr=0.1" / "metrics.jsonl"  # seed by seed: s0 lr 0.1 runs second

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from common.errors import ConfigError
-from scripts import sweep as sweeps
+from hybridfl import sweep as sweeps
 from server_app.config import load_config
 from server_app.inprocess import run_inprocess
 

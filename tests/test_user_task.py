@@ -16,7 +16,7 @@ from flwr.app import Context, RecordDict
 from common.config import ConfigError
 from common.data import load_dataset
 from common.models import build_from_config
-from scripts.flower import PROJECT_DIR
+from hybridfl.flower import PROJECT_DIR
 from server_app.config import load_config
 from server_app.inprocess import InProcessGrid, run_inprocess
 
@@ -159,7 +159,7 @@ def test_the_apps_own_config_table_counts_and_hybridfls_defaults_do_not():
 def test_a_users_method_keys_pass_flower_run_c_packed_unless_the_app_declares_them():
     """Flower's `flwr run -c` refuses keys the app does not declare: hybridfl's own app carries a user's method keys
     in `method-options`; the example app declares its method's keys; a key neither can carry is refused by name."""
-    from scripts.flower import run_config_arg
+    from hybridfl.flower import run_config_arg
 
     assert run_config_arg({"preset": "x", "clip-norm": 0.1, "server-momentum": 0.5}) == (
         'preset="x" method-options="{ clip-norm = 0.1, server-momentum = 0.5 }"')
@@ -179,7 +179,7 @@ def test_a_users_method_keys_pass_flower_run_c_packed_unless_the_app_declares_th
 def test_the_example_project_runs_under_flwr_run_with_its_own_preset(tmp_path):
     """`flwr run .` in examples/tabular: hybridfl's apps, the user's package imported by the simulated nodes, and
     the preset from the app's own config table (Feddle-ID)."""
-    from scripts import simulate
+    from hybridfl import simulate
 
     out = simulate.simulate({"output-dir": str(tmp_path), "run-name": "example", "num-rounds": 10},
                             tmp_path / "flwr-home", app_dir=EXAMPLE)
@@ -193,7 +193,7 @@ def test_the_example_projects_own_method_runs_on_a_local_deployment(tmp_path):
     """SuperLink, SuperNodes and SuperExec processes (Flower's own: a process per message) that import the user's
     package, and its method by import path: every node runs the method's client side, which clips each update to
     C, so the server's momentum stays within C / (1 − β)."""
-    from scripts import deploy_local
+    from hybridfl import deploy_local
 
     clip, beta = 0.02, 0.5
     out, _ = deploy_local.deploy({"preset": "tabular_task:presets/fedavgm", "output-dir": str(tmp_path),
@@ -223,7 +223,7 @@ def test_the_example_readmes_commands_run_as_written(tmp_path):
     import shlex
     import shutil
 
-    from scripts.flower import flower_env, free_port
+    from hybridfl.flower import flower_env, free_port
 
     project = tmp_path / "tabular"
     shutil.copytree(EXAMPLE, project, ignore=shutil.ignore_patterns("outputs", "__pycache__", ".flwr*"))

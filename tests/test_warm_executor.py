@@ -26,8 +26,8 @@ from helpers import flower_threads
 
 from client_app import supernode
 from client_app.warm_executor import PRELOAD, WarmExecutor
-from scripts.deploy_local import deploy, deploy_runs
-from scripts.flower import PROJECT_DIR, alive, children, device_timings
+from hybridfl.deploy_local import deploy, deploy_runs
+from hybridfl.flower import PROJECT_DIR, alive, children, device_timings
 from server_app.inprocess import run_inprocess
 
 EXAMPLE = PROJECT_DIR / "examples" / "tabular"

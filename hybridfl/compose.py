@@ -1,8 +1,8 @@
 """docker/compose.yml, run: with Docker (``demo``), or natively on loopback as its "twin" (``twin``).
 
-    python -m scripts.compose demo [--plain-http] [--gpu] [--host-network] [KEY=VALUE ...]  # needs a Docker engine
-    python -m scripts.compose twin [--plain-http] [--workdir DIR] [KEY=VALUE ...]
-    python -m scripts.compose check [--plain-http] [--gpu] [--host-network]                # the files' structure
+    python -m hybridfl.compose demo [--plain-http] [--gpu] [--host-network] [KEY=VALUE ...]  # needs a Docker engine
+    python -m hybridfl.compose twin [--plain-http] [--workdir DIR] [KEY=VALUE ...]
+    python -m hybridfl.compose check [--plain-http] [--gpu] [--host-network]                # the files' structure
 
 The deployment is secure by default (docker/compose.yml: TLS, SuperNode authentication, a SuperExec secret per
 Runtime API); ``--plain-http`` adds ``plain-http.yml`` and warns. The twin reads the compose files, checks their
@@ -15,7 +15,7 @@ container has its own HOME. SuperNodes started with ``--auth-supernode-private-k
 (``K.pub``) before they start, as the demo does. Then both modes run the same job with ``flwr run`` and
 check that it finished:completed: the main job on ``num-clients`` = the compose file's SuperNodes, outputs
 in the ``outputs`` volume. What the twin cannot show: image contents, the Docker network, GPU reservation,
-volume ownership: ``make compose-test`` (scripts/compose_engine.py) runs the files on a real engine.
+volume ownership: ``make compose-test`` (hybridfl/compose_engine.py) runs the files on a real engine.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from scripts.flower import (
+from hybridfl.flower import (
     PROJECT_DIR,
     ProcessGroup,
     check_completed,
@@ -46,8 +46,8 @@ from scripts.flower import (
     wait_until,
     write_connection,
 )
-from scripts.pki import make_pki
-from scripts.simulate import MAIN_JOB, parse_overrides
+from hybridfl.job import MAIN_JOB, parse_overrides
+from hybridfl.pki import make_pki
 from server_app.config import load_config, used_keys
 
 COMPOSE_DIR = PROJECT_DIR / "docker"

@@ -1,8 +1,8 @@
 """The reference's key tables (docs/reference/configuration.md) and pyproject's ``[tool.flwr.app.config]``, generated
 from the config dataclasses.
 
-    python -m scripts.config_table            # print both
-    python -m scripts.config_table --write    # rewrite them in the reference page and pyproject.toml
+    python -m hybridfl.config_table            # print both
+    python -m hybridfl.config_table --write    # rewrite them in the reference page and pyproject.toml
 
 The run's keys come from ``server_app.config.RunConfig`` and the parts it inherits (method, data, model,
 local recipe, runtime: ``server_app.config.PARTS``); method options from every registered strategy's
@@ -19,12 +19,12 @@ import sys
 from typing import Any
 
 from common.config import OptionSpec, specs_of
-from scripts.flower import PROJECT_DIR, toml_value
+from hybridfl.flower import PROJECT_DIR, toml_value
 from server_app.config import PARTS, RunConfig, option_owners, option_specs
 from strategies import strategy_class
 
 REFERENCE = "docs/reference/configuration.md"  # the page the key tables live in
-BEGIN, END = "<!-- keys:begin (python -m scripts.config_table --write) -->", "<!-- keys:end -->"
+BEGIN, END = "<!-- keys:begin (python -m hybridfl.config_table --write) -->", "<!-- keys:end -->"
 
 
 def _default(value: Any) -> str:

@@ -1,5 +1,5 @@
 """The sha256 of ``model.pt`` after a short in-process run of each preset: run at two commits and compare, to show a
-restructuring changed no result (``python -m scripts.model_digests --rounds 3 > digests.json``)."""
+restructuring changed no result (``python -m hybridfl.model_digests --rounds 3 > digests.json``)."""
 
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ from typing import Annotated, Any
 import click
 import typer
 
-from scripts.flower import PROJECT_DIR, run_and_report
-from scripts.simulate import MAIN_JOB, parse_overrides
+from hybridfl.flower import PROJECT_DIR, run_and_report
+from hybridfl.job import MAIN_JOB, parse_overrides
 
 app = typer.Typer(help=__doc__.split("\n\n")[0], no_args_is_help=True, add_completion=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
@@ -106,10 +106,10 @@ def launch(overrides: dict[str, Any], mode: Mode, flwr_home: Path, deployment: D
             with progress_line(verbose):
                 return run_inprocess(overrides)  # output-dir relative to here, as the user typed it
         if mode is Mode.simulation:
-            from scripts.simulate import simulate
+            from hybridfl.simulate import simulate
 
             return simulate(overrides, flwr_home.resolve())
-        from scripts.deploy_local import deploy
+        from hybridfl.deploy_local import deploy
 
         return deploy(overrides, flwr_home.resolve(), deployment.supernodes, deployment.slow_nodes(),
                       tls=deployment.tls, auth=deployment.auth, executor=deployment.executor)[0]
@@ -121,7 +121,7 @@ def launch(overrides: dict[str, Any], mode: Mode, flwr_home: Path, deployment: D
 def progress_line(verbose: bool) -> Iterator[None]:
     """On a terminal (and unless `verbose`): the runs of this process report to a progress line, and Flower's
     INFO lines (the per-step log, device timings) stay quiet meanwhile; warnings and errors still print."""
-    from scripts.progress import Line, RunProgress
+    from hybridfl.progress import Line, RunProgress
     from server_app.tracking import watching
 
     line = Line()
@@ -220,7 +220,7 @@ def options(strategy: Annotated[str, typer.Argument(help="a strategy's name (`fe
                                                          "'module:Class'")]) -> None:
     """A method's own keys, with their defaults, what is allowed and what they mean (the reference's
     configuration keys have every key)."""
-    from scripts.config_table import method_table
+    from hybridfl.config_table import method_table
 
     _echo_or_exit_2(lambda: method_table(strategy))
 
@@ -233,7 +233,7 @@ def certs(directory: Annotated[Path, typer.Argument(help="where the files go (ke
     """Certificates, SuperNode keys and Runtime API secrets for a secured deployment (TLS, SuperNode authentication,
     SuperExec authentication): a CA, the SuperLink's certificate, `supernode-I` key pairs, and `superlink.secret`
     and `supernode-I.secret` (docs: "TLS and node authentication")."""
-    from scripts.pki import DEFAULT_NAMES, make_pki
+    from hybridfl.pki import DEFAULT_NAMES, make_pki
 
     make_pki(directory, tuple(name or DEFAULT_NAMES), nodes)
     typer.echo(f"certificates, keys and secrets in {directory} (keep the keys and the secrets private)")
@@ -247,8 +247,8 @@ def sweep(spec: SweepSpec,
           jobs: Annotated[int, typer.Option(min=1, help="runs in parallel (processes, one torch thread each)")] = 1
           ) -> None:
     """Run a sweep's runs that have no current result (resumable: run it again after a stop), then report it."""
-    from scripts import sweep as sweeps
-    from scripts.progress import Line, SweepProgress
+    from hybridfl import sweep as sweeps
+    from hybridfl.progress import Line, SweepProgress
 
     try:
         _echo_or_exit_2(lambda: sweeps.run(sweeps.load(spec), jobs, progress=SweepProgress(Line(sys.stdout))))
@@ -260,7 +260,7 @@ def sweep(spec: SweepSpec,
 @app.command()
 def report(spec: SweepSpec) -> None:
     """Tabulate a sweep from its results file, running nothing."""
-    from scripts import sweep as sweeps
+    from hybridfl import sweep as sweeps
 
     _echo_or_exit_2(lambda: sweeps.report(sweeps.load(spec)))
 

@@ -187,7 +187,7 @@ def record(key: str, overrides: dict[str, Any], metric: str, val_metric: str, ex
     return {**result, **(resolve("record", extra, IMPORTABLE)(out, summary, rows) if extra else {})}
 
 
-Progress = Callable[..., None]  # (text, runs done, runs to do): scripts.progress.SweepProgress
+Progress = Callable[..., None]  # (text, runs done, runs to do): hybridfl.progress.SweepProgress
 
 
 def plain(text: str, done: int = 0, total: int = 0) -> None:

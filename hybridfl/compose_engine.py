@@ -1,6 +1,6 @@
 """``make compose-test``: docker/'s compose files on a real Docker engine, the way an operator runs them.
 
-    python -m scripts.compose_engine [--require] [--workdir DIR] [--keep-engine]
+    python -m hybridfl.compose_engine [--require] [--workdir DIR] [--keep-engine]
 
 1. Tools, from the package registries: Debian's ``docker.io`` (engine, containerd, runc, the CLI with BuildKit)
    and ``debootstrap``; the Compose v2 plugin from Debian trixie's ``docker-compose`` package (bookworm only has
@@ -48,8 +48,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from scripts.compose import COMPOSE_DIR, CONNECTION, IMAGE_UID, SERVERAPP, SUPERLINK, auth_key, job, load, supernodes
-from scripts.flower import (
+from hybridfl.compose import COMPOSE_DIR, CONNECTION, IMAGE_UID, SERVERAPP, SUPERLINK, auth_key, job, load, supernodes
+from hybridfl.flower import (
     PROJECT_DIR,
     acquire_task_anonymously,
     alive,
@@ -61,7 +61,7 @@ from scripts.flower import (
     register_supernode,
     write_connection,
 )
-from scripts.pki import make_pki, node_key
+from hybridfl.pki import make_pki, node_key
 
 CACHE = Path(os.environ.get("HYBRIDFL_COMPOSE_CACHE", "/var/cache/hybridfl-compose"))  # kept between runs
 WHEELS = COMPOSE_DIR / "wheels"  # in the build context; git-ignored but for its README
@@ -295,7 +295,7 @@ class Deployment:
         return time.monotonic() - start
 
     def run(self, overrides: dict[str, Any], out: Path) -> tuple[Path, float]:
-        """One job through the deployment (scripts.compose's job: the main job unless `overrides` say else),
+        """One job through the deployment (hybridfl.compose's job: the main job unless `overrides` say else),
         its outputs copied from the ServerApp's outputs volume to `out`; returns the run folder and seconds."""
         run_config = job(self.spec, overrides)
         start = time.monotonic()

@@ -10,7 +10,7 @@ KEY=VALUE pairs are run-config overrides with ``flwr run -c`` syntax.
 ``flower-supernode`` processes on free loopback ports, node i holding partition i of N (N defaults to
 num-clients; a different --supernodes sets num-clients=N), each with its own ``flower-superexec`` (Flower's
 process isolation): the SuperLink's Runtime API and each SuperNode's accept only the SuperExec that holds its
-shared secret (``<flwr-home>/pki/superlink.secret``, ``supernode-I.secret``; scripts/pki.py). Plain HTTP by
+shared secret (``<flwr-home>/pki/superlink.secret``, ``supernode-I.secret``; hybridfl/pki.py). Plain HTTP by
 default; ``--tls`` serves every SuperLink API over HTTPS with a private CA (kept in <flwr-home>/pki), ``--auth``
 also admits only SuperNodes whose keys were registered (``flwr supernode register``) before they start.
 It runs ``flwr run . --stream`` against them, checks that the run *finished:completed* and wrote
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError
-from scripts.flower import (
+from hybridfl.flower import (
     PROJECT_DIR,
     ProcessGroup,
     check_completed,
@@ -38,8 +38,8 @@ from scripts.flower import (
     wait_healthy,
     write_connection,
 )
-from scripts.pki import make_pki, make_secrets
-from scripts.simulate import prepare
+from hybridfl.job import prepare
+from hybridfl.pki import make_pki, make_secrets
 from server_app.config import load_config
 
 CONNECTION = "hybridfl-local"

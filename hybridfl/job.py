@@ -1,0 +1,41 @@
+"""What every launcher runs: the main job, the command line's run-config overrides, and a run's folder pinned
+before it starts."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from server_app.config import load_config
+from server_app.outputs import run_dir
+
+MAIN_JOB = "feddle-digits"  # README command (1): Feddle-ID on digits
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``["k=v", ...]`` -> dict. A value is read as TOML (``3``, ``0.5``, ``true``, ``"x"``, as ``flwr run -c``);
+    one that is not TOML is a string, so that ``preset=fedbuff-digits`` works too (``make demo
+    ARGS='preset="x"'`` loses its quotes to make's shell)."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"bad override {pair!r}: expected KEY=VALUE")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def prepare(overrides: dict[str, Any]) -> tuple[dict[str, Any], Path]:
+    """Validate `overrides`, pin an absolute output-dir (a relative one is under the folder this runs in, as
+    in-process) and a run-name (or, with ``resume``, the absolute folder of the run to continue); return them and
+    the run folder."""
+    cfg = load_config(overrides)
+    if cfg.resume:
+        return {**overrides, "resume": cfg.resume}, Path(cfg.resume)
+    out_root = Path(cfg.output_dir).resolve()
+    name = run_dir(cfg, out_root).name  # created now, so a parallel run cannot take it
+    return {**overrides, "output-dir": str(out_root), "run-name": name}, out_root / name
