@@ -114,6 +114,7 @@ def run_bare(cfg: RunConfig) -> Outcome:
     recipe = part_of(LocalRecipe, cfg)
     strategy = build_strategy(cfg.strategy, cfg.options, seed=cfg.seed, num_clients=cfg.num_clients, recipe=recipe)
     strategy.initialize(pspec.flatten(model), pspec, copy.deepcopy(model))
+    strategy.attach(server)
     clients = list(range(cfg.num_clients))
     parts = {c: client_partition(spec, c) for c in clients}
     rng = random.Random(cfg.seed)  # the runtime's client sampling
@@ -136,7 +137,7 @@ def run_bare(cfg: RunConfig) -> Outcome:
             dispatches[c] += 1
             updates.append(Update(c, strategy.version, pspec.flatten(local) - start, len(parts[c]), {}, metrics,
                                   sent=payload))
-        deliver(strategy, updates, server)
+        deliver(strategy, updates)
         weighted_mean((u.num_examples, u.metrics) for u in updates)  # the round's train metrics, as logged
         if rnd % cfg.eval_every == 0 or rnd == cfg.num_rounds:
             evals.append(test_eval(rnd))

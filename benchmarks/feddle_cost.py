@@ -90,7 +90,8 @@ def measure(label: str, shape: dict[str, Any], epochs: int, repeats: int) -> dic
     for _ in range(repeats):
         for variant in VARIANTS:  # alternate, so drift hits all alike
             strategy, spec = build(variant, shape, epochs)
-            flops[variant], s = flops_of(lambda: strategy.step(server))
+            strategy.attach(server)
+            flops[variant], s = flops_of(strategy.step)
             seconds[variant].append(s)
     median = {v: statistics.median(t) for v, t in seconds.items()}
     row = {"params": spec.numel, **{f"{v}-gflops": f / 1e9 for v, f in flops.items()},

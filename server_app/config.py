@@ -143,7 +143,7 @@ def client_config(cfg: RunConfig) -> dict[str, Any]:
     the model, the local recipe and the client objective's own options. A Flower user's own ServerApp passes it
     as ``train_config`` to ``FlowerStrategy.start`` (examples/tabular)."""
     parts = (options_dict(part_of(part, cfg)) for part in (DataSpec, ModelSpec, LocalRecipe))
-    objective = specs_of(OBJECTIVES[cfg.local_objective].Config)
+    objective = specs_of(OBJECTIVES[objective_of(cfg)].Config)
     return {**{k: v for part in parts for k, v in part.items()}, **{key: cfg.options[key] for key in objective}}
 
 
@@ -312,18 +312,29 @@ def unused_options(cfg: RunConfig, given: Mapping[str, Any]) -> dict[str, list[s
             if key in owners and key not in used and value != specs[key].default}
 
 
+def objective_of(cfg: RunConfig) -> str:
+    """The client objective `cfg`'s clients train with: the one its strategy's client side fixes (SCAFFOLD's), else
+    the run's ``local-objective``."""
+    return strategy_class(cfg.strategy).client_side.objective or cfg.local_objective
+
+
 def used_keys(cfg: RunConfig) -> set[str]:
     """The method keys `cfg`'s strategy and client objective read."""
-    return set(specs_of(strategy_class(cfg.strategy).Config)) | set(specs_of(OBJECTIVES[cfg.local_objective].Config))
+    return set(specs_of(strategy_class(cfg.strategy).Config)) | set(specs_of(OBJECTIVES[objective_of(cfg)].Config))
 
 
 def check_used(cfg: RunConfig, given: Mapping[str, Any]) -> None:
     """Refuse a method key (a strategy's or a client objective's option) set to another value than its default that
     the run's strategy and objective do not use: a preset or an override that sets it would otherwise be silently
-    ignored. A key at its default changes nothing either way (a resolved configuration lists every key so)."""
+    ignored. A key at its default changes nothing either way (a resolved configuration lists every key so). The same
+    for ``local-objective`` where the strategy's client side fixes the objective."""
+    fixed = strategy_class(cfg.strategy).client_side.objective
+    if fixed and given.get("local-objective", fixed) not in (fixed, RunConfig.specs()["local-objective"].default):
+        raise ConfigError("local-objective", given["local-objective"],
+                          f"'{fixed}' or unset: strategy '{cfg.strategy}' trains its clients with objective '{fixed}'")
     for key, methods in unused_options(cfg, given).items():
         raise ConfigError(key, given[key], f"a key the run uses: '{key}' is an option of {', '.join(methods)}, "
-                          f"not of strategy '{cfg.strategy}' with objective '{cfg.local_objective}'")
+                          f"not of strategy '{cfg.strategy}' with objective '{objective_of(cfg)}'")
 
 
 class ResumeMismatch(ConfigError):

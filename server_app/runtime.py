@@ -148,7 +148,7 @@ class Runner:
         run_config: what every message carries (data spec, model, the clients' local recipe).
         runtime: the clock and its settings (:class:`RuntimeConfig`; default: its defaults).
         seed: seeds client sampling and delays.
-        server_data: attached to the strategy and passed to ``strategy.step``.
+        server_data: attached to the strategy (its one hand-over: ``strategy.server``).
         on_event: called with a dict for every update handed over or lost (events.jsonl).
     """
 
@@ -159,8 +159,8 @@ class Runner:
         check_options(self.runtime)
         self.grid, self.strategy = grid, strategy
         self.directory = NodeDirectory(grid)
-        self.dispatcher = Dispatcher(strategy.spec, {**run_config, STRATEGY: strategy.reference()}, seed)
-        self.server_data = server_data
+        self.dispatcher = Dispatcher(strategy.spec, {**run_config, STRATEGY: strategy.reference(),
+                                                     **strategy.client_options()}, seed)
         strategy.attach(server_data)
         self.on_event = on_event or (lambda event: None)
         self._sample_rng = random.Random(seed)
@@ -314,7 +314,7 @@ class Runner:
         entry.bytes_up += update.nbytes
         entry.staleness.append(staleness)
         if self.strategy.ready():
-            self._step_metrics = self.strategy.step(self.server_data)
+            self._step_metrics = self.strategy.step()
         self.on_event({**event, "outcome": "accepted", "staleness": staleness, "version": self.strategy.version})
         return True
 
@@ -325,7 +325,7 @@ class Runner:
     def _close_step(self, entry: StepLog, accepted: list[Update], started: float) -> StepLog:
         self.strategy.close_round()
         if self.strategy.ready():
-            self._step_metrics = self.strategy.step(self.server_data)
+            self._step_metrics = self.strategy.step()
         entry.version = self.strategy.version
         entry.bytes_down, entry.bytes_extra_down = self._bytes_down, self._bytes_extra
         entry.strategy = dict(self._step_metrics)
@@ -383,10 +383,8 @@ class Runner:
         clients = sorted(c for c, n in self.directory.node_of.items() if n in connected)
         messages = []
         for c in sorted(rng.sample(clients, min(count, len(clients)))):
-            payload = self.strategy.model_for(c)
-            payload = dataclasses.replace(payload, config={**payload.config, **config})
-            messages.append(self.dispatcher.message(self.directory.node_of[c], payload, self.strategy.version,
-                                                    MessageType.EVALUATE))
+            messages.append(self.dispatcher.message(self.directory.node_of[c], self.strategy.model_for(c),
+                                                    self.strategy.version, MessageType.EVALUATE, config=config))
         return messages
 
     # -- the two clocks -----------------------------------------------------------------------

@@ -11,7 +11,7 @@ it cannot be used.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any
@@ -139,9 +139,9 @@ class NodeDirectory:
 class Dispatcher:
     """Builds train/evaluate messages from a strategy's payload, tagged with the model version.
 
-    `run_config` holds what every message carries (data spec, model, the clients' local recipe); a
-    payload's config is laid over it. Each train message gets a seed derived from (run seed, client,
-    how many times that client was dispatched): :meth:`next_seed`.
+    `run_config` holds what every message carries (data spec, model, the clients' local recipe, the strategy and
+    the options its client side reads); a payload carries arrays, never keys. Each train message gets a seed derived
+    from (run seed, client, how many times that client was dispatched): :meth:`next_seed`.
     """
 
     spec: ParamSpec
@@ -158,8 +158,14 @@ class Dispatcher:
         return derive_seed(self.seed, client, count)
 
     def message(self, node: int, payload: Payload, version: int, message_type: str = MessageType.TRAIN,
-                train_seed: int | None = None) -> Message:
-        config = {**self.run_config, **payload.config, VERSION: version}
+                train_seed: int | None = None, config: Mapping[str, Any] | None = None) -> Message:
+        """The message to `node`; `config` adds a caller's own keys (a Flower ServerApp's evaluate config), which
+        cannot change a run key: a clash is an error, not an override."""
+        config = dict(config or {})
+        if clash := sorted(k for k, v in config.items() if k in self.run_config and self.run_config[k] != v):
+            raise ValueError(f"a message's config cannot change the run's keys: {', '.join(clash)}")
+        config.update(self.run_config)
+        config[VERSION] = version
         if train_seed is not None:
             config[TRAIN_SEED] = train_seed
         if self._last[0] is not payload.params:

@@ -8,9 +8,9 @@ A strategy owns the method's models and math. It never touches the network or th
     receive(update)                  one client's update (it carries the Payload it answers: ``sent``)
     close_round()                    no more updates come for this round (or step)
     ready() -> bool                  enough has arrived for a step
-    step(server) -> metrics          the server's step: may change several models; `server` is the
-                                     server's own data (``common.server_data.ServerData``) or None
-                                     (also attached before the first dispatch: ``self.server``)
+    step() -> metrics                the server's step: may change several models; the server's own data
+                                     (``common.server_data.ServerData``) or None is ``self.server``,
+                                     attached once before the first dispatch (``attach``)
     central_models() -> {name: ω}    the model(s) the server evaluates on its test split and saves
     client_report() -> {name: list}  per-client state recorded beside the personalised evaluation (optional)
     state_dict() / load_state_dict() everything a resumed run needs
@@ -24,7 +24,7 @@ registered in :data:`STRATEGIES` under it; a user's own strategy, in their own p
 local training with the run's objective, is a :class:`~strategies.client.ClientSide` in the same file, named by the
 class attribute ``client_side`` (every message names the strategy, :meth:`Strategy.reference`, and a node runs its
 client side); a client objective of its own is registered there too (``common.objectives.objective``) and named by
-its payload in ``config["local-objective"]``.
+the client side's ``objective``, the strategy options it reads by its ``keys``: one channel, declared in one place.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from common.config import NoOptions, OneOf, check_options, options_dict
+from common.config import NoOptions, OneOf, check_options, options_dict, specs_of
 from common.errors import ConfigError
 from common.params import ParamSpec
 from common.server_data import ServerData, check_server_data
@@ -54,7 +54,6 @@ class Payload:
 
     params: torch.Tensor  # the model the client starts from (flat trainable parameters)
     arrays: dict[str, torch.Tensor] = field(default_factory=dict)  # extra tensors (a server gradient, examples)
-    config: dict[str, Any] = field(default_factory=dict)  # method settings for the client's local work
     memo: dict[str, torch.Tensor] = field(default_factory=dict)  # kept with the flight on the server, never sent
 
     @property
@@ -173,6 +172,9 @@ class Strategy(ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if unknown := sorted(set(cls.client_side.keys) - set(specs_of(cls.Config))):
+            raise TypeError(f"{cls.__qualname__}.client_side ({cls.client_side.__qualname__}) reads keys its "
+                            f"Config does not declare: {', '.join(unknown)}")
         register(cls)
 
     def __init__(self, config: Any = None, *, seed: int = 0, num_clients: int = 0,
@@ -200,7 +202,7 @@ class Strategy(ABC):
 
     def attach(self, server: ServerData | None) -> None:
         """The server's own data (or None), attached by every runner before the first dispatch, for payloads that
-        carry some of it (example transfer, a central gradient); ``step`` gets it as its argument too. Raises
+        carry some of it (example transfer, a central gradient) and for ``step``: the one hand-over. Raises
         ``ConfigError``, naming the key to change, when it does not meet :meth:`server_need`: the one check of
         server data, so every path (the runtime, Flower's loop, a user's own ServerApp) fails before anything runs."""
         check_server_data(server, self.server_need(), self.reference())
@@ -227,7 +229,7 @@ class Strategy(ABC):
         """Whether :meth:`step` would make new model(s) now."""
 
     @abstractmethod
-    def step(self, server: Any = None) -> dict[str, float]:
+    def step(self) -> dict[str, float]:
         """The server's step: make the next version of the model(s) (increments ``version``). Returns what
         it measured (e.g. Feddle's search), for metrics.jsonl."""
 
@@ -258,6 +260,11 @@ class Strategy(ABC):
         _BY_PATH.setdefault(path, cls)
         return path
 
+    def client_options(self) -> dict[str, Any]:
+        """The option values the client side reads (``client_side.keys``): every message carries them."""
+        options = options_dict(self.config)
+        return {key: options[key] for key in self.client_side.keys}
+
     def describe(self) -> dict[str, Any]:
         """The strategy's hyperparameters by key, for logs and summary.json."""
         return {"strategy": self.reference(), **options_dict(self.config)}
@@ -286,14 +293,14 @@ class Strategy(ABC):
                     own[n].copy_(b)
 
 
-def deliver(strategy: Strategy, updates: Iterable[Update], server: Any = None) -> None:
+def deliver(strategy: Strategy, updates: Iterable[Update]) -> None:
     """Hand one round's updates to ``strategy`` in the runtime's order (server_app/runtime.py): receive each and
     step whenever it is ready, then close the round and step if that made it ready. For code that drives a
     strategy without the runtime (benchmarks)."""
     for update in updates:
         strategy.receive(update)
         if strategy.ready():
-            strategy.step(server)
+            strategy.step()
     strategy.close_round()
     if strategy.ready():
-        strategy.step(server)
+        strategy.step()

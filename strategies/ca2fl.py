@@ -58,7 +58,7 @@ class CA2FL(Strategy):
     def ready(self) -> bool:
         return self.count >= self.config.buffer_size
 
-    def step(self, server: Any = None) -> dict[str, float]:
+    def step(self) -> dict[str, float]:
         h_bar = self.cache_sum / self.num_clients
         self.params = self.params + self.config.server_lr * (h_bar + self.calibrated / self.count)
         for client, delta in self.next_cache.items():

@@ -51,6 +51,7 @@ class LocalTask:
 
     @property
     def recipe(self) -> LocalRecipe:
+        """The run's local recipe (its ``local-objective`` gives way to the client side's ``objective``)."""
         return from_keys(LocalRecipe, self.config)
 
     @property
@@ -69,8 +70,19 @@ class LocalTask:
 
 
 class ClientSide:
-    """Local training with the run's recipe and client objective; evaluation of the received model."""
+    """Local training with the run's recipe and client objective; evaluation of the received model.
 
+    A method's client side is declared here, in one place: the class (what a node runs), :attr:`objective` (the
+    loss it trains with, when the method fixes it) and :attr:`keys` (its strategy's options it reads). Every
+    message carries the run's client keys (data, model, recipe, objective options) and these; nothing a strategy
+    sends per client can change them."""
+
+    # The client objective this method's clients train with (common/objectives.py), or None for the run's
+    # ``local-objective`` (cross-entropy, FedProx's proximal term, ...): SCAFFOLD's clients need its correction
+    objective: ClassVar[str | None] = None
+    # The strategy's own option keys the client side reads from ``task.config`` (Ditto's λ): every message carries
+    # their values (:meth:`strategies.base.Strategy.client_options`)
+    keys: ClassVar[tuple[str, ...]] = ()
     # Keeps state in the node's Context.state: it lives as long as the node does (a SuperNode restart, or a resumed
     # in-process run, which starts new nodes, begins it afresh; the server's checkpoint never holds a client's state)
     stateful: ClassVar[bool] = False
@@ -88,7 +100,7 @@ class ClientSide:
         ``task.reply``."""
         start = task.spec.flatten(task.model)
         received = task.received(task.parts["train"])
-        loss = build_loss(task.recipe.local_objective, dict(task.config), received)
+        loss = build_loss(self.objective or task.recipe.local_objective, dict(task.config), received)
         task.metrics.update(train(task.model, self.training_data(task), task.recipe, seed=task.train_seed, loss=loss,
                                   device=task.device))
         task.metrics.update(received.metrics)

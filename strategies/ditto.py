@@ -21,11 +21,10 @@ import torch
 from common.config import Range, option
 from common.objectives import Received, build_loss
 from common.training import derive_seed, train
-from strategies.base import Payload
 from strategies.client import ClientSide, LocalTask
 from strategies.fedavg import FedAvg
 
-LAMBDA = "ditto-lambda"  # message config key: λ
+LAMBDA = "ditto-lambda"  # λ, the client side's key
 PERSONAL = "ditto-personal"  # the node's Context.state record holding v_k
 
 
@@ -39,6 +38,7 @@ class DittoClient(ClientSide):
     """The global model's local update, sent; then the personal model's, kept in the node's state."""
 
     stateful = True
+    keys = (LAMBDA,)
 
     def personal(self, task: LocalTask) -> torch.Tensor | None:
         """v_k from the node's state, on the model's device; None before the client's first training."""
@@ -71,6 +71,3 @@ class Ditto(FedAvg):
     name = "ditto"
     Config = DittoConfig
     client_side = DittoClient
-
-    def model_for(self, client: int) -> Payload:
-        return Payload(self.params, config={LAMBDA: self.config.ditto_lambda})

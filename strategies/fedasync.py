@@ -41,7 +41,7 @@ class FedAsync(Strategy):
     def ready(self) -> bool:
         return self.pending is not None
 
-    def step(self, server: Any = None) -> dict[str, float]:
+    def step(self) -> dict[str, float]:
         u, self.pending = self.pending, None
         alpha_t = self.config.mixing_alpha * polynomial_staleness(u.staleness(self.version),
                                                                   self.config.staleness_exponent)

@@ -37,7 +37,7 @@ class FedAvg(Strategy):
     def ready(self) -> bool:
         return self.closed
 
-    def step(self, server: Any = None) -> dict[str, float]:
+    def step(self) -> dict[str, float]:
         self.params = fedavg_step(self.params, self.updates)
         self.version += 1
         self.updates, self.closed = [], False

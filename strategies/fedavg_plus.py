@@ -12,12 +12,11 @@ from dataclasses import dataclass
 from common.config import COUNT, option
 from common.protocol import VERSION
 from common.training import EVAL_STREAM, derive_seed, train
-from strategies.base import Payload
 from strategies.client import ClientSide, LocalTask
 from strategies.fedavg import FedAvg
 
-# Key of an evaluate message's config: epochs the client fine-tunes the received model on its own training data
-# before it evaluates it.
+# The client side's key: epochs the client fine-tunes the received model on its own training data before it
+# evaluates it.
 FINETUNE_EPOCHS = "finetune-epochs"
 
 
@@ -25,8 +24,10 @@ class FedAvgPlusClient(ClientSide):
     """Before an evaluation, ``finetune-epochs`` of the local recipe (cross-entropy) on the client's training data,
     seeded by (run seed, client, version)."""
 
+    keys = (FINETUNE_EPOCHS,)
+
     def prepare(self, task: LocalTask, evaluating: bool) -> None:
-        if evaluating and (epochs := int(task.config.get(FINETUNE_EPOCHS, 0))):
+        if evaluating and (epochs := int(task.config[FINETUNE_EPOCHS])):
             recipe = dataclasses.replace(task.recipe, local_epochs=epochs)
             train(task.model, task.parts["train"], recipe, device=task.device,
                   seed=derive_seed(task.seed, EVAL_STREAM, task.partition, int(task.config[VERSION])))
@@ -43,6 +44,3 @@ class FedAvgPlus(FedAvg):
     name = "fedavg-plus"
     Config = FedAvgPlusConfig
     client_side = FedAvgPlusClient
-
-    def model_for(self, client: int) -> Payload:
-        return Payload(self.params, config={FINETUNE_EPOCHS: self.config.finetune_epochs})

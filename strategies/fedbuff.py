@@ -72,7 +72,7 @@ class FedBuff(Strategy):
     def ready(self) -> bool:
         return len(self.buffer) >= self.config.buffer_size
 
-    def step(self, server: Any = None) -> dict[str, float]:
+    def step(self) -> dict[str, float]:
         self.params = self.params + buffered_step(self.config, self.params, self.buffer)
         self.buffer = []
         self.version += 1

@@ -54,13 +54,13 @@ class FedDF(FedAvg):
     Config = FedDFConfig
     server_data = "any"
 
-    def step(self, server: Any = None) -> dict[str, float]:
+    def step(self) -> dict[str, float]:
         if self.model is None:
             raise RuntimeError("FedDF needs the model (initialize(..., model)) to distil on server data")
         started = time.perf_counter()
         updates = sorted(self.updates, key=lambda u: u.client)  # order-free float sums, as FedAvg
         teachers = [u.start + u.delta for u in updates]
-        self.params, stats = self.distill(fedavg_step(self.params, updates), teachers, server)
+        self.params, stats = self.distill(fedavg_step(self.params, updates), teachers, self.server)
         self.version += 1
         self.updates, self.closed = [], False
         return {"teachers": float(len(teachers)), **stats, "distill-seconds": time.perf_counter() - started}

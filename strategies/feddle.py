@@ -176,7 +176,7 @@ class Feddle(Strategy):
         c_prime[buffer] = self.config.server_lr * torch.tensor(weights, dtype=norms.dtype)
         return c_prime * (norms / norms.median()) if self.config.anchor_normalization else c_prime
 
-    def step(self, server: Any = None) -> dict[str, float]:
+    def step(self) -> dict[str, float]:
         started = time.perf_counter()
         anchors = torch.stack(self.anchors)
         bar, norms = median_normalize(anchors) if self.config.anchor_normalization else (anchors, anchors.norm(dim=1))
@@ -184,19 +184,19 @@ class Feddle(Strategy):
         c = c_prime.clone() if self.config.fallback_init else torch.zeros_like(c_prime)
         stats: dict[str, float] = {}
         if self.config.server_epochs > 0:
-            if server is None or len(server) == 0:
+            if self.server is None or len(self.server) == 0:
                 raise ValueError("Feddle searches on the server's data, but this run has none: set central-size "
                                  "> 0 (in-domain) or server-dataset (out-of-domain)")
             if self.model is None:
                 raise RuntimeError("Feddle needs the model (initialize(..., model)) to search on server data")
-            c, stats = self.search(bar, c, c_prime, server)
+            c, stats = self.search(bar, c, c_prime, self.server)
         if self.config.step_length == "fallback":
             # ‖·‖ of the steps in weight space: a ratio of Σĉ to Σc′ explodes where the signs of ĉ cancel.
             found = float((c @ bar).norm())
             c = c * (float((c_prime @ bar).norm()) / found) if found > 0 else c_prime.clone()
         self.params = self.params + c @ bar  # Eq. 7
         if self.config.server_finetune_epochs:
-            stats.update(self.finetune(server))
+            stats.update(self.finetune(self.server))
         self.scores = c.abs().tolist()
         self.fresh = [None] * len(self.anchors)
         self.closed = False

@@ -44,7 +44,7 @@ from common.datasets import ArrayDataset
 from common.objectives import BatchLoss, LocalLoss, Received, objective
 from common.training import on_model_device
 from strategies.aggregation import example_weights, weighted_sum
-from strategies.base import Payload, Unusable, Update
+from strategies.base import Unusable, Update
 from strategies.client import ClientSide, LocalTask
 from strategies.fedavg import FedAvg
 
@@ -125,9 +125,9 @@ def feddual(received: Received, options: AdaptiveLossConfig) -> BatchLoss:
     return AdaptiveLoss(received, options)
 
 
-# FedDUAL's code (dynamic-source = loss-gradient): a train message's config asks for the gradient of the summed
-# cross-entropy over the client's whole training data, at its trained model, w.r.t. its last this-many parameter
-# arrays; the reply carries it (flat) as the extra array of the same name.
+# FedDUAL's code (dynamic-source = loss-gradient): the client sends the gradient of the summed cross-entropy over its
+# whole training data, at its trained model, w.r.t. its last dynamic-arrays parameter arrays (flat), as the reply's
+# extra array of this name.
 LOSS_GRADIENT = "loss-gradient"
 
 
@@ -147,12 +147,14 @@ def loss_gradient(model: nn.Module, data: ArrayDataset, arrays: int, batch_size:
 
 
 class FedDualClient(ClientSide):
-    """Local training with the run's objective (``feddual``: the adaptive loss), then, when the message asks
-    (``loss-gradient``), the summed cross-entropy gradient of the trained model's last arrays."""
+    """Local training with the run's objective (``feddual``: the adaptive loss), then, with ``dynamic-source``
+    ``loss-gradient``, the summed cross-entropy gradient of the trained model's last ``dynamic-arrays`` arrays."""
+
+    keys = ("dynamic-source", "dynamic-arrays")
 
     def train(self, task: LocalTask) -> torch.Tensor:
         delta = super().train(task)
-        if arrays := int(task.config.get(LOSS_GRADIENT, 0)):
+        if task.config["dynamic-source"] == LOSS_GRADIENT and (arrays := int(task.config["dynamic-arrays"])):
             task.reply[LOSS_GRADIENT] = loss_gradient(task.model, task.parts["train"], arrays)
         return delta
 
@@ -228,11 +230,6 @@ class FedDual(FedAvg):
             end -= size
         return out
 
-    def model_for(self, client: int) -> Payload:
-        if self.config.dynamic_source == "loss-gradient" and self.config.dynamic_arrays:
-            return Payload(self.params, config={LOSS_GRADIENT: self.config.dynamic_arrays})
-        return Payload(self.params)
-
     def check(self, update: Update) -> None:
         if self.config.dynamic_source != "loss-gradient" or not self.config.dynamic_arrays:
             return
@@ -242,7 +239,7 @@ class FedDual(FedAvg):
             raise Unusable(f"'{LOSS_GRADIENT}' must be the {size} gradients of the dynamic arrays, got "
                            f"{None if grad is None else tuple(grad.shape)}")
 
-    def step(self, server: Any = None) -> dict[str, float]:
+    def step(self) -> dict[str, float]:
         updates = sorted(self.updates, key=lambda u: u.client)  # order-free float sums
         weights = (example_weights([u.num_examples for u in updates]) if self.config.naive_weighting == "examples"
                    else [1.0 / len(updates)] * len(updates))

@@ -144,7 +144,7 @@ class FedEM(FedAvg):
         if deltas.numel() != (M - 1) * P:
             raise Unusable(f"'{COMPONENT_DELTAS}' has {deltas.numel()} values, expected (M − 1) · P = {(M - 1) * P}")
 
-    def step(self, server: Any = None) -> dict[str, float]:
+    def step(self) -> dict[str, float]:
         updates = sorted(self.updates, key=lambda u: u.client)  # order-free float sums
         M, P = self.theta.shape
         weights = example_weights([u.num_examples for u in updates])

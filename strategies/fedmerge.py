@@ -170,7 +170,7 @@ class FedMerge(FedAvg):
         return {"merge-weights": torch.softmax(self.logits, 1).tolist()}
 
     # -- the server's step ---------------------------------------------------------------------
-    def step(self, server: Any = None) -> dict[str, float]:
+    def step(self) -> dict[str, float]:
         updates = sorted(self.updates, key=lambda u: u.client)  # order-free float sums
         before = self.logits.clone()
         stats: dict[str, float] = {}

@@ -81,8 +81,8 @@ class Center(_ServerTrained):
     def close_round(self) -> None:
         self.closed = True  # the server's training does not wait for clients: one step per round
 
-    def step(self, server: Any = None) -> dict[str, float]:
-        self.params, stats = self.server_train(self.params, server, self.version, self.config.server_train_epochs,
+    def step(self) -> dict[str, float]:
+        self.params, stats = self.server_train(self.params, self.server, self.version, self.config.server_train_epochs,
                                                self.config.server_train_lr)
         self.version += 1
         metrics = {**stats, "ignored-updates": float(self.ignored)}
@@ -97,9 +97,9 @@ class FedFT(_ServerTrained):
     name = "fedft"
     Config = ServerScheduleConfig
 
-    def step(self, server: Any = None) -> dict[str, float]:
+    def step(self) -> dict[str, float]:
         merged, count = fedavg_step(self.params, self.updates), len(self.updates)
-        self.params, stats = self.server_train(merged, server, self.version, self.config.server_train_epochs,
+        self.params, stats = self.server_train(merged, self.server, self.version, self.config.server_train_epochs,
                                                self.config.server_train_lr)
         self.version += 1
         self.updates, self.closed = [], False
@@ -112,9 +112,9 @@ class HFCL(_ServerTrained):
 
     name = "hfcl"
 
-    def step(self, server: Any = None) -> dict[str, float]:
-        trained, stats = self.server_train(self.params, server, self.version)
-        server_update = Update(SERVER_CLIENT, self.version, trained - self.params, len(server))
+    def step(self) -> dict[str, float]:
+        trained, stats = self.server_train(self.params, self.server, self.version)
+        server_update = Update(SERVER_CLIENT, self.version, trained - self.params, len(self.server))
         count = len(self.updates)
         self.params = fedavg_step(self.params, [*self.updates, server_update])
         self.version += 1

@@ -94,7 +94,7 @@ class IFCA(FedAvg):
         if j != int(j) or not 0 <= j < len(self.theta):
             raise Unusable(f"'{CANDIDATE}' = {j} is not a cluster index in [0, {len(self.theta)})")
 
-    def step(self, server: Any = None) -> dict[str, float]:
+    def step(self) -> dict[str, float]:
         by_cluster: dict[int, list[Update]] = {}
         for u in self.updates:
             j = int(u.metrics.get(CANDIDATE, 0))

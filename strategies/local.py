@@ -32,7 +32,7 @@ class Local(FedAvg):
         self.local[update.client] = update.start + update.delta
         super().receive(update)
 
-    def step(self, server: Any = None) -> dict[str, float]:
+    def step(self) -> dict[str, float]:
         self.version += 1
         self.updates, self.closed = [], False
         return {"clients-trained": float(len(self.local))}

@@ -74,7 +74,7 @@ class GeneralizedFedAvg(FedAvg):
         self.moments = (m, v)
         return self.config.server_lr * m / (v.sqrt() + tau)
 
-    def step(self, server: Any = None) -> dict[str, float]:
+    def step(self) -> dict[str, float]:
         self.params = self.params + self.federated_step()
         return self.advance()
 
@@ -109,13 +109,13 @@ class ParallelTraining(GeneralizedFedAvg):
     Config = ParallelConfig
     server_data = "in-domain"
 
-    def step(self, server: Any = None) -> dict[str, float]:
+    def step(self) -> dict[str, float]:
         if self.model is None or self.recipe is None:
             raise RuntimeError("ParallelTraining trains on the server: initialize it with the model and the "
                                "clients' recipe")
         delta_f = self.federated_step()
         recipe = dataclasses.replace(self.recipe, lr=self.config.central_lr)
-        x_c, stats = train_on_server(self.model, self.spec, self.params, server, recipe,
+        x_c, stats = train_on_server(self.model, self.spec, self.params, self.server, recipe,
                                      server_seed(self.seed, self.version), max_steps=self.config.central_steps)
         alpha = self.config.central_weight
         mixed = alpha * (x_c - self.params) + (1 - alpha) * delta_f  # Δ^(t) = α Δ_c + (1 − α) Δ_f
@@ -151,6 +151,12 @@ def gradient_transfer(received: Received, options: NoOptions) -> BatchLoss:
     """Gradient transfer (Alg. 4): x ← CLIENTOPT(x, g + g̃) at every local step, g̃ = w · g_c the central gradient
     the server sends as ``central-gradient``."""
     return added_to_every_gradient(received, CENTRAL_GRADIENT)
+
+
+class GradientTransferClient(ClientSide):
+    """Local training with the transferred gradient added to every step (the ``gradient-transfer`` objective)."""
+
+    objective = "gradient-transfer"
 
 
 @dataclass(frozen=True)
@@ -191,6 +197,7 @@ class GradientTransfer(GeneralizedFedAvg):
 
     name = "gradient-transfer"
     Config = GradientConfig
+    client_side = GradientTransferClient
     server_data = "in-domain"
 
     def __init__(self, config: Any = None, **kwargs: Any) -> None:
@@ -214,5 +221,4 @@ class GradientTransfer(GeneralizedFedAvg):
         return self.gradient[1]
 
     def model_for(self, client: int) -> Payload:
-        return Payload(self.params, {CENTRAL_GRADIENT: self.central_gradient()},
-                       {"local-objective": "gradient-transfer"})
+        return Payload(self.params, {CENTRAL_GRADIENT: self.central_gradient()})

@@ -32,6 +32,7 @@ from common.objectives import BatchLoss, Received, added_to_every_gradient, obje
 from common.params import ParamSpec
 from common.training import local_steps
 from strategies.base import Payload
+from strategies.client import ClientSide
 from strategies.fedavg import FedAvg
 from strategies.fedbuff import SERVER_LR
 
@@ -41,6 +42,12 @@ def scaffold(received: Received, options: NoOptions) -> BatchLoss:
     """SCAFFOLD's corrected local step (Alg. 1 line 10): y ← y − η_l (g_i(y) − c_i + c). The server sends c − c_i
     as the payload array ``correction``, and the loss adds it to every gradient."""
     return added_to_every_gradient(received, "correction")
+
+
+class ScaffoldClient(ClientSide):
+    """Local training with SCAFFOLD's corrected step, whatever the run's ``local-objective``."""
+
+    objective = "scaffold"
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,7 @@ class Scaffold(FedAvg):
 
     name = "scaffold"
     Config = ScaffoldConfig
+    client_side = ScaffoldClient
 
     def __init__(self, config: Any = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
@@ -69,9 +77,9 @@ class Scaffold(FedAvg):
     def model_for(self, client: int) -> Payload:
         c_i = self.c_i.get(client)
         correction = self.c - c_i if c_i is not None else self.c
-        return Payload(self.params, {"correction": correction}, {"local-objective": "scaffold"})
+        return Payload(self.params, {"correction": correction})
 
-    def step(self, server: Any = None) -> dict[str, float]:
+    def step(self) -> dict[str, float]:
         updates = sorted(self.updates, key=lambda u: u.client)  # order-free float sums
         delta_x, delta_c = torch.zeros_like(self.params), torch.zeros_like(self.c)
         for u in updates:

@@ -56,6 +56,13 @@ def flower_threads() -> Iterator[None]:
             os.environ["OMP_NUM_THREADS"] = env
 
 
+def stepped(strategy: Any, server: Any) -> dict[str, float]:
+    """`strategy`'s step on server data `server`, attached first (its one hand-over): a test's way to give a
+    strategy other server data between steps."""
+    strategy.attach(server)
+    return strategy.step()
+
+
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 

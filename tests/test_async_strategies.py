@@ -119,8 +119,8 @@ class _Recorder:
     def ready(self) -> bool:
         return self.pending >= 2 or (self.closed and self.pending > 0)
 
-    def step(self, server=None) -> None:
-        self.calls.append(f"step {server}")
+    def step(self) -> None:
+        self.calls.append("step")
         self.pending, self.closed = 0, False
 
     def close_round(self) -> None:
@@ -130,6 +130,6 @@ class _Recorder:
 
 def test_deliver_steps_whenever_ready_then_closes_the_round_and_steps_on_what_is_left():
     s = _Recorder()
-    deliver(s, (Update(c, 0, vec(c), 1) for c in range(5)), server="data")
-    assert s.calls == ["receive 0", "receive 1", "step data", "receive 2", "receive 3", "step data", "receive 4",
-                       "close", "step data"]
+    deliver(s, (Update(c, 0, vec(c), 1) for c in range(5)))
+    assert s.calls == ["receive 0", "receive 1", "step", "receive 2", "receive 3", "step", "receive 4",
+                       "close", "step"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -113,10 +114,10 @@ def feed(r: Run, step: int) -> None:
         s.check(update)
         s.receive(update)
         if s.ready():
-            s.step(r.server_data)
+            s.step()
     s.close_round()
     if s.ready():
-        s.step(r.server_data)
+        s.step()
 
 
 @pytest.mark.parametrize("name,extra", CASES, ids=IDS)
@@ -237,3 +238,43 @@ def test_a_misspelt_server_need_is_refused():
 
     with pytest.raises(ValueError, match="'in_domain': expected one of"):
         Misspelt().attach(None)
+
+
+
+# --- a method's client side: one declared channel -------------------------------------------------------------
+
+
+def test_every_message_carries_the_options_the_client_side_declares_and_a_callers_config_cannot_change_a_run_key():
+    from common.params import ParamSpec
+    from server_app.runtime import Runner
+    from strategies.ditto import Ditto
+
+    model = nn.Linear(3, 2)
+    strategy = Ditto(ditto_lambda=0.3, num_clients=4)
+    strategy.initialize(ParamSpec.of(model).flatten(model), ParamSpec.of(model), model)
+    runner = Runner(InProcessGrid(client_app, 4), strategy, {"lr": 0.01, "local-objective": "cross-entropy"})
+    runner.wait_for_nodes(4)
+    messages = runner.evaluate_messages(2, random.Random(0), {"eval-split": "test"})
+    assert [{k: m.content["config"][k] for k in ("ditto-lambda", "strategy", "lr", "eval-split")}
+            for m in messages] == [{"ditto-lambda": 0.3, "strategy": "ditto", "lr": 0.01, "eval-split": "test"}] * 2
+    with pytest.raises(ValueError, match="cannot change the run's keys: local-objective"):
+        runner.evaluate_messages(1, random.Random(0), {"local-objective": "proximal"})
+
+
+def test_a_client_side_reading_a_key_its_strategy_does_not_declare_is_refused_at_definition():
+    from strategies.client import ClientSide
+
+    class Reads(ClientSide):
+        keys = ("ditto-lambda",)
+
+    with pytest.raises(TypeError, match="reads keys its Config does not declare: ditto-lambda"):
+        class Wrong(FedAvg):
+            client_side = Reads
+
+
+def test_a_method_whose_clients_need_their_objective_refuses_another():
+    assert load_config(config("scaffold")).strategy == "scaffold"
+    assert load_config(config("scaffold", **{"local-objective": "scaffold"})).strategy == "scaffold"
+    with pytest.raises(ConfigError, match="local-objective.*'scaffold' or unset: strategy 'scaffold' trains its "
+                                          "clients with objective 'scaffold'"):
+        load_config(config("scaffold", **{"local-objective": "proximal"}))

@@ -1,5 +1,5 @@
 """The contract's wider cases end to end (what FedMerge, FedDUAL and data mixing build on): a model per
-client, extra arrays both ways, a client objective chosen by the payload, several central models."""
+client, extra arrays both ways, a client objective fixed by the method's client side, several central models."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from server_app.run import build_run
 from server_app.wire import RejectedReply, parse_reply
 from strategies import STRATEGIES, FedAvg
 from strategies.base import Payload, Update
+from strategies.client import ClientSide
 
 
 @pytest.fixture
@@ -33,16 +34,19 @@ def personal():
         received.reply["start-norm"] = torch.cat([p.reshape(-1) for p in received.start]).norm().reshape(1)
         return lambda x, y, logits: F.cross_entropy(logits, y)
 
+    class EchoClient(ClientSide):
+        objective = "test-echo"
+
     class Personal(FedAvg):
         name = "test-personal"
+        client_side = EchoClient
 
         def __init__(self, config=None, **kwargs) -> None:
             super().__init__(config, **kwargs)
             self.seen: list[tuple[int, dict, float]] = []
 
         def model_for(self, client: int) -> Payload:
-            return Payload(self.params * (1 + client / 10), {"hint": torch.tensor([float(client)])},
-                           {"local-objective": "test-echo"})
+            return Payload(self.params * (1 + client / 10), {"hint": torch.tensor([float(client)])})
 
         def receive(self, update: Update) -> None:
             self.seen.append((update.client, update.arrays, float(update.sent.params.norm())))

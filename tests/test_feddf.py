@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import stepped
 from torch.nn import functional as F
 
 from common.config import ConfigError
@@ -65,7 +66,7 @@ def test_starts_from_fedavg_and_with_no_distillation_is_fedavg():
     s = feddf_with(model, spec, server_train_lr=1e-12)  # a distillation that cannot move: FedAvg's model
     one_step(s, deltas)
     assert s.ready()
-    metrics = s.step(server(x, y))
+    metrics = stepped(s, server(x, y))
     torch.testing.assert_close(s.params, fedavg.params, rtol=0, atol=1e-6)
     assert s.version == 1 and metrics["teachers"] == 3
 
@@ -86,7 +87,7 @@ def test_stale_teacher_is_rebuilt_from_the_model_it_was_sent():
     omega0 = s.params.clone()
     sent_to_straggler = s.model_for(0)  # the straggler starts from ω^0 ...
     one_step(s, deltas[1:2])  # ... but only one other client reports in step 0
-    s.step(server(x, y))
+    stepped(s, server(x, y))
     omega1 = s.params.clone()
     assert not torch.equal(omega1, omega0)
     teachers = []
@@ -95,7 +96,7 @@ def test_stale_teacher_is_rebuilt_from_the_model_it_was_sent():
     s.receive(Update(0, 0, deltas[0], 10, sent=sent_to_straggler))  # stale: started from version 0
     s.receive(Update(2, 1, deltas[2], 10, sent=sent_fresh))  # fresh: started from version 1
     s.close_round()
-    s.step(server(x, y))
+    stepped(s, server(x, y))
     torch.testing.assert_close(teachers[0], omega0 + deltas[0], rtol=0, atol=0)
     torch.testing.assert_close(teachers[1], omega1 + deltas[2], rtol=0, atol=0)
     stale_wrong = logits_at(model, spec, omega1 + deltas[0], x)  # what ω^current + Δ would have given
@@ -116,7 +117,7 @@ def test_distillation_lowers_the_kl_to_the_ensemble_and_is_deterministic():
         s = feddf_with(model, spec, server_train_epochs=5, server_train_lr=3e-4, seed=3)
         omega0 = s.params.clone()
         one_step(s, deltas)
-        m = s.step(server(x, y))
+        m = stepped(s, server(x, y))
         out = s.params
         results.append(out)
         assert m["distill-loss-after"] < m["distill-loss-before"]
@@ -134,7 +135,7 @@ def test_out_of_domain_server_data_with_other_labels_and_shape():
     y_ood = torch.randint(0, 7, (40,), generator=g)  # its own 7 labels, never used
     s = feddf_with(model, spec, server_train_epochs=5, server_train_lr=3e-4, distill_temperature=2.0)
     one_step(s, deltas)
-    m = s.step(server(x_ood, y_ood, in_domain=False))
+    m = stepped(s, server(x_ood, y_ood, in_domain=False))
     out = s.params
     assert torch.isfinite(out).all() and m["distill-loss-after"] < m["distill-loss-before"]
     assert logits_at(model, spec, out, x_ood).shape == (40, 4)  # the clients' label space

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import stepped
 from torch import nn
 from torch.func import functional_call
 from torch.nn import functional as F
@@ -83,7 +84,7 @@ def test_search_reaches_the_closed_form_best_combination_including_a_negative_co
     spec = ParamSpec.of(model)
     s = feddle_with(model, spec, anchors, RegressionFeddle, anchor_normalization=False, fallback_init=False,
                     server_epochs=400, search_lr=0.05, search_batch_size=200)
-    found = s.step(server(x, x @ w_star))
+    found = stepped(s, server(x, x @ w_star))
     torch.testing.assert_close(s.params, w_star, rtol=0, atol=2e-3)  # ω = 0 + Σ ĉ a
     assert found["c-negative"] > 0 and found["loss-after"] < 1e-4 < found["loss-before"]
     assert s.scores == pytest.approx(c_star.abs().tolist(), abs=2e-3)
@@ -110,7 +111,7 @@ def test_without_search_feddle_is_its_fallback_fedbuff_step_for_step(fedbuff_key
         fedbuff.receive(update)
         assert feddle.ready() == fedbuff.ready()
         if fedbuff.ready():
-            feddle.step(None)  # no search: no server data needed
+            feddle.step()  # no search: no server data needed
             fedbuff.step()
             torch.testing.assert_close(feddle.params, fedbuff.params, rtol=1e-5, atol=1e-7)
     assert feddle.version == fedbuff.version == 23 // fedbuff_keys["buffer_size"] and len(feddle.anchors) == 6
@@ -132,7 +133,7 @@ def test_searching_every_step_starts_from_the_mean_of_the_steps_arrivals():
         feddle.close_round()
         assert feddle.ready() == bool(arrivals)
         if arrivals:
-            feddle.step(None)
+            feddle.step()
             torch.testing.assert_close(feddle.params, before + 0.7 * torch.stack(deltas).mean(0), rtol=1e-5,
                                        atol=1e-7)
     assert feddle.version == 4 and len(feddle.anchors) == 8
@@ -152,7 +153,7 @@ def test_search_without_diagnostics_moves_the_same_way_with_two_fewer_forward_pa
                         search_diagnostics=diagnostics)
         calls, loss = [], s._loss
         s._loss = lambda *a: calls.append(1) or loss(*a)  # one forward pass over a batch or the whole data
-        metrics = s.step(server(x, y, in_domain))
+        metrics = stepped(s, server(x, y, in_domain))
         results[diagnostics] = (s.params, metrics, len(calls))
     (with_p, with_m, with_calls), (without_p, without_m, without_calls) = results[True], results[False]
     torch.testing.assert_close(without_p, with_p, rtol=0, atol=0)
@@ -172,7 +173,7 @@ def test_median_normalisation():
 def test_eviction_replaces_the_least_important_anchor_and_new_ones_are_safe(importance):
     model, spec, anchors, x, y = cnn_setup(n_anchors=3)
     s = feddle_with(model, spec, anchors, atlas_size=3, server_epochs=0, importance_score=importance)
-    s.step(server(x, y))
+    stepped(s, server(x, y))
     s.scores = [0.5, 0.1, 0.9]  # as a search would have left them
     marks = [torch.full((spec.numel,), float(v)) for v in (7, 8)]
     s.receive(Update(7, 1, marks[0], 10))
@@ -199,7 +200,7 @@ def test_out_of_domain_head_is_fitted_first_then_frozen_while_c_moves(monkeypatc
     omega = s.params.clone()
     bar, norms = median_normalize(torch.stack(anchors))
     c_prime = s.fallback(norms)
-    s.step(server(x, y_ood, in_domain=False))
+    stepped(s, server(x, y_ood, in_domain=False))
     assert s.theta.out_features == 3 and not any(p.requires_grad for p in s.theta.parameters())
     for before, after in zip(snapshots["theta"], s.theta.parameters()):
         assert torch.equal(before, after)  # frozen during the search
@@ -234,10 +235,10 @@ def test_fine_tuning_after_the_search_is_fedft_server_pass_on_the_merged_model()
     recipe = LocalRecipe(local_epochs=5, batch_size=16, lr=0.5, optimizer="adam")
     keys = {"server_epochs": 1, "search_batch_size": 20, "search_lr": 0.05}
     plain = feddle_with(model, spec, anchors, **keys)
-    plain.step(server(x, y))
+    stepped(plain, server(x, y))
     tuned = feddle_with(model, spec, anchors, **keys, server_finetune_epochs=2, server_train_lr=1e-3)
     tuned.recipe = recipe
-    metrics = tuned.step(server(x, y))
+    metrics = stepped(tuned, server(x, y))
     finetune = dataclasses.replace(recipe, local_epochs=2, lr=1e-3)
     expected, _ = train_on_server(model, spec, plain.params, server(x, y), finetune, derive_seed(server_seed(0, 0), 1))
     torch.testing.assert_close(tuned.params, expected, rtol=0, atol=0)
@@ -260,9 +261,9 @@ def test_step_length_fallback_keeps_the_searched_direction_at_fedbuffs_length():
     keys = {"server_epochs": 2, "search_batch_size": 20, "search_lr": 0.05, "server_lr": 0.3}
     searched = feddle_with(model, spec, anchors, **keys)
     start = searched.params.clone()
-    searched.step(server(x, y))
+    stepped(searched, server(x, y))
     rescaled = feddle_with(model, spec, anchors, **keys, step_length="fallback")
-    rescaled.step(server(x, y))
+    stepped(rescaled, server(x, y))
     bar, norms = median_normalize(torch.stack(anchors))
     fedbuff = feddle_with(model, spec, anchors, **keys).fallback(norms) @ bar  # before a step empties the buffer
     found, new = searched.params - start, rescaled.params - start
@@ -272,9 +273,9 @@ def test_step_length_fallback_keeps_the_searched_direction_at_fedbuffs_length():
     cancelling = feddle_with(model, spec, anchors, **keys, step_length="fallback")
     c_hat = torch.tensor([5.0, -5.0, 1e-6])  # Σĉ ≈ 0, a large step
     cancelling.search = lambda bar, c, c_prime, srv: (c_hat, {})
-    cancelling.step(server(x, y))
+    stepped(cancelling, server(x, y))
     torch.testing.assert_close((cancelling.params - start).norm(), fedbuff.norm(), rtol=1e-4, atol=1e-7)
     zero = feddle_with(model, spec, anchors, **keys, step_length="fallback")
     zero.search = lambda bar, c, c_prime, srv: (torch.zeros_like(c), {})
-    zero.step(server(x, y))
+    stepped(zero, server(x, y))
     torch.testing.assert_close(zero.params, start + fedbuff, rtol=1e-5, atol=1e-7)

@@ -154,7 +154,7 @@ def test_a_large_epsilon_makes_the_delta_barycenter_plain_averaging():
 
 def test_loss_gradient_mode_steps_the_dynamic_arrays_along_the_gradients_barycenter():
     s = strategy(dynamic_source="loss-gradient", wb_eps=1e9)  # ε large: the barycenter is the mean
-    assert s.model_for(0).config == {LOSS_GRADIENT: 2}
+    assert s.client_options() == {"dynamic-source": "loss-gradient", "dynamic-arrays": 2}
     grads = {c: torch.randn(8, generator=gen(20 + c)) for c in range(3)}
     theta = round_of(s, DELTAS, EXAMPLES, {c: {LOSS_GRADIENT: g} for c, g in grads.items()})
     torch.testing.assert_close(s.params[:6], theta[:6] + sum(d[:6] for d in DELTAS.values()) / 3)

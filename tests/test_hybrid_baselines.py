@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from helpers import stepped
 
 from common.config import ConfigError, part_of
 from common.data import ArrayDataset
@@ -62,8 +63,8 @@ def test_center_ignores_client_updates_and_lowers_the_server_loss():
     without = started(Center(**kw), model, spec, [])
     omega = with_updates.params.clone()
     assert with_updates.ready() and without.ready()  # a step does not wait for clients
-    metrics = with_updates.step(server)
-    without.step(server)
+    metrics = stepped(with_updates, server)
+    stepped(without, server)
     a, b = with_updates.params, without.params
     assert torch.equal(a, b) and with_updates.version == 1
     assert metrics["ignored-updates"] == 3 and with_updates.ignored == 0  # counted per step
@@ -78,7 +79,7 @@ def test_center_ignores_client_updates_and_lowers_the_server_loss():
 def test_fedft_is_fedavg_then_exactly_train_on_the_server_data():
     model, spec, server, updates = setup()
     s = started(FedFT(server_train_lr=0.01, server_train_epochs=2, recipe=RECIPE, seed=7), model, spec, updates)
-    metrics = s.step(server)
+    metrics = stepped(s, server)
     got = s.params
     merged = fedavg_of(model, spec, updates)
     recipe = LocalRecipe(2, RECIPE.batch_size, 0.01, RECIPE.optimizer, RECIPE.momentum)
@@ -92,7 +93,7 @@ def test_hfcl_is_fedavg_over_the_clients_and_the_server_as_one_more_client():
     model, spec, server, updates = setup()
     s = started(HFCL(recipe=RECIPE, seed=3), model, spec, updates)
     omega = s.params.clone()
-    metrics = s.step(server)
+    metrics = stepped(s, server)
     got = s.params
     delta_s = trained(model, spec, omega, server, RECIPE, server_seed(3, 0)) - omega  # the clients' recipe
     # Hand computation: Σ n_j Δ_j / Σ n_j with the server's n = |D_S| = 40, in FedAvg's float32 weights.

@@ -50,7 +50,7 @@ def feed(s, deltas):
     for c, d in enumerate(deltas):
         s.receive(Update(c, s.version, d, 10 * (c + 1), sent=s.model_for(c)))
     s.close_round()
-    return s.step(s.server)
+    return s.step()
 
 
 def deltas(s, n=3):
@@ -118,7 +118,7 @@ def test_the_transferred_gradient_is_autograd_of_the_central_loss_at_the_dispatc
     s = built(GradientTransfer, transfer_batch=16, gradient_weight=0.5)
     feed(s, deltas(s))  # version 1: the gradient must be at the new model
     payload = s.model_for(2)
-    assert payload.config == {"local-objective": "gradient-transfer"} and torch.equal(payload.params, s.params)
+    assert GradientTransfer.client_side.objective == "gradient-transfer" and torch.equal(payload.params, s.params)
     x, y = s.central_batch(16, server_seed(3, 1))
     s.spec.load_into(s.model, s.params)
     params = [p for p in s.model.parameters() if p.requires_grad]

@@ -48,7 +48,7 @@ def test_a_round_updates_the_model_and_the_control_variates_as_algorithm_1():
     # Round 1: no control variates yet, clients 0 and 2 (10 and 9 examples: K = 6 and 6 steps).
     sent = {c: s.model_for(c) for c in (0, 2)}
     assert all(torch.equal(p.arrays["correction"], torch.zeros(5)) for p in sent.values())
-    assert sent[0].config["local-objective"] == "scaffold"
+    assert Scaffold.client_side.objective == "scaffold"
     x0, d = s.params.clone(), {0: vec(10), 2: vec(12)}
     for c, n in ((0, 10), (2, 9)):
         s.receive(Update(c, 0, d[c], n, sent=sent[c]))

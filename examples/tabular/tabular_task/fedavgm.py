@@ -23,16 +23,17 @@ import torch
 
 from common.config import Range, option
 from strategies.aggregation import fedavg_step
-from strategies.base import Payload
 from strategies.client import ClientSide, LocalTask
 from strategies.fedavg import FedAvg
 
-CLIP_NORM = "clip-norm"  # travels to the clients in the payload's config
+CLIP_NORM = "clip-norm"  # the client side's key: every message carries it
 
 
 class ClippingClient(ClientSide):
     """Local training with the run's recipe; the update is scaled to an L2 norm of at most ``clip-norm``, and its
     norm before clipping is reported (``delta-norm``)."""
+
+    keys = (CLIP_NORM,)
 
     def train(self, task: LocalTask) -> torch.Tensor:
         delta = super().train(task)
@@ -57,10 +58,7 @@ class FedAvgM(FedAvg):
         super().__init__(config, **kwargs)
         self.momentum: torch.Tensor | None = None  # v: state, so a resumed run keeps it
 
-    def model_for(self, client: int) -> Payload:
-        return Payload(self.params, config={CLIP_NORM: self.config.clip_norm})
-
-    def step(self, server: Any = None) -> dict[str, float]:
+    def step(self) -> dict[str, float]:
         mean_update = fedavg_step(torch.zeros_like(self.params), self.updates)  # Δ̄
         v = mean_update if self.momentum is None else self.config.server_momentum * self.momentum + mean_update
         self.params, self.momentum = self.params + v, v
