@@ -20,8 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from hybridfl.inprocess import run_inprocess
 from server_app import run as run_module
-from server_app.inprocess import run_inprocess
 
 
 def main(argv: list[str] | None = None) -> int:

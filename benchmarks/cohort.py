@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from client_app import cohort
-from server_app.inprocess import run_inprocess
+from hybridfl.inprocess import run_inprocess
 
 # one client at a time; together, each step a CUDA graph where there is CUDA; together, eagerly
 MODES = ("off", "on", "eager")

@@ -54,9 +54,9 @@ from common.models import build_model
 from common.params import ParamSpec
 from common.server_data import build_server_data
 from common.training import LocalRecipe, derive_seed, evaluate, train
+from hybridfl.inprocess import run_inprocess
 from server_app.config import RunConfig, load_config
 from server_app.evaluation import weighted_mean
-from server_app.inprocess import run_inprocess
 from strategies import build_strategy
 from strategies.base import Update, deliver
 

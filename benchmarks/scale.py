@@ -78,7 +78,7 @@ def child(engine: str, method: str, clients: int, steps: int) -> dict[str, Any]:
         ov = {**overrides(method, clients, steps), "output-dir": tmp}
         t0 = time.perf_counter()
         if engine == "inprocess":
-            from server_app.inprocess import run_inprocess
+            from hybridfl.inprocess import run_inprocess
 
             out = run_inprocess(ov)
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

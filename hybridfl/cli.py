@@ -101,7 +101,7 @@ def launch(overrides: dict[str, Any], mode: Mode, flwr_home: Path, deployment: D
             raise ConfigError("--mode", str(mode), "deployment, the only mode with --supernodes, --latency, --tls, "
                               "--auth and --executor")
         if mode is Mode.in_process:
-            from server_app.inprocess import run_inprocess
+            from hybridfl.inprocess import run_inprocess
 
             with progress_line(verbose):
                 return run_inprocess(overrides)  # output-dir relative to here, as the user typed it

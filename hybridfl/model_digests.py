@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     import torch
 
-    from server_app.inprocess import run_inprocess
+    from hybridfl.inprocess import run_inprocess
 
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)

@@ -1,6 +1,6 @@
 """Progress for the ``hybridfl`` command: one line rewritten in place on a terminal, plain lines otherwise.
 
-A run in-process shows ``step 37/100 [####------] 412 updates accepted · test accuracy 0.8123 at step 30 · about
+A run in-process shows ``round 37/100 [####------] 412 updates accepted · test accuracy 0.8123 at round 30 · about
 1m12s left`` (on a terminal, where the per-step log lines it replaces would scroll; elsewhere those log lines are
 the plain form). A sweep prints one line per finished run with an estimate of the time left, and on a terminal
 keeps a line of the sweep's state below them.
@@ -61,16 +61,16 @@ class RunProgress(Tracker):
         self.accepted = 0
         self.evaluated = ""
 
-    def step(self, row: dict[str, Any]) -> None:
-        step = int(row["round"])
+    def round(self, row: dict[str, Any]) -> None:
+        rnd = int(row["round"])
         self.accepted += int(row.get("accepted", 0))
         if "test-accuracy" in row:
-            self.evaluated = f" · test accuracy {row['test-accuracy']:.4f} at step {step}"
-        if step == 0:  # the evaluation before training
+            self.evaluated = f" · test accuracy {row['test-accuracy']:.4f} at round {rnd}"
+        if rnd == 0:  # the evaluation before training
             return
-        self.first = step if self.first is None else self.first
-        left = (time.perf_counter() - self.started) / (step - self.first + 1) * (self.total - step)
-        self.line.update(f"step {step}/{self.total} {bar(step, self.total)} {self.accepted} updates accepted"
+        self.first = rnd if self.first is None else self.first
+        left = (time.perf_counter() - self.started) / (rnd - self.first + 1) * (self.total - rnd)
+        self.line.update(f"round {rnd}/{self.total} {bar(rnd, self.total)} {self.accepted} updates accepted"
                          f"{self.evaluated} · about {duration(left)} left")
 
     def finish(self, summary: dict[str, Any]) -> None:

@@ -154,7 +154,7 @@ def finished_run(overrides: Mapping[str, Any]) -> tuple[Path, dict[str, Any], li
 
     import torch
 
-    from server_app.inprocess import run_inprocess
+    from hybridfl.inprocess import run_inprocess
 
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)

@@ -1,6 +1,6 @@
 """``<run>/checkpoint.pt``: everything a killed run needs to go on as if it had never stopped.
 
-It holds the step it was written after, the run's configuration, the model layout, the strategy's
+It holds the round it was written after, the run's configuration, the model layout, the strategy's
 whole state, the runner's (its random generators, the dispatches in flight with the payloads they
 carry, each client's dispatch count), the recorder's position in metrics.jsonl / events.jsonl and
 torch's global generator. It is written atomically (a temporary file, then a rename), so a kill

@@ -2,10 +2,10 @@
 
 The wrapper drives the same :class:`~server_app.runtime.Runner` the hybridfl runtime uses —
 its client sampling, train seeds, payloads, reply checks, counters and events — through its public
-step API under Flower's own ``start()`` round loop: ``configure_train`` is ``Runner.begin_step``
+round API under Flower's own ``start()`` round loop: ``configure_train`` is ``Runner.begin_round``
 (``clients_per_round`` clients, each with its ``model_for`` payload); ``aggregate_train`` is
-``Runner.end_step`` (the replies in dispatch order, a bad one rejected and counted, the strategy
-stepping with the server's data when it is ready). Flower's rounds end with a barrier, so this is
+``Runner.end_round`` (the replies in dispatch order, a bad one rejected and counted, the strategy
+stepping when it is ready). Flower's rounds end with a barrier, so this is
 the virtual clock with σ = 0: a synchronous method gives the same models and metrics under both
 loops (tested).
 
@@ -29,7 +29,7 @@ from flwr.serverapp.strategy import Strategy as FlowerBase
 from common.params import ParamSpec
 from common.protocol import METRICS, NUM_EXAMPLES, PARTITION_ID
 from server_app.evaluation import federated_evaluate, weighted_mean
-from server_app.runtime import Runner, RuntimeConfig, Step, StepLog
+from server_app.runtime import Round, RoundLog, Runner, RuntimeConfig
 from strategies.base import Strategy
 
 
@@ -43,18 +43,18 @@ class FlowerStrategy(FlowerBase):
         seed: seeds sampling and the clients' train seeds.
         server_data: the server's own data, for the methods that use it.
         runner: a runner already wired to the grid (the ServerApp's); otherwise ``start`` builds one.
-        on_step: called with each round's :class:`StepLog` (the ServerApp evaluates, records, checkpoints).
-        first_step: the step number of round 1 (a resumed run goes on from its checkpoint's step).
+        on_round: called with each round's :class:`RoundLog` (the ServerApp evaluates, records, checkpoints).
+        first_round: the runtime's number of Flower's round 1 (a resumed run goes on from its checkpoint's round).
     """
 
     def __init__(self, strategy: Strategy, *, clients_per_round: int = 10, evaluate_clients: int = 0, seed: int = 0,
                  server_data: Any = None, runner: Runner | None = None,
-                 on_step: Callable[[StepLog], None] | None = None, first_step: int = 1) -> None:
-        self.strategy, self.runner, self.on_step, self.first_step = strategy, runner, on_step, first_step
+                 on_round: Callable[[RoundLog], None] | None = None, first_round: int = 1) -> None:
+        self.strategy, self.runner, self.on_round, self.first_round = strategy, runner, on_round, first_round
         self.clients_per_round, self.evaluate_clients = clients_per_round, evaluate_clients
         self.seed, self.server_data = seed, server_data
         self._rng = random.Random(seed)  # evaluation sampling only
-        self._step: Step | None = None  # the round configure_train opened
+        self._round: Round | None = None  # the round configure_train opened
 
     def _runner(self, grid: Grid, arrays: ArrayRecord, config: ConfigRecord | None, **runtime: Any) -> Runner:
         if self.runner is None:
@@ -71,14 +71,14 @@ class FlowerStrategy(FlowerBase):
     # -- Flower's Strategy --------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        self._step = self._runner(grid, arrays, config).begin_step(self.first_step + server_round - 1)
-        return self._step.messages
+        self._round = self._runner(grid, arrays, config).begin_round(self.first_round + server_round - 1)
+        return self._round.messages
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        entry = self.runner.end_step(self._step, replies)
-        if self.on_step:
-            self.on_step(entry)
+        entry = self.runner.end_round(self._round, replies)
+        if self.on_round:
+            self.on_round(entry)
         row = {k: v for k, v in entry.to_dict().items() if isinstance(v, (int, float))}
         return self._headline(), MetricRecord(row)
 
@@ -102,7 +102,7 @@ class FlowerStrategy(FlowerBase):
               evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None, *,
               clock: str | None = None, delay_sigma: float = 0.0, concurrency: int | None = None) -> Result:
         """Flower's ``start``: its round loop, or with `clock` the hybridfl runtime (``"virtual"`` delays of
-        σ = `delay_sigma` steps, or ``"wall"`` with `concurrency` clients busy). `train_config` is what every
+        σ = `delay_sigma` rounds, or ``"wall"`` with `concurrency` clients busy). `train_config` is what every
         message carries (for the project's ClientApp: the data spec, model and local recipe)."""
         if clock is None:
             self._runner(grid, initial_arrays, train_config, reply_timeout_s=timeout, wait_nodes_s=timeout)
@@ -115,12 +115,12 @@ class FlowerStrategy(FlowerBase):
         if evaluate_fn and (metrics := evaluate_fn(0, initial_arrays)) is not None:
             result.evaluate_metrics_serverapp[0] = metrics
 
-        def on_step(entry: StepLog) -> None:
+        def on_round(entry: RoundLog) -> None:
             result.train_metrics_clientapp[entry.round] = MetricRecord(entry.train)
             if evaluate_fn and (metrics := evaluate_fn(entry.round, self._headline())) is not None:
                 result.evaluate_metrics_serverapp[entry.round] = metrics
 
-        runner.run(num_rounds, on_step)
+        runner.run(num_rounds, on_round)
         result.evaluate_metrics_clientapp[num_rounds] = MetricRecord(
             federated_evaluate(grid, runner.directory, runner.dispatcher, self.strategy, timeout))
         result.arrays = self._headline()

@@ -12,8 +12,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.figures import Figure
 from common.user_code import is_import_path
 from server_app.config import RunConfig, read_preset
+from server_app.plots import write_plots
 from server_app.tracking import Tracker
 
 
@@ -126,7 +128,7 @@ class Recorder:
         self.rows.append(row)
         with open(self.path / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-        self.tracker.step(row)
+        self.tracker.round(row)
 
     def clients(self, row: dict[str, Any]) -> None:
         """One personalised evaluation: each client's metrics (and the strategy's per-client report)."""
@@ -144,7 +146,7 @@ class Recorder:
         self.events += 1
 
     def event(self, event: dict[str, Any]) -> None:
-        """One update handed over or lost: client, base version, dispatch and arrival step, staleness, outcome."""
+        """One update handed over or lost: client, base version, dispatch and arrival round, staleness, outcome."""
         self._count(event)
         with open(self.path / "events.jsonl", "a") as f:
             f.write(json.dumps(event) + "\n")
@@ -154,7 +156,7 @@ class Recorder:
         return {k: sum(r.get(k, 0) for r in self.rows) for k in ("accepted", "failures", "rejected", "timeouts")}
 
     def finish(self, summary: dict[str, Any], models: dict[str, dict[str, torch.Tensor]],
-               figures: Callable[[list[dict[str, Any]], list[dict[str, Any]]], dict[str, Any]]) -> dict[str, Any]:
+               figures: Callable[[list[dict[str, Any]], list[dict[str, Any]]], dict[str, Figure]]) -> dict[str, Any]:
         """Write summary.json, ``model.pt`` (the headline model's ``state_dict``; ``models.pt`` holds all of
         them by name when the strategy has several) and the plots, the method's own from
         ``figures(rows, client_rows)`` (``Strategy.figures``); return the summary."""
@@ -181,7 +183,7 @@ class Recorder:
         torch.save(next(iter(models.values())), self.path / "model.pt")
         if len(models) > 1:
             torch.save(models, self.path / "models.pt")
-        self._plots(evals, figures)
+        write_plots(self.path, self.rows, self.staleness, figures(self.rows, self.client_rows))
         self.tracker.finish(summary)
         return summary
 
@@ -189,50 +191,3 @@ class Recorder:
         """Accepted updates per second of wall time between the first and the last event."""
         span = self.last_event_t - (self.first_event_t or 0.0)
         return self.outcomes.get("accepted", 0) / span if span > 0 else None
-
-    def _plots(self, evals: list[dict[str, Any]], figures: Callable[..., dict[str, Any]]) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        from matplotlib import pyplot as plt
-
-        figures = figures(self.rows, self.client_rows)
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([r["round"] for r in evals], [r["test-accuracy"] for r in evals], marker="o", ms=3)
-        ax.set(xlabel="round", ylabel="test accuracy")
-        ax.set_title(self.path.name, fontsize=9)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(self.path / "accuracy.png", dpi=100)
-        plt.close(fig)
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        top = max(self.staleness, default=0)
-        ax.hist(self.staleness, bins=np.arange(top + 2) - 0.5, color="tab:orange")
-        ax.set(xlabel="staleness (versions)", ylabel="accepted updates")
-        ax.set_title(f"{self.path.name}: staleness", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(self.path / "staleness.png", dpi=100)
-        plt.close(fig)
-
-        personal = [r for r in self.rows if r.get("personal-clients")]
-        if personal:  # personalised evaluation: each client's model on its own test split
-            steps = [r["round"] for r in personal]
-            fig, ax = plt.subplots(figsize=(6, 4))
-            ax.fill_between(steps, [r["personal-accuracy-q25"] for r in personal],
-                            [r["personal-accuracy-q75"] for r in personal], alpha=0.25, label="quartiles")
-            ax.plot(steps, [r["personal-accuracy"] for r in personal], marker="o", ms=3, label="mean over clients")
-            ax.plot(steps, [r["personal-accuracy-min"] for r in personal], ls=":", label="worst client")
-            ax.set(xlabel="round", ylabel="personalised test accuracy")
-            ax.legend(fontsize=8)
-            ax.set_title(self.path.name, fontsize=9)
-            ax.grid(alpha=0.3)
-            fig.tight_layout()
-            fig.savefig(self.path / "personal.png", dpi=100)
-            plt.close(fig)
-
-        for name, fig in figures.items():  # the method's own (Strategy.figures)
-            fig.suptitle(f"{self.path.name}: {fig.get_suptitle()}", fontsize=9)
-            fig.tight_layout()
-            fig.savefig(self.path / name, dpi=100)
-            plt.close(fig)

@@ -1,7 +1,7 @@
 """The one wiring path: :func:`build_run` builds a run from its configuration — data, server data, model,
 strategy, runner, recorder, and, with ``resume``, everything restored from the checkpoint — and
 :meth:`Run.execute` drives it with the hybridfl runtime or Flower's own ``start()`` rounds
-(``loop``), evaluating, recording and checkpointing every step the same way under both. The
+(``loop``), evaluating, recording and checkpointing every round the same way under both. The
 ServerApp, the in-process engine and ``flwr run`` all go through here.
 """
 
@@ -29,7 +29,7 @@ from server_app.config import RunConfig, client_config
 from server_app.evaluation import client_evaluate, federated_evaluate, personal_summary
 from server_app.flower import FlowerStrategy
 from server_app.outputs import Recorder, run_dir
-from server_app.runtime import Runner, RuntimeConfig, StepLog
+from server_app.runtime import RoundLog, Runner, RuntimeConfig
 from server_app.tracking import open_tracker
 from strategies import Strategy, build_strategy
 
@@ -55,7 +55,7 @@ class Run:
     strategy: Strategy
     runner: Runner
     recorder: Recorder
-    first_step: int = 1  # > 1 when resumed
+    first_round: int = 1  # > 1 when resumed
     started: float = field(default_factory=time.perf_counter)  # for the log line's estimate of the time left
     # wall seconds of the processes before this one (a resumed run); None where the checkpoint did not keep them
     earlier_seconds: float | None = 0.0
@@ -65,8 +65,8 @@ class Run:
         """Wall seconds of the whole run so far, over every process that worked on it."""
         return None if self.earlier_seconds is None else self.earlier_seconds + time.perf_counter() - self.t_start
 
-    # -- every step, under either loop --------------------------------------------------------
-    def evaluate(self, entry: StepLog) -> StepLog:
+    # -- every round, under either loop -------------------------------------------------------
+    def evaluate(self, entry: RoundLog) -> RoundLog:
         """The central model(s) on the test split (and the validation split, when there is one); the first
         model's metrics are unprefixed, the others' carry the model's name. With ``client-test-fraction``
         also every client's own model on its own held-out splits (``personal-*``; ``clients.jsonl``)."""
@@ -87,7 +87,7 @@ class Run:
                                    **self.strategy.client_report()})
         return entry
 
-    def on_step(self, entry: StepLog) -> None:
+    def on_round(self, entry: RoundLog) -> None:
         cfg = self.cfg
         last = entry.round == cfg.num_rounds
         if entry.round % cfg.eval_every == 0 or last:
@@ -96,17 +96,16 @@ class Run:
         acc = f"test-accuracy {entry.test['accuracy']:.4f}" if entry.test else ""
         if entry.personal.get("clients"):
             acc += f" personal-accuracy {entry.personal['accuracy']:.4f}"
-        done = entry.round - self.first_step + 1
+        done = entry.round - self.first_round + 1
         left = (time.perf_counter() - self.started) / done * (cfg.num_rounds - entry.round)
-        # "step": a server step of the runtime (a round when every update arrives in the step it was sent)
-        log(INFO, "step %d/%d: %d updates accepted, %d clients dispatched, %d failed, %d rejected, %d timed out; "
+        log(INFO, "round %d/%d: %d updates accepted, %d clients dispatched, %d failed, %d rejected, %d timed out; "
             "model v%d; %.2fs, about %s left; %s", entry.round, cfg.num_rounds, entry.accepted, entry.sampled,
             entry.failures, entry.rejected, entry.timeouts, entry.version, entry.seconds, duration(left), acc)
         if cfg.checkpoint_every and (entry.round % cfg.checkpoint_every == 0 or last):
             self.checkpoint(entry.round)
         self.check_failures(entry.round)
 
-    def check_failures(self, step: int) -> None:
+    def check_failures(self, rnd: int) -> None:
         """Stop a run whose clients fail: more than ``max-failed-fraction`` of the replies so far failed or were
         rejected, once ``clients-per-round`` replies have arrived (a run must not end as a success having learned
         nothing)."""
@@ -114,13 +113,13 @@ class Run:
         failed = totals["failures"] + totals["rejected"]
         replies = failed + totals["accepted"]
         if replies >= self.cfg.clients_per_round and failed > self.cfg.max_failed_fraction * replies:
-            raise RuntimeError(f"step {step}: {failed} of the run's {replies} replies failed or were rejected, more "
+            raise RuntimeError(f"round {rnd}: {failed} of the run's {replies} replies failed or were rejected, more "
                                f"than max-failed-fraction = {self.cfg.max_failed_fraction:g}; the first: "
                                f"{self.runner.first_loss or 'not recorded (the run was resumed)'}")
 
-    def checkpoint(self, step: int) -> None:
+    def checkpoint(self, rnd: int) -> None:
         write_checkpoint(self.out, {
-            "step": step, "config": self.cfg.to_dict(),
+            "round": rnd, "config": self.cfg.to_dict(),
             "layout": {"names": list(self.pspec.names), "shapes": [list(s) for s in self.pspec.shapes]},
             "strategy": self.strategy.state_dict(), "runner": self.runner.state_dict(),
             "recorder": self.recorder.state_dict(), "torch-rng": torch.get_rng_state(),
@@ -128,26 +127,26 @@ class Run:
 
     # -- the run ------------------------------------------------------------------------------
     def execute(self) -> Path:
-        """Train from `first_step` to ``num-rounds``, evaluate on the clients, write the outputs; return the folder."""
+        """Train from `first_round` to ``num-rounds``, evaluate on the clients, write the outputs; return the folder."""
         cfg, self.t_start = self.cfg, time.perf_counter()
         log(INFO, "run %s: %s on %s (%d train / %d test), server data: %s, %d clients, %d rounds%s, %s clock (σ=%g), "
             "%s loop -> %s", self.out.name, cfg.strategy, cfg.dataset, len(self.splits.train), len(self.splits.test),
             describe(self.server_data), cfg.num_clients, cfg.num_rounds,
-            f" (resumed after step {self.first_step - 1})" if self.first_step > 1 else "", cfg.clock, cfg.delay_sigma,
-            cfg.loop, self.out)
+            f" (resumed after round {self.first_round - 1})" if self.first_round > 1 else "", cfg.clock,
+            cfg.delay_sigma, cfg.loop, self.out)
         self.runner.directory.wait_for(cfg.num_clients, cfg.wait_nodes_s, cfg.poll_interval_s)
-        if self.first_step == 1:
-            self.recorder.round(self.evaluate(StepLog(0, 0)).to_dict())
+        if self.first_round == 1:
+            self.recorder.round(self.evaluate(RoundLog(0, 0)).to_dict())
         t_train = self.started = time.perf_counter()
-        if self.first_step <= cfg.num_rounds:
+        if self.first_round <= cfg.num_rounds:
             if cfg.loop == "flower":
                 adapter = FlowerStrategy(self.strategy, clients_per_round=cfg.clients_per_round, seed=cfg.seed,
-                                         server_data=self.server_data, runner=self.runner, on_step=self.on_step,
-                                         first_step=self.first_step)
+                                         server_data=self.server_data, runner=self.runner, on_round=self.on_round,
+                                         first_round=self.first_round)
                 adapter.start(self.grid, self.pspec.to_record(self.strategy.params),
-                              num_rounds=cfg.num_rounds - self.first_step + 1, timeout=cfg.reply_timeout_s)
+                              num_rounds=cfg.num_rounds - self.first_round + 1, timeout=cfg.reply_timeout_s)
             else:
-                self.runner.run(cfg.num_rounds, self.on_step, self.first_step)
+                self.runner.run(cfg.num_rounds, self.on_round, self.first_round)
         train_seconds = time.perf_counter() - t_train
         client_eval = federated_evaluate(self.grid, self.runner.directory, self.runner.dispatcher, self.strategy,
                                          cfg.reply_timeout_s)
@@ -158,7 +157,7 @@ class Run:
         summary = self.recorder.finish({
             "run": self.out.name, "config": cfg.to_dict(), "strategy": self.strategy.describe(),
             "final-version": self.strategy.version, "client-eval": client_eval,
-            "server-data": describe(self.server_data), "resumed-after-step": self.first_step - 1,
+            "server-data": describe(self.server_data), "resumed-after-round": self.first_round - 1,
             "reply-to-dispatch-s": self.runner.latency_summary(),
             "wall-seconds": time.perf_counter() - self.t_start, "run-wall-seconds": self.run_seconds(),
             "train-seconds": train_seconds}, models,
@@ -206,15 +205,15 @@ def build_run(grid: Grid, cfg: RunConfig) -> Run:
     out = Path(cfg.resume) if cfg.resume else run_dir(cfg)
     if resumed is None:  # a named folder may hold an older run's checkpoint: it must not be resumed into this run
         (out / CHECKPOINT).unlink(missing_ok=True)
-    first_step, earlier = 1, 0.0
+    first_round, earlier = 1, 0.0
     if resumed is not None:
         check_layout(out, resumed, pspec.names, pspec.shapes)
         strategy.load_state_dict(resumed["strategy"])
         runner.load_state_dict(resumed["runner"])
         torch.set_rng_state(resumed["torch-rng"])
-        first_step = int(resumed["step"]) + 1
+        first_round = int(resumed["round"]) + 1
         earlier = resumed.get("run-seconds")
     recorder = Recorder(out, resumed["recorder"] if resumed is not None else None, open_tracker(cfg, out))
     runner.on_event = recorder.event
-    return Run(grid, cfg, out, splits, server_data, model, pspec, strategy, runner, recorder, first_step,
+    return Run(grid, cfg, out, splits, server_data, model, pspec, strategy, runner, recorder, first_round,
                earlier_seconds=earlier)

@@ -1,20 +1,22 @@
 """The runtime: one loop over a Flower ``Grid`` for synchronous and asynchronous training.
 
-The runner owns timing and the network; the strategy owns the math. Each *step* the runner
-dispatches work, hands arriving updates to the strategy one by one (``receive``; ``aggregate``
-whenever ``ready()``), then closes the step (``close_round``; ``aggregate`` if ``ready()``).
+The runner owns timing and the network; the strategy owns the math. One word per concept, in the code, the logs
+and the outputs: each **round** (``num-rounds`` of them; a line of metrics.jsonl) the runner dispatches work, hands
+arriving updates to the strategy one by one (``receive``; a strategy **step** whenever ``ready()``), then closes the
+round (``close_round``; a step if ``ready()``). Every step makes the next model **version**; a round may hold no
+step (a buffer still filling) or several (FedAsync steps on every update), and the round's line keeps them all.
 At most one message is in flight per client (= per node); every dispatch is tagged with the
 model version it carries, and staleness = current version − that version.
 
 Two clocks decide when an update is handed over:
 
-* ``virtual`` (simulation, tests, benchmarks; Feddle App. D): at step k the runner samples N idle
-  clients (fewer if fewer are idle), draws each one's delay d = round(|z|), z ~ N(0, σ²), in server
-  steps, and hands its update over at step k + d, whatever order replies physically arrive in.
+* ``virtual`` (simulation, tests, benchmarks; Feddle App. D): in round k the runner samples N idle
+  clients (fewer if fewer are idle), draws each one's delay d = round(|z|), z ~ N(0, σ²), in
+  rounds, and hands its update over in round k + d, whatever order replies physically arrive in.
   The event sequence and the final model depend only on the seed. σ = 0 is synchronous FL: every
-  update of step k arrives in step k (a round with a barrier).
+  update of round k arrives in round k (a barrier).
 * ``wall`` (deployment): keeps ``concurrency`` clients busy and hands updates over in real arrival
-  order, re-dispatching to an idle client as soon as a slot frees; a step closes every N arrivals.
+  order, re-dispatching to an idle client as soon as a slot frees; a round closes every N arrivals.
 
 An error reply, an unusable reply or a reply slower than ``reply-timeout-s`` frees its slot and the
 work goes to another idle client; a run with no reachable client for ``wait-nodes-s`` fails.
@@ -52,11 +54,11 @@ CLOCKS = ("virtual", "wall")
 class RuntimeConfig:
     """The runtime keys: how the runner drives the clients (the module docstring says how each clock works)."""
 
-    clients_per_round: int = option(10, COUNT, "clients sampled per step (virtual clock); arrivals per step "
+    clients_per_round: int = option(10, COUNT, "clients sampled per round (virtual clock); arrivals per round "
                                     "(wall clock)", "1 … `num-clients`")
-    clock: str = option("virtual", OneOf(CLOCKS), "virtual: seeded delays in steps; wall: real arrival order (see "
+    clock: str = option("virtual", OneOf(CLOCKS), "virtual: seeded delays in rounds; wall: real arrival order (see "
                         "above)")
-    delay_sigma: float = option(0.0, Range(0), "σ of the half-normal client delay, in server steps "
+    delay_sigma: float = option(0.0, Range(0), "σ of the half-normal client delay, in rounds "
                                 "(0 = synchronous)")
     concurrency: int = option(10, COUNT, "clients kept busy by the wall clock")
     reply_timeout_s: float = option(600.0, POSITIVE, "seconds a dispatched update may take before it is given up")
@@ -72,8 +74,8 @@ class Flight:
     seq: int  # dispatch order: ties between arrivals are broken by it, so runs are reproducible
     client: int
     version: int  # the model version it carries
-    dispatch_step: int
-    due_step: int  # virtual clock: the step it is handed over in; wall clock: unused (-1)
+    dispatch_round: int
+    due_round: int  # virtual clock: the round it is handed over in; wall clock: unused (-1)
     payload: Payload  # what the client was sent
     train_seed: int
     node: int = -1  # where it went (transient: node ids change when a run resumes)
@@ -87,10 +89,10 @@ class Flight:
 
 
 @dataclass
-class Step:
-    """A step driven from another loop (:meth:`Runner.begin_step`): its log so far and its train messages."""
+class Round:
+    """A round driven from another loop (:meth:`Runner.begin_round`): its log so far and its train messages."""
 
-    entry: StepLog
+    entry: RoundLog
     accepted: list[Update]
     started: float
     outgoing: list[tuple[Message, Flight]]
@@ -101,17 +103,17 @@ class Step:
 
 
 @dataclass
-class StepLog:
-    """What happened in one step (a round when the clock is synchronous); a line of metrics.jsonl."""
+class RoundLog:
+    """What happened in one round; a line of metrics.jsonl."""
 
     round: int
     version: int
-    sampled: int = 0  # dispatches made in this step (replacements included)
+    sampled: int = 0  # dispatches made in this round (replacements included)
     accepted: int = 0
     failures: int = 0  # error replies: exception on the device, node unavailable
     rejected: int = 0  # replies that arrived but could not be used (shape, NaN, missing keys, wrong version)
     timeouts: int = 0  # no reply within reply-timeout-s
-    bytes_down: int = 0  # models and arrays sent in this step's dispatches (float32)
+    bytes_down: int = 0  # models and arrays sent in this round's dispatches (float32)
     bytes_up: int = 0  # ... and received in its accepted updates
     bytes_extra_down: int = 0  # of bytes-down, what is not the model: extra arrays (examples, a central gradient)
     staleness: list[int] = field(default_factory=list)
@@ -119,13 +121,15 @@ class StepLog:
     test: dict[str, float] = field(default_factory=dict)
     validation: dict[str, float] = field(default_factory=dict)  # with validation-size, for tuning
     personal: dict[str, float] = field(default_factory=dict)  # every client's model on its own held-out split
-    strategy: dict[str, float] = field(default_factory=dict)  # what the step's last strategy step measured
+    steps: list[dict[str, float]] = field(default_factory=list)  # what each strategy step of the round measured
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out = {k.replace("_", "-"): v for k, v in self.__dict__.items()
-               if k not in ("train", "test", "validation", "personal", "staleness", "strategy")}
-        out.update(self.strategy)
+               if k not in ("train", "test", "validation", "personal", "staleness", "steps")}
+        # the round's model comes from its last step: its measures head the line, every step's follow in "steps"
+        out.update({k: v for k, v in (self.steps[-1] if self.steps else {}).items() if k != "version"})
+        out["steps"] = [dict(m) for m in self.steps]
         if self.staleness:
             out["staleness-mean"] = float(np.mean(self.staleness))
             out["staleness-max"] = int(max(self.staleness))
@@ -171,10 +175,10 @@ class Runner:
         self._reachable: set[int] = set()
         self._reachable_at = -1e9
         self._t0 = time.perf_counter()
-        self._step_metrics: dict[str, float] = {}  # what the last strategy step of the current step measured
-        self._bytes_down = self._bytes_extra = 0  # payload bytes dispatched in the current step, and extra ones
+        self._strategy_steps: list[dict[str, float]] = []  # what each strategy step of the current round measured
+        self._bytes_down = self._bytes_extra = 0  # payload bytes dispatched in the current round, and extra ones
         self.reply_to_dispatch: list[float] = []  # wall clock: seconds from a reply to the next dispatch
-        # ... and two of its parts: handing the reply to the strategy (a server step when one is due), and
+        # ... and two of its parts: handing the reply to the strategy (a strategy step when one is due), and
         # Flower's push of the next message to the SuperLink
         self.reply_parts: dict[str, list[float]] = {"hand-over": [], "push": []}
         self.first_loss = ""  # why the run's first failed or rejected update was lost
@@ -200,7 +204,7 @@ class Runner:
 
     # -- shared machinery -------------------------------------------------------------------
     def _delay(self) -> int:
-        """A virtual delay in server steps: round(|z|), z ~ N(0, σ²)."""
+        """A virtual delay in rounds: round(|z|), z ~ N(0, σ²)."""
         sigma = self.runtime.delay_sigma
         return int(round(abs(self._delay_rng.normal(0.0, sigma)))) if sigma > 0 else 0
 
@@ -220,7 +224,7 @@ class Runner:
         idle = self._idle(exclude, refresh_every)
         return sorted(self._sample_rng.sample(idle, min(k, len(idle))))
 
-    def _launch(self, clients: list[int], step: int, virtual: bool) -> list[Flight]:
+    def _launch(self, clients: list[int], rnd: int, virtual: bool) -> list[Flight]:
         """New flights to `clients`: each gets the strategy's payload, a train seed and (virtual) a delay."""
         flights = []
         for c in clients:
@@ -228,8 +232,8 @@ class Runner:
             self._bytes_down += payload.nbytes
             self._bytes_extra += payload.extra_nbytes
             self._seq += 1
-            flights.append(Flight(self._seq, c, self.strategy.version, step,
-                                  step + self._delay() if virtual else -1, payload, self.dispatcher.next_seed(c)))
+            flights.append(Flight(self._seq, c, self.strategy.version, rnd,
+                                  rnd + self._delay() if virtual else -1, payload, self.dispatcher.next_seed(c)))
         return flights
 
     def _message(self, flight: Flight) -> Message:
@@ -248,8 +252,8 @@ class Runner:
             flight.message_id, flight.sent_at = mid, now
             self.flights[flight.client] = flight
 
-    def _dispatch(self, clients: list[int], step: int, virtual: bool) -> None:
-        self._push(self._launch(clients, step, virtual))
+    def _dispatch(self, clients: list[int], rnd: int, virtual: bool) -> None:
+        self._push(self._launch(clients, rnd, virtual))
 
     def _resend(self) -> None:
         """Send the flights restored from a checkpoint again (they were in the air when it was written)."""
@@ -261,7 +265,7 @@ class Runner:
     def _poll(self, flights: list[Flight] | None = None) -> bool:
         """Pull the replies of `flights` (default: every flight), mark those past the timeout; True if anything
         new. The virtual clock pulls only the flights due now: a reply is held (and, in-process, the client's work
-        done) only when it is handed over, so the server holds the replies of one step, not of every flight."""
+        done) only when it is handed over, so the server holds the replies of one round, not of every flight."""
         flights = list(self.flights.values()) if flights is None else flights
         waiting = [f.message_id for f in flights if f.message_id not in self._replies]
         if not waiting:
@@ -276,13 +280,13 @@ class Runner:
             self._replies[f.message_id] = None
         return bool(got or late)
 
-    def _hand_over(self, flight: Flight, reply: Message | None, step: int, entry: StepLog,
+    def _hand_over(self, flight: Flight, reply: Message | None, rnd: int, entry: RoundLog,
                    accepted: list[Update]) -> bool:
         """Give `flight`'s reply (None: timed out) to the strategy, stepping whenever it is ready; False if
         the update is lost (error, unusable, late)."""
         self.flights.pop(flight.client, None)
-        event = {"step": step, "client": flight.client, "node": flight.node, "base-version": flight.version,
-                 "dispatch-step": flight.dispatch_step, "t": round(time.perf_counter() - self._t0, 4)}
+        event = {"round": rnd, "client": flight.client, "node": flight.node, "base-version": flight.version,
+                 "dispatch-round": flight.dispatch_round, "t": round(time.perf_counter() - self._t0, 4)}
         update, outcome, reason = None, "accepted", ""
         if reply is None:
             outcome, reason = "timeout", f"no reply within {self.runtime.reply_timeout_s:.0f}s"
@@ -302,9 +306,9 @@ class Runner:
                 else:
                     entry.rejected += 1
         if update is None or outcome != "accepted":
-            log(WARNING, "step %d: update of client %d (node %d) lost: %s", step, flight.client, flight.node, reason)
+            log(WARNING, "round %d: update of client %d (node %d) lost: %s", rnd, flight.client, flight.node, reason)
             if outcome != "timeout" and not self.first_loss:
-                self.first_loss = f"step {step}, client {flight.client}: {reason}"
+                self.first_loss = f"round {rnd}, client {flight.client}: {reason}"
             self.on_event({**event, "outcome": outcome, "reason": reason})
             return False
         staleness = update.staleness(self.strategy.version)
@@ -314,31 +318,35 @@ class Runner:
         entry.bytes_up += update.nbytes
         entry.staleness.append(staleness)
         if self.strategy.ready():
-            self._step_metrics = self.strategy.step()
+            self._strategy_step()
         self.on_event({**event, "outcome": "accepted", "staleness": staleness, "version": self.strategy.version})
         return True
 
-    def _open_step(self, step: int) -> tuple[StepLog, list[Update]]:
-        self._step_metrics, self._bytes_down, self._bytes_extra = {}, 0, 0
-        return StepLog(step, self.strategy.version), []
+    def _strategy_step(self) -> None:
+        measured = self.strategy.step()
+        self._strategy_steps.append({"version": self.strategy.version, **measured})
 
-    def _close_step(self, entry: StepLog, accepted: list[Update], started: float) -> StepLog:
+    def _open_round(self, rnd: int) -> tuple[RoundLog, list[Update]]:
+        self._strategy_steps, self._bytes_down, self._bytes_extra = [], 0, 0
+        return RoundLog(rnd, self.strategy.version), []
+
+    def _close_round(self, entry: RoundLog, accepted: list[Update], started: float) -> RoundLog:
         self.strategy.close_round()
         if self.strategy.ready():
-            self._step_metrics = self.strategy.step()
+            self._strategy_step()
         entry.version = self.strategy.version
         entry.bytes_down, entry.bytes_extra_down = self._bytes_down, self._bytes_extra
-        entry.strategy = dict(self._step_metrics)
+        entry.steps = list(self._strategy_steps)
         entry.train = weighted_mean((u.num_examples, u.metrics) for u in accepted)
         entry.seconds = time.perf_counter() - started
         return entry
 
-    def _wait_for_reachable(self, step: int) -> None:
+    def _wait_for_reachable(self, rnd: int) -> None:
         """Nothing in flight and nobody to dispatch to: wait for a client to (re)connect, or fail."""
         deadline = time.perf_counter() + self.runtime.wait_nodes_s
         while not self._idle(refresh_every=1.0):
             if time.perf_counter() >= deadline:
-                raise RuntimeError(f"step {step}: no reachable client for {self.runtime.wait_nodes_s:.0f}s "
+                raise RuntimeError(f"round {rnd}: no reachable client for {self.runtime.wait_nodes_s:.0f}s "
                                    f"(known partitions {self.directory.clients}); is any SuperNode running?")
             time.sleep(min(1.0, self.runtime.wait_nodes_s))
 
@@ -351,30 +359,30 @@ class Runner:
         return {"median": float(np.median(lat)), "p95": float(np.percentile(lat, 95)), "count": int(lat.size),
                 **{f"{part}-median": float(np.median(v)) for part, v in self.reply_parts.items()}}
 
-    # -- the public API: a run, or one step at a time from another loop (Flower's) ----------------
+    # -- the public API: a run, or one round at a time from another loop (Flower's) ---------------
     def wait_for_nodes(self, count: int, timeout: float | None = None) -> None:
         """Wait until `count` clients have a node (default: ``wait-nodes-s``), or fail."""
         self.directory.wait_for(count, self.runtime.wait_nodes_s if timeout is None else timeout,
                                 self.runtime.poll_interval_s)
 
-    def begin_step(self, step: int) -> Step:
-        """Open step `step` driven from another loop (a barrier: every update comes back in this step): sample
-        ``clients-per-round`` idle clients and build their train messages (:attr:`Step.messages`)."""
+    def begin_round(self, rnd: int) -> Round:
+        """Open round `rnd` driven from another loop (a barrier: every update comes back in this round): sample
+        ``clients-per-round`` idle clients and build their train messages (:attr:`Round.messages`)."""
         if len(self.directory.node_of) < self.runtime.clients_per_round:
             self.wait_for_nodes(self.runtime.clients_per_round)
-        entry, accepted = self._open_step(step)
-        flights = self._launch(self._sample(self.runtime.clients_per_round), step, virtual=True)
+        entry, accepted = self._open_round(rnd)
+        flights = self._launch(self._sample(self.runtime.clients_per_round), rnd, virtual=True)
         entry.sampled = len(flights)
-        return Step(entry, accepted, time.perf_counter(), [(self._message(f), f) for f in flights])
+        return Round(entry, accepted, time.perf_counter(), [(self._message(f), f) for f in flights])
 
-    def end_step(self, step: Step, replies: Iterable[Message]) -> StepLog:
-        """Hand `step`'s replies to the strategy in dispatch order, whatever order they came in (a missing one
-        counts as timed out, a bad one is rejected and counted), and close the step."""
+    def end_round(self, current: Round, replies: Iterable[Message]) -> RoundLog:
+        """Hand `current`'s replies to the strategy in dispatch order, whatever order they came in (a missing one
+        counts as timed out, a bad one is rejected and counted), and close the round."""
         by_request = {m.metadata.reply_to_message_id: m for m in replies}
-        for msg, flight in step.outgoing:
-            self._hand_over(flight, by_request.get(msg.metadata.message_id), step.entry.round, step.entry,
-                            step.accepted)
-        return self._close_step(step.entry, step.accepted, step.started)
+        for msg, flight in current.outgoing:
+            self._hand_over(flight, by_request.get(msg.metadata.message_id), current.entry.round, current.entry,
+                            current.accepted)
+        return self._close_round(current.entry, current.accepted, current.started)
 
     def evaluate_messages(self, count: int, rng: random.Random, config: dict[str, Any]) -> list[Message]:
         """Evaluation messages to `count` connected clients drawn with `rng`, each with its ``model_for``
@@ -388,48 +396,48 @@ class Runner:
         return messages
 
     # -- the two clocks -----------------------------------------------------------------------
-    def run(self, num_steps: int, on_step: Callable[[StepLog], None], first_step: int = 1) -> None:
-        """Run server steps `first_step` .. `num_steps`, calling `on_step` after each (evaluation, logging,
+    def run(self, num_rounds: int, on_round: Callable[[RoundLog], None], first_round: int = 1) -> None:
+        """Run rounds `first_round` .. `num_rounds`, calling `on_round` after each (evaluation, logging,
         checkpoints); flights restored from a checkpoint are sent again first."""
         self._resend()
         loop = self._run_virtual if self.runtime.clock == "virtual" else self._run_wall
-        loop(first_step, num_steps, on_step)
+        loop(first_round, num_rounds, on_round)
         if self.flights:
             log(INFO, "%d dispatched updates still in flight at the end are discarded", len(self.flights))
         self.flights, self._replies = {}, {}  # their models and replies are not kept through the final evaluation
 
-    def _run_virtual(self, first_step: int, num_steps: int, on_step: Callable[[StepLog], None]) -> None:
-        for step in range(first_step, num_steps + 1):
+    def _run_virtual(self, first_round: int, num_rounds: int, on_round: Callable[[RoundLog], None]) -> None:
+        for rnd in range(first_round, num_rounds + 1):
             started = time.perf_counter()
-            entry, accepted = self._open_step(step)
+            entry, accepted = self._open_round(rnd)
             if not self.flights and not self._idle():
-                self._wait_for_reachable(step)
+                self._wait_for_reachable(rnd)
             chosen = self._sample(self.runtime.clients_per_round)
-            self._dispatch(chosen, step, virtual=True)
+            self._dispatch(chosen, rnd, virtual=True)
             entry.sampled = len(chosen)
-            sampled = set(chosen)  # a client is sampled at most once per step
-            while due := sorted((f for f in self.flights.values() if f.due_step <= step), key=lambda f: f.seq):
+            sampled = set(chosen)  # a client is sampled at most once per round
+            while due := sorted((f for f in self.flights.values() if f.due_round <= rnd), key=lambda f: f.seq):
                 while any(f.message_id not in self._replies for f in due):
                     if not self._poll(due):
                         time.sleep(self.runtime.poll_interval_s)
                 for f in due:
-                    if not self._hand_over(f, self._replies.pop(f.message_id), step, entry, accepted):
+                    if not self._hand_over(f, self._replies.pop(f.message_id), rnd, entry, accepted):
                         replacement = self._sample(1, exclude=sampled)
-                        self._dispatch(replacement, step, virtual=True)
+                        self._dispatch(replacement, rnd, virtual=True)
                         sampled.update(replacement)
                         entry.sampled += len(replacement)
-            on_step(self._close_step(entry, accepted, started))
+            on_round(self._close_round(entry, accepted, started))
 
-    def _run_wall(self, first_step: int, num_steps: int, on_step: Callable[[StepLog], None]) -> None:
-        step, started = first_step, time.perf_counter()
-        entry, accepted = self._open_step(step)
+    def _run_wall(self, first_round: int, num_rounds: int, on_round: Callable[[RoundLog], None]) -> None:
+        rnd, started = first_round, time.perf_counter()
+        entry, accepted = self._open_round(rnd)
         while True:
             if not self.flights and not self._idle(refresh_every=1.0):
-                self._wait_for_reachable(step)
+                self._wait_for_reachable(rnd)
             free = self.runtime.concurrency - len(self.flights)
             if free > 0:
                 fresh = self._sample(free, refresh_every=1.0)
-                self._dispatch(fresh, step, virtual=False)
+                self._dispatch(fresh, rnd, virtual=False)
                 entry.sampled += len(fresh)
             if not self._poll():
                 time.sleep(self.runtime.poll_interval_s)
@@ -437,19 +445,19 @@ class Runner:
             arrived = sorted((f for f in self.flights.values() if f.message_id in self._replies), key=lambda f: f.seq)
             for f in arrived:
                 got_at = time.perf_counter()
-                self._hand_over(f, self._replies.pop(f.message_id), step, entry, accepted)
+                self._hand_over(f, self._replies.pop(f.message_id), rnd, entry, accepted)
                 handed = time.perf_counter() - got_at
                 # Refill the freed slot at once: the reply -> next dispatch latency is the runtime's overhead.
                 fresh = self._sample(1, refresh_every=1.0)
-                self._dispatch(fresh, step, virtual=False)
+                self._dispatch(fresh, rnd, virtual=False)
                 if fresh:
                     self.reply_to_dispatch.append(time.perf_counter() - got_at)
                     self.reply_parts["hand-over"].append(handed)
                     self.reply_parts["push"].append(self._pushed_in)
                     entry.sampled += 1
                 if entry.accepted + entry.failures + entry.rejected + entry.timeouts >= self.runtime.clients_per_round:
-                    on_step(self._close_step(entry, accepted, started))
-                    if step == num_steps:
+                    on_round(self._close_round(entry, accepted, started))
+                    if rnd == num_rounds:
                         return
-                    step, started = step + 1, time.perf_counter()
-                    entry, accepted = self._open_step(step)
+                    rnd, started = rnd + 1, time.perf_counter()
+                    entry, accepted = self._open_round(rnd)

@@ -57,8 +57,8 @@ def _scalars(row: dict[str, Any]) -> dict[str, float]:
 class Tracker:
     """No tracking: the run's own files only."""
 
-    def step(self, row: dict[str, Any]) -> None:
-        """One step's row of metrics.jsonl."""
+    def round(self, row: dict[str, Any]) -> None:
+        """One round's row of metrics.jsonl."""
 
     def clients(self, row: dict[str, Any]) -> None:
         """One personalised evaluation (a row of clients.jsonl)."""
@@ -73,7 +73,7 @@ class TensorBoard(Tracker):
 
         self.writer = SummaryWriter(str(out / "tensorboard"))
 
-    def step(self, row: dict[str, Any]) -> None:
+    def round(self, row: dict[str, Any]) -> None:
         step = int(row["round"])
         for k, v in _scalars(row).items():
             self.writer.add_scalar(k, v, step)
@@ -121,7 +121,7 @@ class Mlflow(Tracker):
             mlflow.log_params({k: json.dumps(v) if isinstance(v, dict) else v for k, v in config.items()})
             state.write_text(json.dumps({"mlflow-run-id": self.run.info.run_id}) + "\n")
 
-    def step(self, row: dict[str, Any]) -> None:
+    def round(self, row: dict[str, Any]) -> None:
         self.mlflow.log_metrics(_scalars(row), step=int(row["round"]))
 
     def finish(self, summary: dict[str, Any]) -> None:
@@ -138,9 +138,9 @@ class Trackers(Tracker):
     def __init__(self, trackers: list[Tracker]) -> None:
         self.trackers = trackers
 
-    def step(self, row: dict[str, Any]) -> None:
+    def round(self, row: dict[str, Any]) -> None:
         for t in self.trackers:
-            t.step(row)
+            t.round(row)
 
     def clients(self, row: dict[str, Any]) -> None:
         for t in self.trackers:

@@ -41,6 +41,7 @@ from torch import nn
 
 from common.config import NoOptions, OneOf, check_options, options_dict, specs_of
 from common.errors import ConfigError
+from common.figures import Figure
 from common.params import ParamSpec
 from common.server_data import ServerData, check_server_data
 from common.training import LocalRecipe
@@ -243,9 +244,9 @@ class Strategy(ABC):
         return {}
 
     @classmethod
-    def figures(cls, rows: list[dict[str, Any]], client_rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """The method's own plots of a run, from its ``metrics.jsonl`` rows and ``clients.jsonl`` rows: matplotlib
-        figures by file name (a suptitle says what each shows); the outputs save them. Default none."""
+    def figures(cls, rows: list[dict[str, Any]], client_rows: list[dict[str, Any]]) -> dict[str, Figure]:
+        """The method's own plots of a run, from its ``metrics.jsonl`` rows and ``clients.jsonl`` rows, as data
+        (:class:`common.figures.Figure`) by file name; the outputs draw them. Default none."""
         return {}
 
     @classmethod

@@ -19,7 +19,7 @@ import torch
 
 from common.params import ParamSpec
 from strategies.base import Strategy, Update
-from strategies.fedbuff import BUFFER_SIZE, SERVER_LR
+from strategies.options import BUFFER_SIZE, SERVER_LR
 
 
 @dataclass(frozen=True)

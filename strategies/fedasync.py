@@ -16,7 +16,7 @@ from typing import Any
 from common.config import Range, option
 from strategies.aggregation import polynomial_staleness
 from strategies.base import Strategy, Update
-from strategies.fedbuff import STALENESS_EXPONENT
+from strategies.options import STALENESS_EXPONENT
 
 
 @dataclass(frozen=True)

@@ -17,16 +17,12 @@ from typing import Any
 
 import torch
 
-from common.config import COUNT, POSITIVE, OneOf, Option, Range
+from common.config import OneOf, Option
 from strategies.aggregation import example_weights, polynomial_staleness, weighted_sum
 from strategies.base import Strategy, Update
+from strategies.options import BUFFER_SIZE, SERVER_LR, STALENESS_EXPONENT
 
 # Keys several buffered methods share (CA2FL, FedAsync, Feddle's fallback), defined once.
-BUFFER_SIZE = Option(10, COUNT, "K, updates per server step (papers' grid 10, 20, 50)")
-SERVER_LR = Option(1.0, POSITIVE, "server learning rate η_g of the buffered step (Feddle: of its FedBuff "
-                                  "fallback; grid 0.01, 0.1, 1), or η_s of generalised FedAvg's SERVEROPT (fedopt, "
-                                  "data mixing)")
-STALENESS_EXPONENT = Option(0.5, Range(0), "a of the staleness weight (1 + τ)^−a (FedAsync grid 0.1, 0.5, 0.9)")
 STALENESS_WEIGHT = Option("none", OneOf(("none", "polynomial")), "weight updates by (1+τ)^−a (`polynomial`) or not")
 WEIGHTING = Option("uniform", OneOf(("uniform", "examples")), "buffer weights 1/K or by examples (with K = clients "
                    "per step, η_g = 1 and no delay: synchronous FedAvg)")

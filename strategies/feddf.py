@@ -28,7 +28,7 @@ from common.config import COUNT, POSITIVE, option
 from common.training import predict, run_epochs, server_seed
 from strategies.aggregation import fedavg_step
 from strategies.fedavg import FedAvg
-from strategies.hybrid_baselines import SERVER_TRAIN_EPOCHS, SERVER_TRAIN_LR
+from strategies.options import SERVER_TRAIN_EPOCHS, SERVER_TRAIN_LR
 
 
 @dataclass(frozen=True)

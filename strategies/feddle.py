@@ -37,10 +37,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from common.config import COUNT, POSITIVE, ConfigError, OneOf, Range, option
+from common.figures import Figure, Panel
 from common.training import derive_seed, run_epochs, server_seed, train_on_server
 from strategies.base import Strategy, Update
 from strategies.fedbuff import FedBuffConfig, buffer_weights
-from strategies.hybrid_baselines import SERVER_TRAIN_LR
+from strategies.options import SERVER_TRAIN_LR
 
 
 @dataclass(frozen=True)
@@ -115,29 +116,19 @@ class Feddle(Strategy):
         return "in-domain" if self.config.server_finetune_epochs else self.server_data
 
     @classmethod
-    def figures(cls, rows: list[dict[str, Any]], client_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def figures(cls, rows: list[dict[str, Any]], client_rows: list[dict[str, Any]]) -> dict[str, Figure]:
         """``search.png``: the coefficients of every search, the fraction negative, the server-data loss before
-        and after it."""
-        searches = [r for r in rows if "c-mean" in r]
+        and after it (every step's, by the version it made)."""
+        searches = [s for r in rows for s in r.get("steps", ()) if "c-mean" in s]
         if not searches:
             return {}
-        from matplotlib import pyplot as plt
-
-        steps = [r["round"] for r in searches]
-        fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-        for key in ("c-min", "c-mean", "c-max"):
-            axes[0].plot(steps, [r[key] for r in searches], label=key.removeprefix("c-"))
-        axes[0].set(xlabel="step", ylabel="coefficient")
-        axes[0].legend(fontsize=8)
-        axes[1].plot(steps, [r["c-negative"] for r in searches], color="tab:red")
-        axes[1].set(xlabel="step", ylabel="fraction negative")
-        if "loss-before" in searches[0]:  # off with search-diagnostics = false
-            for key in ("loss-before", "loss-after"):
-                axes[2].plot(steps, [r[key] for r in searches], label=key)
-            axes[2].legend(fontsize=8)
-        axes[2].set(xlabel="step", ylabel="server-data loss")
-        fig.suptitle("coefficient search")
-        return {"search.png": fig}
+        versions = [s["version"] for s in searches]
+        series = lambda *keys: {k.removeprefix("c-"): (versions, [s[k] for s in searches]) for k in keys}
+        diagnostics = "loss-before" in searches[0]  # off with search-diagnostics = false
+        return {"search.png": Figure("coefficient search", [
+            Panel("model version", "coefficient", series("c-min", "c-mean", "c-max")),
+            Panel("model version", "fraction negative", series("c-negative")),
+            Panel("model version", "server-data loss", series("loss-before", "loss-after") if diagnostics else {})])}
 
     # -- atlas ------------------------------------------------------------------------------
     def receive(self, update: Update) -> None:

@@ -28,7 +28,8 @@ from strategies.aggregation import example_weights, weighted_sum
 from strategies.base import Payload, Unusable, Update
 from strategies.client import ClientSide, LocalTask
 from strategies.fedavg import FedAvg
-from strategies.fedmerge import GLOBAL_MODELS, independent_inits
+from strategies.fedmerge import independent_inits
+from strategies.options import GLOBAL_MODELS
 
 # The payload's extra arrays: the other components (θ_2..θ_M, flat) and the client's mixture weights π; the
 # reply's: the deltas of the other components and the new π.

@@ -37,20 +37,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.config import COUNT, POSITIVE, ConfigError, OneOf, Option, Range, option
+from common.config import POSITIVE, ConfigError, OneOf, Range, option
+from common.figures import Figure, Panel
 from common.params import ParamSpec
 from common.training import derive_seed
 from strategies.aggregation import weighted_sum
 from strategies.base import Payload, Update
 from strategies.fedavg import FedAvg
+from strategies.options import GLOBAL_MODELS
 
 QUANTUM = 0.01  # the reference code's line-search step on A
 MAX_QUANTA = 10001  # ... and its iteration cap
 
 
 # d: the models a multi-model method keeps (FedMerge's global models, IFCA's clusters, FedEM's components)
-GLOBAL_MODELS = Option(5, COUNT, "d, the global models (FedMerge: merged per client, paper 5-30, code 5; IFCA: "
-                                 "clusters; FedEM: components)")
 
 
 @dataclass(frozen=True)
@@ -147,23 +147,15 @@ class FedMerge(FedAvg):
         return {"global": self.params}
 
     @classmethod
-    def figures(cls, rows: list[dict[str, Any]], client_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def figures(cls, rows: list[dict[str, Any]], client_rows: list[dict[str, Any]]) -> dict[str, Figure]:
         """``merge-weights.png``: softmax(A) at four evaluations (partition ids in order: clusters are id blocks)."""
         weights = [r for r in client_rows if "merge-weights" in r]
         if not weights:
             return {}
-        import numpy as np
-        from matplotlib import pyplot as plt
-
         picks = sorted({0, len(weights) // 3, 2 * len(weights) // 3, len(weights) - 1})
-        fig, axes = plt.subplots(1, len(picks), figsize=(3.2 * len(picks) + 1, 4), squeeze=False)
-        for ax, i in zip(axes[0], picks):
-            image = ax.imshow(np.array(weights[i]["merge-weights"]), aspect="auto", cmap="viridis", vmin=0,
-                              interpolation="nearest")
-            ax.set(title=f"step {weights[i]['round']}", xlabel="global model j", ylabel="client i")
-            fig.colorbar(image, ax=ax, fraction=0.08)
-        fig.suptitle("merging weights softmax(A)")
-        return {"merge-weights.png": fig}
+        return {"merge-weights.png": Figure("merging weights softmax(A)", [
+            Panel("global model j", "client i", image=weights[i]["merge-weights"], title=f"round {weights[i]['round']}")
+            for i in picks])}
 
     def client_report(self) -> dict[str, list]:
         """softmax(A): row i is client i's merging weights (the paper's Fig. 4 heatmaps)."""

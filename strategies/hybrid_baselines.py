@@ -24,18 +24,15 @@ from typing import Any
 
 import torch
 
-from common.config import COUNT, POSITIVE, Option
 from common.training import server_seed, train_on_server
 from strategies.aggregation import fedavg_step
 from strategies.base import Update
 from strategies.fedavg import FedAvg
+from strategies.options import SERVER_TRAIN_EPOCHS, SERVER_TRAIN_LR
 
 SERVER_CLIENT = -1  # the client id HFCL gives the server's own update (sorts first in FedAvg's sum)
 
 # The server's own training schedule, shared with FedDF (where it schedules the distillation).
-SERVER_TRAIN_LR = Option(1e-3, POSITIVE, "the server's training learning rate (FedDF: of the distillation; "
-                                         "grid 1e-5, 1e-4, 1e-3)")
-SERVER_TRAIN_EPOCHS = Option(1, COUNT, "the server's epochs per step (grid 1, 10, 20)")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ from strategies.aggregation import fedavg_step
 from strategies.base import Payload, Unusable, Update
 from strategies.client import ClientSide, LocalTask
 from strategies.fedavg import FedAvg
-from strategies.fedmerge import GLOBAL_MODELS, independent_inits
+from strategies.fedmerge import independent_inits
+from strategies.options import GLOBAL_MODELS
 
 # A payload's extra array: the cluster models after the message's own (θ_2..θ_k, flat); the reply's metric: the
 # index of the model the client chose (0 = the message's).

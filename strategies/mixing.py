@@ -35,7 +35,7 @@ from strategies.aggregation import example_weights, weighted_sum
 from strategies.base import Payload
 from strategies.client import ClientSide, LocalTask
 from strategies.fedavg import FedAvg
-from strategies.fedbuff import SERVER_LR
+from strategies.options import SERVER_LR
 
 SERVER_OPTIMIZER = Option("sgd", OneOf(("sgd", "adam")), "SERVEROPT of generalised FedAvg: `sgd` (x + η_s Δ; η_s = 1 "
                           "is FedAvg) or `adam` (FedAdam: β1 0.9, β2 0.99, τ 1e-3)")

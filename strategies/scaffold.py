@@ -34,7 +34,7 @@ from common.training import local_steps
 from strategies.base import Payload
 from strategies.client import ClientSide
 from strategies.fedavg import FedAvg
-from strategies.fedbuff import SERVER_LR
+from strategies.options import SERVER_LR
 
 
 @objective("scaffold")

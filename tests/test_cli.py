@@ -40,7 +40,7 @@ def test_run_then_resume_in_process(tmp_path: Path, capsys):
     assert f"run cli: final test accuracy {first['final-test-accuracy']:.4f}" in capsys.readouterr().out
     assert main(["resume", str(tmp_path / "cli"), "num-rounds=3"]) == 0
     resumed = _summary(tmp_path / "cli")
-    assert resumed["final-version"] == 3 and resumed["resumed-after-step"] == 2
+    assert resumed["final-version"] == 3 and resumed["resumed-after-round"] == 2
     assert not (tmp_path / "cli" / "clients.jsonl").exists()  # no client evaluation, no empty per-client file
 
 
@@ -87,7 +87,7 @@ def test_a_run_whose_clients_all_fail_exits_1_saying_why(tmp_path: Path, capsys,
     assert main(["run", "fedavg-digits", "num-rounds=2", "strategy=broken:BrokenClients", f"output-dir={tmp_path}",
                  "run-name=failing"]) == 1
     err = capsys.readouterr().err
-    assert "step 1: 10 of the run's 10 replies failed or were rejected" in err
+    assert "round 1: 10 of the run's 10 replies failed or were rejected" in err
     assert "this device's sensor is unplugged" in err
     assert not (tmp_path / "failing" / "summary.json").exists()
 

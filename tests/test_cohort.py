@@ -20,8 +20,8 @@ from common.models import build_from_config
 from common.params import WIRE_KEY, ParamSpec
 from common.protocol import ARRAYS, TRAIN_SEED
 from common.training import LocalRecipe
+from hybridfl.inprocess import InProcessGrid, cohort_training, run_inprocess
 from server_app.config import load_config
-from server_app.inprocess import InProcessGrid, cohort_training, run_inprocess
 from strategies.client import ClientSide, LocalTask
 
 # Relative L2 distance between a cohort-trained and a sequentially trained update (measured: 1e-6 to 5e-5 for
@@ -106,7 +106,7 @@ def _run(tmp_path, name: str, overrides: dict, use_cohort: bool, shadow: list[fl
     out = run_inprocess({**JOB, **overrides, "output-dir": str(tmp_path), "run-name": name},
                         grid=_grid(use_cohort, served, shadow))
     return {"out": out, "summary": json.loads((out / "summary.json").read_text()),
-            "events": [(e["client"], e["step"], e["outcome"]) for e in
+            "events": [(e["client"], e["round"], e["outcome"]) for e in
                        map(json.loads, (out / "events.jsonl").read_text().splitlines())]}, served
 
 

@@ -35,7 +35,7 @@ from hybridfl.compose import (
     validate,
 )
 from hybridfl.flower import PROJECT_DIR, acquire_task_anonymously
-from server_app.inprocess import run_inprocess
+from hybridfl.inprocess import run_inprocess
 
 # The twin stands in for the real engine; CI runs `make compose-test` first, on the same files and code.
 TWIN = pytest.mark.skipif(compose_engine.passed_here(), reason="make compose-test passed on a real Docker engine "

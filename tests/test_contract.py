@@ -21,9 +21,9 @@ from client_app.app import app as client_app
 from common.config import ConfigError, specs_of
 from common.datasets import ArrayDataset
 from common.server_data import ServerData
+from hybridfl.inprocess import InProcessGrid, run_inprocess
 from hybridfl.sweep import config_digest
 from server_app.config import load_config
-from server_app.inprocess import InProcessGrid, run_inprocess
 from server_app.run import Run, build_run
 from strategies import STRATEGIES, Center, FedAvg, FedDF, Feddle, FedFT, GradientTransfer
 from strategies.base import Update
@@ -123,7 +123,7 @@ def feed(r: Run, step: int) -> None:
 @pytest.mark.parametrize("name,extra", CASES, ids=IDS)
 def test_state_dict_round_trip_mid_run_restores_every_attribute(tmp_path, name, extra):
     r = built(tmp_path, name, "a", **ASYNC, **extra)
-    r.runner.run(3, r.on_step)  # mid-run: flights in the air, buffers and atlases part full
+    r.runner.run(3, r.on_round)  # mid-run: flights in the air, buffers and atlases part full
     state, again = r.strategy.state_dict(), r.strategy.state_dict()
     twin = built(tmp_path, name, "b", **ASYNC, **extra)
     twin.strategy.load_state_dict(state)
@@ -157,7 +157,7 @@ def test_a_run_killed_mid_step_and_resumed_ends_byte_identical(tmp_path, name, e
         assert rows(resumed) == rows(whole)
     assert rows(resumed, "events.jsonl") == rows(whole, "events.jsonl")
     summary = json.loads((resumed / "summary.json").read_text())
-    assert summary["resumed-after-step"] == 4 and summary["total-accepted"] == sum(r["accepted"] for r in rows(whole))
+    assert summary["resumed-after-round"] == 4 and summary["total-accepted"] == sum(r["accepted"] for r in rows(whole))
 
 
 @pytest.mark.parametrize("name,extra", CASES, ids=IDS)

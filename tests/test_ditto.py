@@ -17,8 +17,8 @@ from common.objectives import Received, build_loss
 from common.params import ParamSpec
 from common.protocol import TRAIN_SEED
 from common.training import LocalRecipe, derive_seed, evaluate, train
+from hybridfl.inprocess import InProcessGrid, run_inprocess
 from server_app.config import load_config
-from server_app.inprocess import InProcessGrid, run_inprocess
 from strategies.client import LocalTask
 from strategies.ditto import LAMBDA, PERSONAL, DittoClient
 

@@ -18,8 +18,8 @@ from helpers import DITTO_TWO_NODES, flower_threads, personal_accuracies
 from hybridfl.cli import main
 from hybridfl.deploy_local import deploy
 from hybridfl.flower import acquire_task_anonymously, device_timings, free_port
+from hybridfl.inprocess import run_inprocess
 from hybridfl.pki import node_key
-from server_app.inprocess import run_inprocess
 
 
 def running(pid: int) -> bool:

@@ -15,8 +15,8 @@ from helpers import digest, flower_threads, rows
 
 from hybridfl import simulate
 from hybridfl.flower import alive, process_tree
+from hybridfl.inprocess import run_inprocess
 from server_app.checkpoint import CHECKPOINT
-from server_app.inprocess import run_inprocess
 
 JOB = {"dataset": "synthetic", "num-clients": 3, "clients-per-round": 3, "num-rounds": 2, "local-epochs": 1,
        "batch-size": 16}
@@ -36,7 +36,7 @@ def command_lines(pids: set[int]) -> dict[int, str]:
 
 
 def events(out) -> list[tuple]:
-    return [(e["client"], e["base-version"], e["dispatch-step"], e["step"], e["outcome"])
+    return [(e["client"], e["base-version"], e["dispatch-round"], e["round"], e["outcome"])
             for e in map(json.loads, (out / "events.jsonl").read_text().splitlines())]
 
 
@@ -116,7 +116,7 @@ def test_serverapp_killed_under_flwr_run_resumes_to_the_model_of_an_uninterrupte
         resumed = simulate.simulate({"resume": str(out)}, tmp_path / "flwr-home")
         ref = run_inprocess({**job, "run-name": "ref"})
     summary = json.loads((resumed / "summary.json").read_text())
-    assert summary["resumed-after-step"] >= 4 and summary["final-version"] > 0
+    assert summary["resumed-after-round"] >= 4 and summary["final-version"] > 0
     assert digest(resumed / "model.pt") == digest(ref / "model.pt")
     assert rows(resumed, "events.jsonl") == rows(ref, "events.jsonl")
     same = lambda r: {k: v for k, v in r.items() if not k.startswith("test-")}

@@ -21,8 +21,8 @@ from common.models import build_from_config
 from common.objectives import Received, build_loss
 from common.params import ParamSpec
 from common.training import LocalRecipe, accuracy_of, evaluate, train
+from hybridfl.inprocess import run_inprocess
 from server_app.config import load_config
-from server_app.inprocess import run_inprocess
 from strategies import FedDual
 from strategies.base import Unusable, Update
 from strategies.feddual import (

@@ -14,9 +14,9 @@ from common.data import client_partition, data_spec
 from common.models import build_from_config
 from common.params import ParamSpec
 from common.training import evaluate
+from hybridfl.inprocess import run_inprocess
 from server_app.checkpoint import read_checkpoint
 from server_app.config import load_config
-from server_app.inprocess import run_inprocess
 from strategies import FedMerge
 from strategies.base import Update
 from strategies.fedmerge import MAX_QUANTA, QUANTUM, line_search, logit_gradient

@@ -15,7 +15,7 @@ from common.data import ArrayDataset
 from common.params import ParamSpec
 from common.protocol import METRICS
 from common.training import evaluate
-from server_app.inprocess import run_inprocess
+from hybridfl.inprocess import run_inprocess
 from strategies import IFCA
 from strategies.base import Unusable, Update
 from strategies.ifca import CANDIDATE, CANDIDATES, choose_candidate

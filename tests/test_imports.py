@@ -11,11 +11,11 @@ from pathlib import Path
 from hybridfl.flower import PROJECT_DIR
 
 PACKAGES = ("common", "strategies", "server_app", "client_app", "hybridfl")
-# What each package may import from the others: common is the bottom, the ServerApp above the apps' code (its
-# in-process engine runs the ClientApp), the command and its launchers (hybridfl/) the top; a method's client side
-# lives with its strategy, so the ClientApp imports strategies.
+# What each package may import from the others: common is the bottom; a method's client side lives with its
+# strategy, so the ClientApp imports strategies; the ServerApp never imports the ClientApp (they meet only through
+# messages); the command, its launchers and the in-process engine, which runs both apps (hybridfl/), are the top.
 ALLOWED = {"common": set(), "strategies": {"common"}, "client_app": {"common", "strategies"},
-           "server_app": {"common", "strategies", "client_app"},
+           "server_app": {"common", "strategies"},
            "hybridfl": {"common", "strategies", "client_app", "server_app"}}
 
 
@@ -118,7 +118,7 @@ def _code_words(path: Path, names: bool = True) -> set[str]:
     return words
 
 
-SHARED = ("__init__.py", "base.py", "client.py", "aggregation.py")  # the strategies' shared base, not a method
+SHARED = ("__init__.py", "base.py", "client.py", "aggregation.py", "options.py")  # the strategies' shared base
 
 
 def test_the_clientapp_and_the_serverapp_never_name_a_method_or_its_keys():
@@ -141,3 +141,22 @@ def test_the_clientapp_and_the_serverapp_never_name_a_method_or_its_keys():
              for p in (PROJECT_DIR / pkg).rglob("*.py")
              for w in (_code_words(p, names=False) & method) | (_code_words(p) & names)}
     assert found == set()
+
+
+def test_strategies_return_their_figures_as_data_and_never_draw():
+    """A method's plots are data (common/figures.py); server_app/plots.py draws them."""
+    drawing = sorted(str(p.relative_to(PROJECT_DIR)) for pkg in ("strategies", "common", "client_app")
+                     for p in (PROJECT_DIR / pkg).rglob("*.py") if "matplotlib" in imports_anywhere(p))
+    assert drawing == []
+    assert "matplotlib" in imports_anywhere(PROJECT_DIR / "server_app" / "plots.py")  # the check sees real imports
+
+
+def imports_anywhere(path: Path) -> set[str]:
+    """The top-level names of every module `path` imports, also inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found

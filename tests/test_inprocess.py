@@ -18,9 +18,9 @@ from common.models import build_model
 from common.params import ParamSpec
 from common.protocol import ARRAYS, TRAIN_SEED
 from common.training import evaluate
+from hybridfl.inprocess import InProcessGrid, run_inprocess
 from server_app.config import client_config, load_config
 from server_app.flower import FlowerStrategy
-from server_app.inprocess import InProcessGrid, run_inprocess
 from strategies import build_strategy
 
 

@@ -13,11 +13,11 @@ import torch
 from flwr.app import Array, Message
 
 from client_app.app import app as client_app
+from hybridfl.inprocess import InProcessGrid
 from server_app.config import load_config
 from server_app.evaluation import client_evaluate
-from server_app.inprocess import InProcessGrid
 from server_app.run import build_run
-from server_app.runtime import StepLog
+from server_app.runtime import RoundLog
 
 
 class CountingGrid(InProcessGrid):
@@ -80,11 +80,11 @@ def test_models_held_during_training_are_bounded_by_the_versions_in_flight(tmp_p
     r.runner.directory.wait_for(cfg.num_clients, 10)
     seen: list[tuple[int, int, int, int, int]] = []  # after each step: flights, versions, accepted, copies
 
-    def on_step(entry: StepLog) -> None:
+    def on_round(entry: RoundLog) -> None:
         flights = r.runner.flights.values()
         seen.append((len(flights), len({f.version for f in flights}), entry.accepted, *model_copies(r.pspec.numel)))
 
-    r.runner.run(cfg.num_rounds, on_step)
+    r.runner.run(cfg.num_rounds, on_round)
     assert max(s[0] for s in seen) >= 12 and max(s[1] for s in seen) >= 4  # the bound is tested under load
     for flights, versions, accepted, storages, arrays in seen:
         assert storages <= versions + accepted + own + 4, (flights, versions, accepted, storages)

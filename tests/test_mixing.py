@@ -20,8 +20,8 @@ from common.params import ParamSpec
 from common.protocol import ARRAYS, EXTRAS
 from common.server_data import ServerData
 from common.training import LocalRecipe, evaluate, server_seed, train_on_server
+from hybridfl.inprocess import InProcessGrid, run_inprocess
 from server_app.config import load_config
-from server_app.inprocess import InProcessGrid, run_inprocess
 from strategies import ExampleTransfer, FedAvg, GeneralizedFedAvg, GradientTransfer, ParallelTraining
 from strategies.base import Update
 from strategies.mixing import CENTRAL_GRADIENT, CENTRAL_X, CENTRAL_Y

@@ -33,13 +33,13 @@ def test_a_line_is_rewritten_on_a_terminal_and_plain_elsewhere():
 def test_a_runs_line_counts_updates_keeps_the_last_evaluation_and_estimates_the_time_left():
     stream = Terminal()
     progress = RunProgress(SimpleNamespace(num_rounds=4), Path("."), Line(stream))
-    progress.step({"round": 0, "test-accuracy": 0.1})  # before training: no line yet
+    progress.round({"round": 0, "test-accuracy": 0.1})  # before training: no line yet
     assert stream.getvalue() == ""
-    progress.step({"round": 1, "accepted": 3})
-    progress.step({"round": 2, "accepted": 5, "test-accuracy": 0.5})
-    progress.step({"round": 3, "accepted": 4})
+    progress.round({"round": 1, "accepted": 3})
+    progress.round({"round": 2, "accepted": 5, "test-accuracy": 0.5})
+    progress.round({"round": 3, "accepted": 4})
     last = stream.getvalue().split("\r\x1b[2K")[-1]
-    assert last.startswith("step 3/4 [###############-----] 12 updates accepted · test accuracy 0.5000 at step 2 ·")
+    assert last.startswith("round 3/4 [###############-----] 12 updates accepted · test accuracy 0.5000 at round 2 ·")
     assert last.endswith(" left")
     progress.finish({})
     assert stream.getvalue().endswith("\n")
@@ -65,7 +65,7 @@ def test_an_in_process_run_on_a_terminal_shows_its_line_and_quiets_flowers_info(
     level = logging.getLogger("flwr").level
     small = ["dataset=synthetic", "num-clients=4", "clients-per-round=4", "local-epochs=1", f"output-dir={tmp_path}"]
     assert main(["run", "fedavg-digits", "num-rounds=2", *small, "run-name=p"]) == 0
-    assert "step 2/2 [####################] 8 updates accepted · test accuracy" in stream.getvalue()
+    assert "round 2/2 [####################] 8 updates accepted · test accuracy" in stream.getvalue()
     assert logging.getLogger("flwr").level == level  # restored
     out = io.StringIO()
     monkeypatch.setattr(sys, "stderr", out)

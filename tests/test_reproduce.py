@@ -12,8 +12,8 @@ import torch
 
 from benchmarks import reproduce_feddle as R
 from hybridfl import sweep as S
+from hybridfl.inprocess import run_inprocess
 from server_app.config import load_config, used_keys
-from server_app.inprocess import run_inprocess
 
 FAMILIES = ("feddle-animal", "feddle-fmnist")
 
@@ -76,7 +76,7 @@ def test_an_interrupted_run_is_resumed_from_its_checkpoint_unless_its_configurat
     assert S.interrupted(overrides) == tmp_path / "r"
     assert S.interrupted({**overrides, "server-lr": 0.5}) is None  # another configuration starts afresh
     resumed = one(overrides)
-    assert json.loads((tmp_path / "r" / "summary.json").read_text())["resumed-after-step"] == 4
+    assert json.loads((tmp_path / "r" / "summary.json").read_text())["resumed-after-round"] == 4
     same = lambda r: {k: v for k, v in r.items() if k not in ("seconds", "folder")}
     assert same(resumed) == same(whole) and resumed["config"] == S.config_digest(overrides)
     assert resumed["series"] and resumed["curve"] and resumed["val"] is not None

@@ -9,8 +9,8 @@ import pytest
 
 from benchmarks import reproduce_fedmerge as F
 from hybridfl import sweep as S
+from hybridfl.inprocess import run_inprocess
 from server_app.config import load_config
-from server_app.inprocess import run_inprocess
 
 SPEC = "benchmarks/sweeps/fedmerge-fmnist.yaml"
 

@@ -17,9 +17,9 @@ from helpers import Crash, crashing, digest, rows
 
 from common.config import ConfigError
 from hybridfl.flower import PROJECT_DIR
+from hybridfl.inprocess import run_inprocess
 from server_app.checkpoint import CHECKPOINT, read_checkpoint, write_checkpoint
 from server_app.config import MAY_CHANGE_ON_RESUME, load_config
-from server_app.inprocess import run_inprocess
 
 JOB = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 2, "num-rounds": 6, "local-epochs": 1,
        "batch-size": 16, "strategy": "fedbuff", "buffer-size": 2, "delay-sigma": 1.5, "checkpoint-every": 2}
@@ -168,7 +168,7 @@ def test_a_resumed_runs_wall_time_counts_every_process_that_worked_on_it(tmp_pat
 def test_sigkill_of_the_serverapp_process_then_resume_is_byte_identical(tmp_path):
     """The in-process engine in its own process, killed with SIGKILL mid-run; resumed here."""
     overrides = job(tmp_path, "killed", **{"num-rounds": 10, "strategy": "feddle", "central-size": 40})
-    code = ("from client_app.app import app\nfrom server_app.inprocess import InProcessGrid, run_inprocess\n"
+    code = ("from client_app.app import app\nfrom hybridfl.inprocess import InProcessGrid, run_inprocess\n"
             f"run_inprocess({overrides!r}, grid=InProcessGrid(app, 4, node_config={{'latency-s': 0.1}}))\n")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=PROJECT_DIR, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -182,13 +182,13 @@ def test_sigkill_of_the_serverapp_process_then_resume_is_byte_identical(tmp_path
         proc.kill()
         proc.wait()
     assert proc.returncode == -signal.SIGKILL and not (tmp_path / "killed" / "summary.json").exists()
-    step = read_checkpoint(tmp_path / "killed")["step"]
+    step = read_checkpoint(tmp_path / "killed")["round"]
     assert 4 <= step < 10
     resumed = run_inprocess({"resume": str(tmp_path / "killed")})
     whole = run_inprocess({**overrides, "run-name": "whole"})
     assert digest(resumed / "model.pt") == digest(whole / "model.pt")
     assert rows(resumed) == rows(whole) and rows(resumed, "events.jsonl") == rows(whole, "events.jsonl")
-    assert json.loads((resumed / "summary.json").read_text())["resumed-after-step"] == step
+    assert json.loads((resumed / "summary.json").read_text())["resumed-after-round"] == step
 
 
 def test_a_new_run_in_a_used_folder_drops_the_old_checkpoint(tmp_path):

@@ -15,7 +15,7 @@ from flwr.clientapp import ClientApp
 
 from client_app.app import app as client_app
 from common.protocol import ARRAYS, BASE_VERSION, CONFIG, METRICS, NUM_EXAMPLES, PARTITION_ID, VERSION
-from server_app.inprocess import InProcessGrid
+from hybridfl.inprocess import InProcessGrid
 
 
 def events(out) -> list[dict]:
@@ -51,13 +51,13 @@ def test_virtual_clock_same_seed_same_events_and_model(small_run):
     a, _ = small_run("a", **ASYNC)
     b, _ = small_run("b", **ASYNC)
     c, _ = small_run("c", **{**ASYNC, "seed": 1})
-    key = lambda e: (e["client"], e["base-version"], e["dispatch-step"], e["step"], e["outcome"])
+    key = lambda e: (e["client"], e["base-version"], e["dispatch-round"], e["round"], e["outcome"])
     assert [key(e) for e in events(a)] == [key(e) for e in events(b)]
     assert [key(e) for e in events(a)] != [key(e) for e in events(c)]
     assert digest(a / "model.pt") == digest(b / "model.pt") != digest(c / "model.pt")
     ev = events(a)
     assert any(e["staleness"] > 0 for e in ev)  # updates really arrive late
-    assert all(e["step"] >= e["dispatch-step"] for e in ev)
+    assert all(e["round"] >= e["dispatch-round"] for e in ev)
     assert (a / "staleness.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -76,7 +76,7 @@ def test_observed_delays_follow_the_half_normal(small_run):
                              **{"num-clients": 100, "clients-per-round": 10, "delay-sigma": sigma, "num-rounds": 200,
                                 "partitioner": "iid",
                                 "eval-every": 1000})
-    delays = np.array([e["step"] - e["dispatch-step"] for e in events(out)])
+    delays = np.array([e["round"] - e["dispatch-round"] for e in events(out)])
     assert len(delays) > 1000  # ~160 clients would be in flight: the 100 saturate, fewer than 10 idle per step
     assert abs(delays.mean() - sigma * math.sqrt(2 / math.pi)) < 0.1 * sigma * math.sqrt(2 / math.pi)
     assert (delays == 0).mean() < 0.05  # half-normal, not a point mass at zero

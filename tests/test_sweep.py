@@ -114,7 +114,7 @@ def test_a_sweep_killed_mid_run_resumes_then_reports_its_choice(tmp_path: Path, 
     done = _lines(results)
     assert sorted(r["key"] for r in done) == sorted(k for k, _ in sweeps.load(spec).jobs())  # each once
     resumed = json.loads((second.parent / "summary.json").read_text())
-    assert resumed["resumed-after-step"] >= 1  # picked up at its checkpoint, not started afresh
+    assert resumed["resumed-after-round"] >= 1  # picked up at its checkpoint, not started afresh
     # its seconds count the killed process too, not the resumed one's alone
     second_result = next(r for r in done if r["key"] == "fedavg-digits/s0/lr=0.1")
     assert second_result["seconds"] == resumed["run-wall-seconds"] > resumed["wall-seconds"]

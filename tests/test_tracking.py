@@ -11,8 +11,8 @@ import yaml
 
 from common.errors import ConfigError
 from hybridfl import sweep as sweeps
+from hybridfl.inprocess import run_inprocess
 from server_app.config import load_config
-from server_app.inprocess import run_inprocess
 
 SHORT = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 4, "local-epochs": 1, "batch-size": 16,
          "num-rounds": 2, "eval-every": 1}

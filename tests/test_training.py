@@ -16,8 +16,8 @@ from common.objectives import Received, build_loss
 from common.params import ParamSpec
 from common.protocol import ARRAYS, TRAIN_SEED
 from common.training import evaluate, predict, run_epochs
+from hybridfl.inprocess import InProcessGrid
 from server_app.config import client_config, load_config
-from server_app.inprocess import InProcessGrid
 
 
 class BatchRecorder(nn.Module):

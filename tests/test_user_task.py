@@ -17,8 +17,8 @@ from common.config import ConfigError
 from common.data import load_dataset
 from common.models import build_from_config
 from hybridfl.flower import PROJECT_DIR
+from hybridfl.inprocess import InProcessGrid, run_inprocess
 from server_app.config import load_config
-from server_app.inprocess import InProcessGrid, run_inprocess
 
 EXAMPLE = PROJECT_DIR / "examples" / "tabular"
 

@@ -28,7 +28,7 @@ from client_app import supernode
 from client_app.warm_executor import PRELOAD, WarmExecutor
 from hybridfl.deploy_local import deploy, deploy_runs
 from hybridfl.flower import PROJECT_DIR, alive, children, device_timings
-from server_app.inprocess import run_inprocess
+from hybridfl.inprocess import run_inprocess
 
 EXAMPLE = PROJECT_DIR / "examples" / "tabular"
 JOB = {"preset": "fedavg-digits", "num-clients": 2, "clients-per-round": 2, "num-rounds": 2, "eval-every": 2}
@@ -184,7 +184,7 @@ def test_a_message_whose_child_is_killed_is_counted_and_the_node_goes_on(tmp_pat
     assert killed
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     lost = [e for e in events if e["outcome"] != "accepted"]
-    assert [(e["step"], e["client"], e["outcome"]) for e in lost] == [(1, 0, "failure")], lost
+    assert [(e["round"], e["client"], e["outcome"]) for e in lost] == [(1, 0, "failure")], lost
     assert "ClientApp stopped responding" in lost[0]["reason"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["total-accepted"] == 3 and summary["final-version"] == 2
@@ -224,7 +224,7 @@ def test_a_warm_deployment_runs_as_in_process_and_survives_its_fork_server_s_dea
     assert summaries[0]["total-accepted"] == 4 and summaries[1]["total-accepted"] > 0  # the second: virtual delays
     assert [s["total-failures"] for s in summaries] == [0, 0]
     assert summaries[1]["config"]["model"] == "tabular_task.task:mlp"
-    events = lambda out: [(e["client"], e["step"], e["outcome"]) for e in
+    events = lambda out: [(e["client"], e["round"], e["outcome"]) for e in
                           map(json.loads, (out / "events.jsonl").read_text().splitlines())]
     assert events(first) == events(ref)
     a, b = torch.load(first / "model.pt"), torch.load(ref / "model.pt")
