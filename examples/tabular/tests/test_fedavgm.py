@@ -22,7 +22,7 @@ def test_the_step_is_fedavg_with_server_momentum():
     s = FedAvgM(server_momentum=beta, clip_norm=1.0)
     w0 = torch.zeros(2)
     s.initialize(w0, spec=None)
-    assert s.model_for(3).config == {"clip-norm": 1.0}  # what the clients clip to
+    assert s.client_options() == {"clip-norm": 1.0}  # what every message tells the clients to clip to
     deliver(s, [_update(0, [1.0, 0.0], 1, w0), _update(1, [0.0, 3.0], 3, w0)])
     mean1 = torch.tensor([0.25, 2.25])  # Δ̄, weighted by examples
     torch.testing.assert_close(s.params, w0 + mean1)  # v1 = Δ̄1
