@@ -28,7 +28,7 @@ from common.config import ConfigError
 from strategies.base import Payload, Update
 
 CHECKPOINT = "checkpoint.pt"
-FORMAT = 1
+FORMAT = 2  # 2: the runtime's tick is a round (issue 50): "round", and the flights' dispatch and due rounds
 # The classes a checkpoint holds besides tensors and plain data: the payloads of the flights in the air (runner),
 # the updates of a part-full buffer (FedBuff) and Feddle's out-of-domain head (an nn.Linear)
 ALLOWED = (Payload, Update, nn.Linear)

@@ -65,7 +65,7 @@ def test_unusable_checkpoints_fail_at_start_with_the_reason(tmp_path):
     with pytest.raises(ConfigError, match="its model differs from this run's"):
         run_inprocess({"resume": str(out)})
     torch.save({"format": 99}, out / CHECKPOINT)
-    with pytest.raises(ConfigError, match="not a hybridfl checkpoint of format 1"):
+    with pytest.raises(ConfigError, match="not a hybridfl checkpoint of format 2 \\(found format 99\\)"):
         load_config({"resume": str(out)})
 
 
@@ -99,7 +99,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path
 def test_truncated_and_foreign_checkpoints_are_refused_saying_what_they_are(tmp_path):
     out = run_inprocess(job(tmp_path, "a", **{"num-rounds": 2}))
     good = (out / CHECKPOINT).read_bytes()
-    cut, foreign = "unreadable, corrupt or truncated", r"not a hybridfl checkpoint of format 1 \(found a "
+    cut, foreign = "unreadable, corrupt or truncated", r"not a hybridfl checkpoint of format 2 \(found a "
     files = [(good[:-1], cut), (good[:200], cut), (b"", cut),
              ((out / "model.pt").read_bytes(), foreign + "dict without a format tag"), ([1, 2], foreign + r"list\)")]
     for content, why in files:
