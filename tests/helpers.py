@@ -20,10 +20,11 @@ from common.protocol import ARRAYS
 
 
 def rows(out: Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]:
-    """Lines of a run's jsonl file without what depends on timing (seconds, event times) or node ids."""
+    """Lines of a run's jsonl file without what depends on timing (seconds, event times) or node ids, also in the
+    strategy steps of a round (``steps``)."""
     drop = lambda k: "seconds" in k or k in ("t", "node")
-    lines = (out / name).read_text().splitlines()
-    return [{k: v for k, v in json.loads(line).items() if not drop(k)} for line in lines]
+    kept = lambda d: {k: [kept(s) for s in v] if k == "steps" else v for k, v in d.items() if not drop(k)}
+    return [kept(json.loads(line)) for line in (out / name).read_text().splitlines()]
 
 
 # Ditto on two nodes for two rounds, evaluated at the start and the end: the personal accuracies at the end come
