@@ -74,13 +74,13 @@ def client_run(method: str, n: int, seed: int = 0) -> float:
     """Seconds of one client's local run under `method`, on what its dispatch carries (as the ClientApp does)."""
     cfg, model, spec, strategy = built(method, seed)
     payload = strategy.model_for(0)
-    config = {**cfg.to_dict(), **payload.config}
+    config = {**cfg.to_dict(), **strategy.client_options()}  # what every message to its clients carries
     recipe = make_options(LocalRecipe, config)
     data = fmnist_like(n, tuple(range(7)), seed + 1)
     started = time.perf_counter()
     spec.load_into(model, payload.params)
     received = Received(model, [p.detach().clone() for p in model.parameters() if p.requires_grad], payload.arrays)
-    loss = build_loss(recipe.local_objective, config, received)
+    loss = build_loss(strategy.client_side.objective or recipe.local_objective, config, received)
     train(model, with_central_examples(data, payload.arrays), recipe, seed, loss=loss)
     return time.perf_counter() - started
 

@@ -20,12 +20,9 @@ from pathlib import Path
 
 def digests(presets: list[str], rounds: int) -> dict[str, str]:
     """{preset: sha256 of its model.pt, or "skipped: <why>" when its data cannot be loaded here}."""
-    import torch
-
     from common.datasets import DatasetNotFound
     from hybridfl.inprocess import run_inprocess
 
-    torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -58,8 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(before) - len(differ)} presets alike ({len(ran)} with the same model.pt, the rest skipped on "
               f"both sides); {len(differ)} differ" + "".join(f"\n  {p}" for p in differ))
         return 1 if differ else 0
+    import torch
+
     from server_app.config import preset_names
 
+    torch.set_num_threads(1)  # the digests of two commits compare only on the same threads
     print(json.dumps(digests(args.presets or preset_names(), args.rounds), indent=1))
     return 0
 

@@ -95,7 +95,7 @@ def test_a_run_whose_clients_all_fail_exits_1_saying_why(tmp_path: Path, capsys,
 def test_an_unexpected_error_prints_one_line_and_keeps_the_traceback_in_a_file(tmp_path, monkeypatch, capsys):
     """Not a config error (exit 2) nor a failed run: one line naming the exception and where its traceback went,
     exit 1; `--verbose` prints the traceback too."""
-    from server_app import inprocess
+    from hybridfl import inprocess
 
     def broken(overrides):
         raise ValueError("the loader returned 3 columns, the model expects 4")

@@ -45,7 +45,7 @@ def test_clients_on_the_cpu_setting_train_the_same_bytes_as_auto_here(small_run,
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the node's device is there")
 def test_a_node_asking_for_a_missing_accelerator_fails_its_replies_with_the_reason(small_run, tmp_path):
     """Every node fails its replies saying why, and the run stops quoting it (max-failed-fraction)."""
-    with pytest.raises(RuntimeError, match="the first: step 1, client 0: error reply .*device 'cuda' asked for, but "
+    with pytest.raises(RuntimeError, match="the first: round 1, client 0: error reply .*device 'cuda' asked for, but "
                                            "torch sees no CUDA device"):
         small_run("missing", grid=_grid("cuda"), **{"num-rounds": 1})
     assert any("device 'cuda' asked for, but torch sees no CUDA device" in line

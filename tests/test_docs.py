@@ -21,7 +21,7 @@ def blocks(language: str) -> list[str]:
 def test_every_code_excerpt_is_verbatim_in_the_source():
     sources = "\n".join(p.read_text() for p in SOURCES)
     excerpts = blocks("python")
-    assert len(excerpts) == 10
+    assert len(excerpts) == 11
     assert [e for e in excerpts if e not in sources] == []
 
 

@@ -14,6 +14,7 @@ import torch
 from helpers import digest, flower_threads, rows
 
 from hybridfl import simulate
+from hybridfl.cli import main as cli
 from hybridfl.flower import alive, process_tree
 from hybridfl.inprocess import run_inprocess
 from server_app.checkpoint import CHECKPOINT
@@ -124,7 +125,7 @@ def test_serverapp_killed_under_flwr_run_resumes_to_the_model_of_an_uninterrupte
 
 
 def test_bad_config_fails_before_starting_anything(tmp_path, capsys):
-    rc = simulate.main(["num-rounds=0", "--flwr-home", str(tmp_path / "home")])
+    rc = cli(["run", "--mode", "simulation", "num-rounds=0", "--flwr-home", str(tmp_path / "home")])
     assert rc == 2
     assert "config key 'num-rounds' = 0" in capsys.readouterr().err
     assert not (tmp_path / "home").exists()

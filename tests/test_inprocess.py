@@ -72,8 +72,8 @@ def test_a_run_whose_replies_mostly_fail_stops_quoting_the_first_failure(small_r
     after its first step with an error that counts them and quotes the first; at the default (0.8) it goes on (the
     test above); with every reply failing, the default stops it too. What it wrote so far stays."""
     faulty = {"client_app": faulty_client_app(), "num-clients": 5, "clients-per-round": 5}
-    with pytest.raises(RuntimeError, match=r"step 1: 3 of the run's 5 replies failed or were rejected, more than "
-                                           r"max-failed-fraction = 0.5; the first: step 1, client \d: "):
+    with pytest.raises(RuntimeError, match=r"round 1: 3 of the run's 5 replies failed or were rejected, more than "
+                                           r"max-failed-fraction = 0.5; the first: round 1, client \d: "):
         small_run("strict", **faulty, **{"max-failed-fraction": 0.5})
     rows = (tmp_path / "strict" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["round"] for r in rows] == [0, 1]
@@ -85,7 +85,7 @@ def test_a_run_whose_replies_mostly_fail_stops_quoting_the_first_failure(small_r
     failing.train()(broken)
     for kind in ("evaluate", "query"):
         getattr(failing, kind)()(lambda msg, context: client_app(msg, context))
-    with pytest.raises(RuntimeError, match=r"4 of the run's 4 replies .* the first: step 1, client \d: error reply "
+    with pytest.raises(RuntimeError, match=r"4 of the run's 4 replies .* the first: round 1, client \d: error reply "
                                            r"\(code \d\): RuntimeError: the device's disk is full"):
         small_run("broken", client_app=failing)
     _, summary = small_run("tolerant", client_app=failing, **{"max-failed-fraction": 1.0, "num-rounds": 2})

@@ -22,9 +22,9 @@ def test_a_line_is_rewritten_on_a_terminal_and_plain_elsewhere():
     tty, pipe = Terminal(), io.StringIO()
     for stream in (tty, pipe):
         line = Line(stream)
-        line.update("step 1/2")
+        line.update("round 1/2")
         line.print("run a finished")
-        line.update("step 2/2")
+        line.update("round 2/2")
         line.close()
     assert pipe.getvalue() == "run a finished\n"  # no status lines where nothing can rewrite them
     assert tty.getvalue() == ("\r\x1b[2Kstep 1/2" "\r\x1b[2Krun a finished\nstep 1/2" "\r\x1b[2Kstep 2/2" "\n")

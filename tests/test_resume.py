@@ -168,7 +168,9 @@ def test_a_resumed_runs_wall_time_counts_every_process_that_worked_on_it(tmp_pat
 def test_sigkill_of_the_serverapp_process_then_resume_is_byte_identical(tmp_path):
     """The in-process engine in its own process, killed with SIGKILL mid-run; resumed here."""
     overrides = job(tmp_path, "killed", **{"num-rounds": 10, "strategy": "feddle", "central-size": 40})
-    code = ("from client_app.app import app\nfrom hybridfl.inprocess import InProcessGrid, run_inprocess\n"
+    # the killed process computes with this one's torch threads: they decide the float sums compared below
+    code = (f"import torch\ntorch.set_num_threads({torch.get_num_threads()})\n"
+            "from client_app.app import app\nfrom hybridfl.inprocess import InProcessGrid, run_inprocess\n"
             f"run_inprocess({overrides!r}, grid=InProcessGrid(app, 4, node_config={{'latency-s': 0.1}}))\n")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=PROJECT_DIR, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
