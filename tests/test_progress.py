@@ -27,7 +27,7 @@ def test_a_line_is_rewritten_on_a_terminal_and_plain_elsewhere():
         line.update("round 2/2")
         line.close()
     assert pipe.getvalue() == "run a finished\n"  # no status lines where nothing can rewrite them
-    assert tty.getvalue() == ("\r\x1b[2Kstep 1/2" "\r\x1b[2Krun a finished\nstep 1/2" "\r\x1b[2Kstep 2/2" "\n")
+    assert tty.getvalue() == ("\r\x1b[2Kround 1/2" "\r\x1b[2Krun a finished\nround 1/2" "\r\x1b[2Kround 2/2" "\n")
 
 
 def test_a_runs_line_counts_updates_keeps_the_last_evaluation_and_estimates_the_time_left():
