@@ -1,6 +1,6 @@
 """Cohort training: the train messages the in-process engine pulls together, trained as one batched computation.
 
-A server step of a simulation hands ~10 small local runs to the clients; one after another, a GPU spends them
+A round of a simulation hands ~10 small local runs to the clients; one after another, a GPU spends them
 launching one client's small kernels after another (BENCHMARKS, "Cohort training"). Here the clients of a pull
 that run the same model train together: their trainable parameters are stacked into one (C, P) tensor, and every
 local step is one ``torch.func.vmap`` over ``functional_call`` of the shared model — each client on its own batch

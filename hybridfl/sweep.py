@@ -524,7 +524,7 @@ def plot(results: Results, sweep: Sweep, path: Path) -> None:
         if curves and all(len(x) == len(curves[0]) for x in curves):
             ax.plot([s for s, _ in curves[0]], 100 * np.mean([[a for _, a in x] for x in curves], axis=0),
                     label=f"{c.preset} {c.label}" if c.point or c.block else c.preset)
-    ax.set(title=f"sweep {sweep.name} (mean over seeds)", xlabel="server step", ylabel="test accuracy (%)")
+    ax.set(title=f"sweep {sweep.name} (mean over seeds)", xlabel="round", ylabel="test accuracy (%)")
     ax.grid(alpha=0.3)
     if ax.lines:  # beside the axes: a tuning sweep has dozens of candidates
         ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1), ncol=1 + len(ax.lines) // 25)

@@ -1,7 +1,7 @@
 """FedDF — ensemble distillation for model fusion (Lin et al., "Ensemble Distillation for Robust
 Model Fusion in Federated Learning", NeurIPS 2020), as the Feddle papers run it (-ID and -OOD).
 
-At the close of every server step, with the updates U of that step:
+At the close of every round, with the updates U of that round:
 
     ω_avg = ω + Σ_{j∈U} (n_j / Σ n_i) · Δ_j                       (FedAvg on the current ω)
     ω_j   = ω^{τ_j} + Δ_j                                         (each teacher, rebuilt from the

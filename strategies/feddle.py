@@ -21,8 +21,8 @@ a new update replaces the anchor with the lowest score once the atlas is full.
 The fallback is FedBuff with the run's own FedBuff keys (buffer-size K, server-lr η_g, weighting,
 staleness): the server searches when K updates have arrived since the last search, exactly when FedBuff
 would step, and c′ is FedBuff's step over those K anchors. With ``server-epochs = 0`` Feddle is FedBuff.
-``search-every = step`` searches instead at the end of every server step that brought an update (Alg. 1's
-"round k"; spec §1.5 choice A), from FedBuff's step over that step's B arrivals (weights b_m = 1/B, uniform).
+``search-every = step`` searches instead at the end of every round that brought an update (Alg. 1's
+"round k"; spec §1.5 choice A), from FedBuff's step over that round's B arrivals (weights b_m = 1/B, uniform).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class FeddleConfig(FedBuffConfig):
                               "(not in the papers; c′ itself where the found step is 0)")
     search_every: str = option("buffer", OneOf(("buffer", "step")), "when to search: `buffer` = when FedBuff "
                                "would step (buffer-size arrivals; c′ = its step), `step` = at the end of every "
-                               "server step with a new update (c′ = FedBuff's weights over that step's arrivals)")
+                               "round with a new update (c′ = FedBuff's weights over that round's arrivals)")
 
     def __post_init__(self) -> None:
         # The fallback's K updates must all be anchors when it fires.
