@@ -48,7 +48,7 @@ from strategies.options import SERVER_TRAIN_LR
 class FeddleConfig(FedBuffConfig):
     """Feddle's options, after its fallback's: FedBuff's own keys (buffer-size, server-lr, ...)."""
 
-    atlas_size: int = option(20, COUNT, "M, anchors in the model atlas (papers: 2 × clients per step)")
+    atlas_size: int = option(20, COUNT, "M, anchors in the model atlas (papers: 2 × clients per round)")
     search_lr: float = option(1e-3, POSITIVE, "Adam learning rate on the coefficients "
                               "(grid 1e-5, 1e-4, 1e-3)")
     server_epochs: int = option(1, Range(0), "E_g, passes over the server data per search "
