@@ -25,7 +25,7 @@ from strategies.options import BUFFER_SIZE, SERVER_LR, STALENESS_EXPONENT
 # Keys several buffered methods share (CA2FL, FedAsync, Feddle's fallback), defined once.
 STALENESS_WEIGHT = Option("none", OneOf(("none", "polynomial")), "weight updates by (1+τ)^−a (`polynomial`) or not")
 WEIGHTING = Option("uniform", OneOf(("uniform", "examples")), "buffer weights 1/K or by examples (with K = clients "
-                   "per step, η_g = 1 and no delay: synchronous FedAvg)")
+                   "per round, η_g = 1 and no delay: synchronous FedAvg)")
 
 
 @dataclass(frozen=True)
