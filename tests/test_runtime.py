@@ -178,3 +178,16 @@ def test_the_time_left_reads_in_the_largest_sensible_units():
     from server_app.run import duration
 
     assert [duration(s) for s in (0.4, 42, 60, 425, 3599.6, 7980)] == ["0s", "42s", "1m00s", "7m05s", "1h00m", "2h13m"]
+
+
+def test_a_rounds_line_keeps_every_strategy_step_it_held(small_run):
+    """FedAsync steps on every update: a round holds several steps, each kept in `steps` with the version it made
+    and its own measures; the line's top is the last step's (the model the round ends with)."""
+    out, summary = small_run("steps", strategy="fedasync", **{"delay-sigma": 1.0, "num-rounds": 6})
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    steps = [s for r in rows for s in r["steps"]]
+    assert [s["version"] for s in steps] == list(range(1, summary["final-version"] + 1))  # none lost, in order
+    assert sum(len(r["steps"]) for r in rows) == sum(r["accepted"] for r in rows)  # one step per update
+    several = [r for r in rows if len(r["steps"]) > 1]
+    assert several and all(r["alpha-t"] == r["steps"][-1]["alpha-t"] for r in several)
+    assert any(len({s["alpha-t"] for s in r["steps"]}) > 1 for r in several)  # per-update measures, not one copy
