@@ -1,7 +1,7 @@
 """The sha256 of ``model.pt`` after a short in-process run of every preset: run it at two commits and compare, to
 show a restructuring changed no result.
 
-    python -m hybridfl.model_digests --rounds 2 > after.json            # every preset (or name some)
+    python -m hybridfl.model_digests > after.json                       # every preset (or name some), 3 rounds
     python -m hybridfl.model_digests --compare before.json after.json   # exit 1 if a digest differs
 
 A preset whose data this machine lacks (CelebA) is recorded as skipped, with why, not left out silently.
@@ -44,7 +44,7 @@ def compare(before: dict[str, str], after: dict[str, str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
     ap.add_argument("presets", nargs="*", help="default: every preset")
     args = ap.parse_args(argv)

@@ -52,8 +52,9 @@ def write_plots(out: Path, rows: list[dict[str, Any]], staleness: list[int], fig
         _save(draw(figure, f"{out.name}: {figure.title}"), out / name)
 
 
-def draw(figure: Figure, title: str | None = None) -> Any:
-    """`figure` as a matplotlib figure: its panels side by side, lines with a legend, images with a colour bar."""
+def draw(figure: Figure, title: str) -> Any:
+    """`figure` as a matplotlib figure under `title`: its panels side by side, lines with a legend, images with a
+    colour bar."""
     from matplotlib import pyplot as plt
 
     images = any(p.image is not None for p in figure.panels)
@@ -68,7 +69,7 @@ def draw(figure: Figure, title: str | None = None) -> Any:
             shown = ax.imshow(np.array(panel.image), aspect="auto", cmap="viridis", vmin=0, interpolation="nearest")
             fig.colorbar(shown, ax=ax, fraction=0.08)
         ax.set(xlabel=panel.xlabel, ylabel=panel.ylabel, title=panel.title)
-    fig.suptitle(title or figure.title, fontsize=9)
+    fig.suptitle(title, fontsize=9)
     return fig
 
 

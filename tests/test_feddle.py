@@ -221,6 +221,13 @@ def test_feddle_run_in_process_logs_and_plots_its_searches(small_run):
                for r in rows)
     assert (out / "search.png").read_bytes()[:4] == b"\x89PNG"
     assert summary["server-data"].startswith("40 in-domain samples")
+    figure = Feddle.figures([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], [])
+    searches = [st for r in rows for st in r["steps"]]
+    coefficients, negative, loss = figure["search.png"].panels
+    assert coefficients.lines["mean"] == ([st["version"] for st in searches], [st["c-mean"] for st in searches])
+    assert negative.lines["negative"][1] == [st["c-negative"] for st in searches]
+    assert loss.lines["loss-after"][1] == [st["loss-after"] for st in searches]
+    assert len(searches) > len(rows)  # a round with two searches plots both (buffer-size 2), not its last one
 
 
 def test_fine_tuning_after_the_search_is_fedft_server_pass_on_the_merged_model():

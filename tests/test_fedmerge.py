@@ -206,6 +206,10 @@ def test_every_client_is_evaluated_on_its_own_split_with_its_own_merged_model(tm
     assert summary["personal-selected-round"] == best["round"]
     assert summary["personal-selected-accuracy"] == best["personal-accuracy"]
     assert (out / "merge-weights.png").exists() and (out / "personal.png").exists()
+    reports = [json.loads(line) for line in (out / "clients.jsonl").read_text().splitlines()]
+    panels = FedMerge.figures(evals, reports)["merge-weights.png"].panels
+    assert panels[-1].image == last["merge-weights"] and panels[-1].title == f"round {reports[-1]['round']}"
+    assert panels[0].image == reports[0]["merge-weights"] and 2 <= len(panels) <= 4  # first to last evaluation
 
 
 def test_fixed_merges_use_k_random_models_with_equal_frozen_weights():
