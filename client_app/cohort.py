@@ -105,17 +105,18 @@ def train_together(members: Sequence[Member]) -> tuple[torch.Tensor, list[dict[s
         for t, idx in enumerate(runs):
             index[c, t, :len(idx)], valid[c, t, :len(idx)] = idx, True
     n_max = max(len(m.task.parts["train"]) for m in members)
-    x = torch.zeros(C, n_max, *task.parts["train"].x.shape[1:], dtype=torch.float32)
+    dtype = members[0].start.dtype  # the model's (float32 on the wire; the tests also train in float64)
+    x = torch.zeros(C, n_max, *task.parts["train"].x.shape[1:], dtype=dtype)
     y = torch.zeros(C, n_max, dtype=torch.long)
     for c, m in enumerate(members):
         part = m.task.parts["train"]
         x[c, :len(part)], y[c, :len(part)] = torch.from_numpy(part.x), torch.from_numpy(part.y)
     x, y, index, valid = (t.to(device) for t in (x, y, index, valid))
     rows = torch.arange(C, device=device)[:, None, None]
-    xs, ys, masks = x[rows, index], y[rows, index], valid.to(torch.float32)  # (C, T, B, ...): every step's batch
+    xs, ys, masks = x[rows, index], y[rows, index], valid.to(dtype)  # (C, T, B, ...): every step's batch
     active = valid.any(dim=2)  # (C, T): the client takes step t
     starts = torch.stack([m.start for m in members])
-    step = _step_for(task, C, tuple(xs.shape[3:]))
+    step = _step_for(task, C, tuple(xs.shape[3:]), dtype)
     step.reset(starts)
     for t in range(T):
         step(xs[:, t], ys[:, t], masks[:, t], active[:, t])
@@ -129,7 +130,7 @@ class CohortStep:
     and the summed loss and hits. On CUDA the step is captured once as a CUDA graph and replayed (one launch instead
     of a Python-driven vmap's hundreds); elsewhere, or if capture fails, it runs eagerly."""
 
-    def __init__(self, task: LocalTask, C: int, sample_shape: tuple[int, ...]) -> None:
+    def __init__(self, task: LocalTask, C: int, sample_shape: tuple[int, ...], dtype: torch.dtype) -> None:
         model, spec, self.recipe, device = task.model, task.spec, task.recipe, task.device
         B = self.recipe.batch_size
 
@@ -143,13 +144,13 @@ class CohortStep:
             return ce.sum() / mask.sum().clamp(min=1), (ce.detach().sum(), hits)
 
         self.model, self.grads = model, vmap(grad(batch_loss, has_aux=True))
-        self.w = torch.zeros(C, spec.numel, device=device)
+        self.w = torch.zeros(C, spec.numel, device=device, dtype=dtype)
         self.state = optimizer_state(self.recipe, self.w)
-        self.ce_sum = torch.zeros(C, device=device)
+        self.ce_sum = torch.zeros(C, device=device, dtype=dtype)
         self.hits = torch.zeros(C, device=device, dtype=torch.long)
-        self.xb = torch.zeros(C, B, *sample_shape, device=device)
+        self.xb = torch.zeros(C, B, *sample_shape, device=device, dtype=dtype)
         self.yb = torch.zeros(C, B, device=device, dtype=torch.long)
-        self.mask = torch.zeros(C, B, device=device)
+        self.mask = torch.zeros(C, B, device=device, dtype=dtype)
         self.on = torch.zeros(C, device=device, dtype=torch.bool)
         self.graph = self._capture() if device.type == "cuda" and CUDA_GRAPHS else None
 
@@ -200,12 +201,12 @@ class CohortStep:
 _STEPS: dict[tuple, CohortStep] = {}  # by model, recipe, cohort size and sample shape: captured graphs are reused
 
 
-def _step_for(task: LocalTask, C: int, sample_shape: tuple[int, ...]) -> CohortStep:
-    key = (id(task.model), task.recipe, C, sample_shape, task.device, CUDA_GRAPHS)
+def _step_for(task: LocalTask, C: int, sample_shape: tuple[int, ...], dtype: torch.dtype) -> CohortStep:
+    key = (id(task.model), task.recipe, C, sample_shape, dtype, task.device, CUDA_GRAPHS)
     if key not in _STEPS:
         if len(_STEPS) >= 32:  # cohort sizes vary from step to step; keep the recent ones
             _STEPS.pop(next(iter(_STEPS)))
-        _STEPS[key] = CohortStep(task, C, sample_shape)
+        _STEPS[key] = CohortStep(task, C, sample_shape, dtype)
     return _STEPS[key]
 
 
