@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install data demo test lint docs browser simulate deploy compose-demo compose-twin compose-test clean
+.PHONY: install data demo test lint docs browser nginx simulate deploy compose-demo compose-twin compose-test clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,7 +35,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test: $(STAMP) browser
+test: $(STAMP) browser nginx
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Debian's Chromium, for the test that opens the documentation site in a real browser (tests/test_site.py): installed
@@ -43,6 +43,12 @@ test: $(STAMP) browser
 browser:
 	@command -v chromium >/dev/null || ! { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; } || \
 		apt-get install -y chromium || { apt-get update && apt-get install -y chromium; }
+
+# Debian's nginx, the edge proxy that the deployment tutorial's test and the compose twin run natively
+# (tests/test_tutorial.py, tests/test_compose.py): installed as root where apt is; elsewhere those tests skip (CI fails)
+nginx:
+	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || ! { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; } || \
+		apt-get install -y nginx || { apt-get update && apt-get install -y nginx; }
 
 # The documentation site (mkdocs.yml) into site/, every warning an error: a broken link or a page missing fails
 docs: $(STAMP)
@@ -68,7 +74,7 @@ compose-twin: $(STAMP)
 # Debian's packages, builds every image offline): the main job, a SuperLink restart, TLS + node auth. Skips where
 # no engine can start; COMPOSE_TEST_ARGS=--require (CI) fails instead.
 compose-test: $(STAMP)
-	$(PY) -m hybridfl.compose_engine $(COMPOSE_TEST_ARGS)
+	$(PY) -m tools.compose_engine $(COMPOSE_TEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .flwr outputs .pytest_cache site

@@ -18,7 +18,7 @@ server) into the device's own log line (client_app/app.py ``device timing``: Flo
 loaded,
 our imports (torch), the data, the model, the work) and the rest, which is Flower's: the SuperNode's and the
 SuperExec's polls, moving the messages, starting the process. With --compose it also prints what the compose
-test measured on the real engine (hybridfl/compose_engine.py: the main job's train messages, split the same way).
+test measured on the real engine (tools/compose_engine.py: the main job's train messages, split the same way).
 """
 
 from __future__ import annotations

@@ -22,9 +22,12 @@ installed wherever the run's ServerApp and ClientApps run):
 from __future__ import annotations
 
 import importlib
+import os
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,12 +47,31 @@ def is_import_path(value: str) -> bool:
     return bool(IMPORT_PATH.match(value))
 
 
+# The folder a hybridfl command ran in (its launchers pass it to every Flower process): where a user's own code is
+# found when no installed package (and not the run's own app) provides it
+USER_DIR = "HYBRIDFL_USER_DIR"
+
+
+def import_user_module(name: str) -> ModuleType:
+    """Import module `name`: from the installed packages and the run's app first; failing that, from the folder the
+    command ran in (:data:`USER_DIR`), appended last to ``sys.path`` so that it never shadows an installed package,
+    hybridfl's own or the run's FAB."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        folder = os.environ.get(USER_DIR)
+        if not folder or folder in sys.path or err.name != name.split(".")[0]:
+            raise
+        sys.path.append(folder)
+        return importlib.import_module(name)
+
+
 def resolve(key: str, value: str, what: str) -> Callable[..., Any]:
     """The callable `value` names, or a :class:`ConfigError` naming `key`, `value`, `what` was expected and why
     the import failed."""
     module, _, attr = value.partition(":")
     try:
-        found = getattr(importlib.import_module(module), attr)
+        found = getattr(import_user_module(module), attr)
     except ImportError as err:
         raise ConfigError(key, value, f"{what}, importable as '{module}' ({err}); the package must be {INSTALL}",
                           ) from err

@@ -5,6 +5,7 @@
     hybridfl run feddle-digits --mode deployment --supernodes 4
     hybridfl run fedasync-digits --mode deployment --supernodes 3 --latency 2=4 --tls --auth clock=wall concurrency=3
     hybridfl certs docker/certs --nodes 2
+    hybridfl edge edge --certs certs                     # the devices' port: nginx, the Fleet API only
     hybridfl resume outputs/feddle-digits-s0-20261126-101500 num-rounds=200
     hybridfl presets
     hybridfl options tabular_task.fedavgm:FedAvgM      # a method's own keys (yours by import path)
@@ -64,10 +65,13 @@ Executor = Annotated[str, typer.Option(help="deployment: how each device runs it
 
 
 @app.callback()
-def _here_first() -> None:
-    """Your own code by import path (`model`, `dataset`, a `package:path` preset) resolves from the current folder
-    first, as with ``python -m`` and ``flwr run .``."""
-    sys.path.insert(0, os.getcwd())
+def _here_too() -> None:
+    """Your own code by import path (`model`, `dataset`, `strategy`, a `package:path` preset) resolves from the
+    current folder when no installed package provides it (common/user_code.py), here and in the Flower processes
+    the command starts."""
+    from common.user_code import USER_DIR
+
+    os.environ.setdefault(USER_DIR, os.getcwd())
 
 
 @dataclass(frozen=True)
@@ -227,8 +231,9 @@ def options(strategy: Annotated[str, typer.Argument(help="a strategy's name (`fe
 
 @app.command()
 def certs(directory: Annotated[Path, typer.Argument(help="where the files go (kept if they exist)")],
-          name: Annotated[list[str] | None, typer.Option(help="a name the SuperLink is reached by (repeatable; "
-                                                                "default: superlink, localhost, 127.0.0.1)")] = None,
+          name: Annotated[list[str] | None, typer.Option(help="a name the devices reach the SuperLink by (repeatable; "
+                                                                "default: superlink, edge, the compose file's); "
+                                                                "localhost and 127.0.0.1 are always added")] = None,
           nodes: Annotated[int, typer.Option(min=0, help="SuperNode key pairs and secrets to create")] = 0) -> None:
     """Certificates, SuperNode keys and Runtime API secrets for a secured deployment (TLS, SuperNode authentication,
     SuperExec authentication): a CA, the SuperLink's certificate, `supernode-I` key pairs, and `superlink.secret`
@@ -237,6 +242,30 @@ def certs(directory: Annotated[Path, typer.Argument(help="where the files go (ke
 
     make_pki(directory, tuple(name or DEFAULT_NAMES), nodes)
     typer.echo(f"certificates, keys and secrets in {directory} (keep the keys and the secrets private)")
+
+
+@app.command()
+def edge(directory: Annotated[Path, typer.Argument(help="where nginx.conf, listen.conf and nginx's own files go")],
+         certs: Annotated[Path, typer.Option(help="the folder of `hybridfl certs` (ca.crt, server.crt, server.key)")],
+         superlink: Annotated[str, typer.Option(help="the SuperLink's own address (HOST:PORT), on this machine's "
+                                                     "loopback")] = "127.0.0.1:9093",
+         listen: Annotated[str, typer.Option(help="the devices' address (HOST:PORT) the edge listens on")
+                           ] = "0.0.0.0:8000",
+         plain_http: Annotated[bool, typer.Option(help="no TLS (a closed test bench only)")] = False) -> None:
+    """The edge proxy (nginx) for a SuperLink of one's own: on the devices' port, only Flower's Fleet API and /health
+    reach the SuperLink; its Control and Runtime APIs stay on `--superlink`, which only this machine reaches (docs:
+    "A deployment on devices"). Prints the nginx command that runs it."""
+    import shlex
+
+    from hybridfl import edge as edge_proxy
+
+    needed = () if plain_http else ("ca.crt", "server.crt", "server.key")
+    if missing := [str(certs / f) for f in needed if not (certs / f).is_file()]:
+        typer.echo(f"error: --certs {certs}: no {', '.join(missing)} (make them with `hybridfl certs {certs}`)",
+                   err=True)
+        raise typer.Exit(2)
+    conf = edge_proxy.write(directory, certs, superlink, listen, plain_http)
+    typer.echo(shlex.join(edge_proxy.command(conf)))
 
 
 SweepSpec = Annotated[Path, typer.Argument(help="a sweep spec (YAML; docs: \"Sweeps and tracking\")")]

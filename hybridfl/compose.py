@@ -15,7 +15,7 @@ container has its own HOME. SuperNodes started with ``--auth-supernode-private-k
 (``K.pub``) before they start, as the demo does. Then both modes run the same job with ``flwr run`` and
 check that it finished:completed: the main job on ``num-clients`` = the compose file's SuperNodes, outputs
 in the ``outputs`` volume. What the twin cannot show: image contents, the Docker network, GPU reservation,
-volume ownership: ``make compose-test`` (hybridfl/compose_engine.py) runs the files on a real engine.
+volume ownership: ``make compose-test`` (tools/compose_engine.py) runs the files on a real engine.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -54,7 +55,7 @@ COMPOSE_DIR = PROJECT_DIR / "docker"
 CONNECTION = "hybridfl-compose"
 # The entrypoint of each image (hybridfl/app is built FROM flwr/superexec and keeps its entrypoint)
 ENTRYPOINTS = {"flwr/superlink": "flower-superlink", "flwr/supernode": "flower-supernode",
-               "flwr/superexec": "flower-superexec", "hybridfl/app": "flower-superexec"}
+               "flwr/superexec": "flower-superexec", "hybridfl/app": "flower-superexec", "nginx": "nginx"}
 SUPERLINK, SERVERAPP, OUTPUTS = "superlink", "superexec-serverapp", "outputs"
 CERTS = COMPOSE_DIR / "certs"
 IMAGE_UID = 49999  # the user `app` of Flower's images
@@ -178,8 +179,8 @@ def validate(compose: dict[str, Any]) -> None:
         if not (isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd)):
             problems.append(f"service {name}: command must be a non-empty list of strings, got {cmd!r}")
         for port in svc.get("ports") or []:
-            if not re.fullmatch(r"\d+:\d+", str(port)):
-                problems.append(f"service {name}: port {port!r} must be HOST:CONTAINER")
+            if not re.fullmatch(r"(127\.0\.0\.1:)?\d+:\d+", str(port)):
+                problems.append(f"service {name}: port {port!r} must be [127.0.0.1:]HOST:CONTAINER")
         for spec in svc.get("volumes") or []:
             try:
                 source = _volume(spec)[0]
@@ -240,6 +241,13 @@ def auth_key(command: list[str]) -> str | None:
     return command[command.index(flag) + 1] if flag in command else None
 
 
+def superlink_port(compose: dict[str, Any]) -> int:
+    """The SuperLink's own port (Fleet, Control and Runtime: the operator's `flwr` talks to it), as its command
+    sets it; the devices reach the edge instead."""
+    command = compose["services"][SUPERLINK]["command"]
+    return int(command[command.index("--port") + 1])
+
+
 def supernodes(compose: dict[str, Any]) -> list[str]:
     return [n for n, s in compose["services"].items() if s["image"].startswith("flwr/supernode:")]
 
@@ -267,7 +275,9 @@ class Twin:
         return self.ports[(service, container_port)]
 
     def paths(self, service: str) -> list[tuple[str, Path]]:
-        """(container path, host path) of `service`'s volumes, longest container path first."""
+        """(container path, host path) of `service`'s volumes, longest container path first. A mounted ``.conf``
+        file (the edge's nginx configuration) is read by the service as its command is: it lands in
+        <workdir>/files/<service>/ at its container path, rendered by :meth:`render`."""
         out = []
         for spec in self.compose["services"][service].get("volumes") or []:
             source, target, _ = _volume(spec)
@@ -275,12 +285,24 @@ class Twin:
             if resolved.is_relative_to(CERTS):
                 host = self.certs / resolved.relative_to(CERTS)
             elif source.startswith((".", "/")):
-                host = resolved
+                host = self._rendered(service, target) if resolved.suffix == ".conf" else resolved
             else:
                 host = self.workdir / "volumes" / source
                 host.mkdir(parents=True, exist_ok=True)
             out.append((target, host))
         return sorted(out, key=lambda tp: -len(tp[0]))
+
+    def _rendered(self, service: str, target: str) -> Path:
+        return self.workdir / "files" / service / target.lstrip("/")
+
+    def render(self, service: str) -> None:
+        """Write `service`'s mounted ``.conf`` files with their addresses, ports and paths mapped (:meth:`text`)."""
+        for spec in self.compose["services"][service].get("volumes") or []:
+            source, target, _ = _volume(spec)
+            if source.startswith(".") and source.endswith(".conf"):
+                host = self._rendered(service, target)
+                host.parent.mkdir(parents=True, exist_ok=True)
+                host.write_text(self.text(service, (COMPOSE_DIR / source).read_text()))
 
     def text(self, service: str, value: str) -> str:
         """`value` as seen on this machine: service addresses, loopback ports (those of the service whose network
@@ -297,11 +319,18 @@ class Twin:
         return value
 
     def command(self, service: str) -> list[str]:
-        """The service's entrypoint (its own, else its image's) and command, as run on this machine."""
+        """The service's entrypoint (its own, else its image's) and command, as run on this machine (its mounted
+        configuration files rendered); a program this machine lacks (nginx) is an error naming it."""
         svc = self.compose["services"][service]
         args = svc["command"]
         out = ([sys.executable if a == "python" else self.text(service, a) for a in svc["entrypoint"]]
                if "entrypoint" in svc else [ENTRYPOINTS[_image(service, svc)]])
+        program = shutil.which(out[0], path=os.pathsep.join((self.env(service)["PATH"], "/usr/sbin", "/sbin")))
+        if program is None:
+            raise ComposeError(f"service {service}: the twin runs {out[0]!r} natively, and this machine has none "
+                               f"(Debian: apt-get install {out[0]})")
+        out[0] = program
+        self.render(service)
         for i, arg in enumerate(args):
             before = args[i - 1] if i else ""
             out.append("127.0.0.1" if before == "--host" else str(self.port(service, int(arg))) if before == "--port"
@@ -340,6 +369,15 @@ def job(compose: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     raise ComposeError(f"service {SERVERAPP}: no {OUTPUTS!r} volume for the run's outputs")
 
 
+def hand_to_images(compose: dict[str, Any], directory: Path) -> None:
+    """Give the images' user (UID 49999) the files of `directory` (the certificates' folder) that a service mounts,
+    so that its containers can read their keys and secrets; nothing else there (``ca.key`` stays the operator's)."""
+    mounted = {Path(_volume(spec)[0]).name for svc in compose["services"].values()
+               for spec in svc.get("volumes") or [] if _volume(spec)[0].startswith("./certs/")}
+    for name in sorted(mounted):
+        os.chown(directory / name, IMAGE_UID, IMAGE_UID)
+
+
 def certificates(compose: dict[str, Any], directory: Path) -> Path | None:
     """The CA, certificates, SuperNode keys and Runtime API secrets the files mount, made in `directory` (kept where
     they exist); the CA the CLI verifies the SuperLink with, None where the SuperLink speaks plain HTTP."""
@@ -348,10 +386,12 @@ def certificates(compose: dict[str, Any], directory: Path) -> Path | None:
 
 
 def twin(files: list[Path], jobs: list[dict[str, Any]], workdir: Path,
-         on_started: Callable[[ProcessGroup, Twin], None] | None = None) -> tuple[list[Path], set[int]]:
+         on_started: Callable[[ProcessGroup, Twin], None] | None = None,
+         on_done: Callable[[Twin], None] | None = None) -> tuple[list[Path], set[int]]:
     """Run the compose files' services natively and the jobs (overrides of :func:`job`) through them one
     after the other; return their run folders (in the outputs volume) and every PID started (all stopped by
-    now). `on_started(processes, twin)` runs once every service is up (tests stop or restart services there)."""
+    now). `on_started(processes, twin)` runs once every service is up (tests stop or restart services there),
+    `on_done(twin)` after the jobs, the services still up."""
     compose = load(files)
     t = Twin(compose, workdir)
     env = flower_env(workdir / "home" / "cli")
@@ -375,10 +415,12 @@ def twin(files: list[Path], jobs: list[dict[str, Any]], workdir: Path,
             procs.start(name, cmd, t.env(name))
             if name == SUPERLINK:
                 wait_until(name, lambda: t.healthy(SUPERLINK), dict(procs.procs)[name], 90.0, 0.5)
-                write_connection(workdir / "home" / "cli", CONNECTION, t.port(SUPERLINK, 8000), ca)
+                write_connection(workdir / "home" / "cli", CONNECTION, t.port(SUPERLINK, superlink_port(compose)), ca)
         if on_started:
             on_started(procs, t)
         outcomes = [flwr_run(env, CONNECTION, c) for c in run_configs]
+        if on_done:
+            on_done(t)
     paths = [Path(c["output-dir"]) / c["run-name"] for c in run_configs]
     for (run_id, status), path in zip(outcomes, paths):
         check_completed(run_id, status, path)
@@ -395,9 +437,8 @@ def demo(files: list[Path], overrides: dict[str, Any]) -> Path:
     dc = ["docker", "compose", *(a for f in files for a in ("-f", str(f)))]
     ca = certificates(compose, CERTS)
     if os.geteuid() == 0:  # the images run as app (UID 49999): let them read their keys and secrets
-        for f in CERTS.iterdir():
-            os.chown(f, IMAGE_UID, IMAGE_UID)
-    write_connection(flwr_home, CONNECTION, 8000, ca)
+        hand_to_images(compose, CERTS)
+    write_connection(flwr_home, CONNECTION, superlink_port(compose), ca)  # published on the host's loopback
     _sh(dc + ["up", "-d", "--build", "--wait", SUPERLINK], env)
     for node in supernodes(compose):
         if key := auth_key(compose["services"][node]["command"]):

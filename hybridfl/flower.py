@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from common.config import ConfigError
+from common.user_code import USER_DIR
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 
@@ -44,7 +45,8 @@ def flower_env(flwr_home: Path) -> dict[str, str]:
     """Environment for Flower processes: private FLWR_HOME, no telemetry, no runtime installs, the SuperExec's
     task poll interval (unless the environment sets it), this interpreter's bin/ first on PATH
     (SuperLink/SuperNode start flower-superexec by name, and the flwr CLI is found there the same way), and the
-    current folder on PYTHONPATH."""
+    current folder as the user's (``HYBRIDFL_USER_DIR``: their own code is found there last, never in front of an
+    installed package or the run's app; common/user_code.py)."""
     env = dict(os.environ)
     env.setdefault(*SUPEREXEC_POLL)
     env.update({
@@ -53,9 +55,7 @@ def flower_env(flwr_home: Path) -> dict[str, str]:
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
-        # the user's own code (model, dataset, a package:path preset) imports in the Flower processes as it does
-        # here, from the folder this runs in; a run's own app still comes first, from its FAB
-        "PYTHONPATH": os.pathsep.join(filter(None, (os.getcwd(), env.get("PYTHONPATH")))),
+        USER_DIR: env.get(USER_DIR, os.getcwd()),
         "PYTHONUNBUFFERED": "1",
     })
     return env
@@ -101,11 +101,12 @@ class ProcessGroup:
         self.pids: set[int] = set()
         log_dir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Start `cmd` as `name` (log: <log_dir>/<name>.log) with the group's environment, or `env`."""
+    def start(self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None,
+              cwd: Path = PROJECT_DIR) -> subprocess.Popen:
+        """Start `cmd` as `name` (log: <log_dir>/<name>.log) in `cwd` with the group's environment, or `env`."""
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(list(cmd), env=env or self.env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, cwd=PROJECT_DIR)
+                                start_new_session=True, cwd=cwd)
         self.procs.append((name, proc))
         return proc
 
@@ -323,8 +324,10 @@ def run_and_report(fn: Callable[[], Path], verbose: bool = False) -> int:
         trace = traceback.format_exc()
         if verbose:
             print(trace, file=sys.stderr)
-        path = Path(tempfile.gettempdir()) / f"hybridfl-error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
-        path.write_text(trace)
+        fd, name = tempfile.mkstemp(prefix=f"hybridfl-error-{time.strftime('%Y%m%d-%H%M%S')}-", suffix=".txt")
+        with os.fdopen(fd, "w") as f:  # a new file, 0600, at a name nobody could have guessed and planted
+            f.write(trace)
+        path = Path(name)
         print(f"error: {type(err).__name__}: {err} (the traceback: {path})", file=sys.stderr)
         return 1
     summary = json.loads((run_path / "summary.json").read_text())

@@ -5,7 +5,8 @@
 writes into DIR:
   ca.crt, ca.key                  a private certificate authority (10 years)
   server.crt, server.key          the SuperLink's certificate, signed by the CA, with a SAN per --name
-                                  (DNS names, or IP addresses such as 127.0.0.1)
+                                  (DNS names, or IP addresses), and always localhost and 127.0.0.1: the
+                                  edge proxy and the operator reach the SuperLink on the server's loopback
   supernode-I, supernode-I.pub    for I < N: SuperNode I's authentication key pair (ECDSA P-384, OpenSSH
                                   format, as ``ssh-keygen -t ecdsa -b 384 -N ""`` writes it)
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 import secrets
 from pathlib import Path
 
@@ -32,13 +34,21 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-DEFAULT_NAMES = ("superlink", "localhost", "127.0.0.1")
+DEFAULT_NAMES = ("superlink", "edge")  # docker/compose.yml's names for the SuperLink and the devices' port
+LOOPBACK = ("localhost", "127.0.0.1")  # on every certificate: the edge and the operator's `flwr` on the server
 VALID = datetime.timedelta(days=3650)
 
 
+def write_private(path: Path, data: bytes) -> None:
+    """Write `data` to a new file `path` that only its owner can ever read: created with mode 0600 (whatever the
+    umask), never readable by others in between; an existing file is refused rather than reused."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey, fmt: serialization.PrivateFormat) -> None:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, fmt, serialization.NoEncryption()))
-    path.chmod(0o600)
+    write_private(path, key.private_bytes(serialization.Encoding.PEM, fmt, serialization.NoEncryption()))
 
 
 def _load_key(path: Path) -> ec.EllipticCurvePrivateKey:
@@ -76,7 +86,9 @@ def _certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Nam
 
 
 def make_pki(directory: Path, names: tuple[str, ...] = DEFAULT_NAMES, nodes: int = 0) -> Path:
-    """Create (or complete) the CA, the server certificate for `names` and `nodes` SuperNode key pairs."""
+    """Create (or complete) the CA, the server certificate for `names` (and :data:`LOOPBACK`) and `nodes`
+    SuperNode key pairs."""
+    names = (*names, *(n for n in LOOPBACK if n not in names))
     directory.mkdir(parents=True, exist_ok=True)
     ca_crt, ca_key = directory / "ca.crt", directory / "ca.key"
     if not ca_crt.exists():
@@ -107,8 +119,7 @@ def runtime_secret(directory: Path, name: str) -> Path:
     """`name`.secret: 32 random bytes as hex (Flower reads the file's exact bytes), readable by its owner only."""
     path = directory / f"{name}.secret"
     if not path.exists():
-        path.touch(mode=0o600)
-        path.write_text(secrets.token_hex(32))
+        write_private(path, secrets.token_hex(32).encode())
     return path
 
 

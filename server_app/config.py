@@ -38,7 +38,7 @@ from common.devices import DEVICES
 from common.models import ModelSpec
 from common.objectives import OBJECTIVES
 from common.training import LocalRecipe
-from common.user_code import is_import_path, resolve
+from common.user_code import import_user_module, is_import_path, resolve
 from server_app.checkpoint import read_config
 from server_app.runtime import RuntimeConfig
 from server_app.tracking import TrackingConfig, check_tracking
@@ -61,7 +61,7 @@ def preset_path(name: str) -> Path | None:
 
     package, _, rel = name.partition(":")
     try:
-        return Path(str(importlib.resources.files(package) / f"{rel}.yaml"))
+        return Path(str(importlib.resources.files(import_user_module(package)) / f"{rel}.yaml"))
     except (ModuleNotFoundError, TypeError, ValueError):
         return None
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
@@ -17,6 +20,24 @@ from PIL import Image
 
 from client_app.app import app as client_app
 from common.protocol import ARRAYS
+
+
+def readme_commands(page: Path) -> list[str]:
+    """The commands of a Markdown page's bash blocks as a user types them: continuation lines joined, comments
+    (whole lines, or after two spaces) dropped."""
+    blocks = re.findall(r"```bash\n(.*?)```", page.read_text(), re.S)
+    lines = [line.split("  #")[0].strip() for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+    return [re.sub(r"\s+", " ", line) for line in lines if line and not line.startswith("#")]
+
+
+def needs_nginx() -> None:
+    """Skip where nginx (the edge proxy, run natively) is missing; fail instead under HYBRIDFL_REQUIRE_NGINX=1 (CI,
+    whose `make test` installs it)."""
+    if shutil.which("nginx", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin") is None:
+        reason = "no nginx here (Debian: apt-get install nginx; `make test` installs it as root)"
+        if os.environ.get("HYBRIDFL_REQUIRE_NGINX"):
+            pytest.fail(reason)
+        pytest.skip(reason)
 
 
 def rows(out: Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]:

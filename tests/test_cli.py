@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -107,6 +109,9 @@ def test_an_unexpected_error_prints_one_line_and_keeps_the_traceback_in_a_file(t
                                                "(the traceback: ")
     trace = Path(err[0].rsplit("(the traceback: ", 1)[1].rstrip(")"))
     assert "Traceback (most recent call last)" in trace.read_text() and "in broken" in trace.read_text()
+    assert trace.stat().st_mode & 0o077 == 0  # a file of its own, readable by its owner only
+    planted = trace.with_name(f"hybridfl-error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt")
+    assert trace != planted  # not a name another user could guess (and plant a link at) from the time and PID
     trace.unlink()
     assert main(["run", "fedavg-digits", f"output-dir={tmp_path}", "--verbose"]) == 1
     err = capsys.readouterr().err

@@ -1,6 +1,6 @@
 """docker/: the compose files' structure, the translation of their commands, and their native twin end to
 end (each service's exact command as a local process). The files on a real Docker engine are
-`make compose-test` (hybridfl/compose_engine.py); here, compose's own parser is compared with the twin's."""
+`make compose-test` (tools/compose_engine.py); here, compose's own parser is compared with the twin's."""
 
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import needs_nginx
 
-from hybridfl import compose_engine, flower
+from hybridfl import flower
 from hybridfl.compose import (
     COMPOSE_DIR,
+    CONNECTION,
     ComposeError,
     Twin,
     _merge,
@@ -36,6 +38,7 @@ from hybridfl.compose import (
 )
 from hybridfl.flower import PROJECT_DIR, acquire_task_anonymously
 from hybridfl.inprocess import run_inprocess
+from tools import compose_engine, intruder
 
 # The twin stands in for the real engine; CI runs `make compose-test` first, on the same files and code.
 TWIN = pytest.mark.skipif(compose_engine.passed_here(), reason="make compose-test passed on a real Docker engine "
@@ -54,7 +57,21 @@ def test_the_compose_files_are_secure_by_default_and_plain_http_only_when_asked(
     link, link_plain = services["superlink"], plain["services"]["superlink"]
     assert "--insecure" not in link["command"] and "--insecure" in link_plain["command"]
     assert {"--enable-supernode-auth", "--database", "--ssl-certfile"} <= set(link["command"])
-    assert "https://localhost:8000/health" in link["healthcheck"]["test"][-1]
+    assert "https://superlink:9093/health" in link["healthcheck"]["test"][-1]
+    # the devices' port is the edge's, Fleet only; the SuperLink's own is on the server network and host loopback
+    for compose in (secure, plain):
+        s = compose["services"]
+        assert s["superlink"]["ports"] == ["127.0.0.1:9093:9093"] and s["edge"]["ports"] == ["8000:8000"]
+        assert s["superlink"]["command"][s["superlink"]["command"].index("--host") + 1] == "superlink"
+        assert set(s["superlink"]["networks"]) == set(s["superexec-serverapp"]["networks"]) == {"server"}
+        assert set(s["edge"]["networks"]) == {"server", "devices"}
+        for node in supernodes(compose):
+            assert set(s[node]["networks"]) == {"devices"}  # no route to the SuperLink but through the edge
+            assert s[node]["command"][s[node]["command"].index("--superlink") + 1] == "edge:8000"
+    assert [v.split(":")[1] for v in services["edge"]["volumes"] if "hybridfl/edge" in v] == [
+        "/etc/hybridfl/edge/nginx.conf", "/etc/hybridfl/edge/listen.conf"]
+    assert "../hybridfl/edge/tls.conf:/etc/hybridfl/edge/listen.conf:ro" in services["edge"]["volumes"]
+    assert "../hybridfl/edge/plain-http.conf:/etc/hybridfl/edge/listen.conf:ro" in plain["services"]["edge"]["volumes"]
     # every Runtime API and its SuperExec share one secret per trust boundary, in TLS and plain HTTP alike
     for compose in (secure, plain):
         s = compose["services"]
@@ -76,7 +93,7 @@ def test_the_compose_files_are_secure_by_default_and_plain_http_only_when_asked(
     for i in range(2):
         own = [f"./certs/supernode-{i}.secret:/app/certs/supernode-{i}.secret:ro"]
         assert mounts[f"supernode-{i}"] == mounts[f"superexec-clientapp-{i}"] == own
-    assert mounts["volume-owner"] == []
+    assert mounts["volume-owner"] == mounts["edge"] == []
     gpu = load(compose_files(gpu=True))["services"]["superexec-serverapp"]
     assert gpu["image"].endswith("-cuda")
     assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
@@ -96,14 +113,14 @@ def _broken(edit) -> dict:
 
 
 @pytest.mark.parametrize("edit, says", [
-    (lambda s: s["supernode-0"].update(image="nginx:1"), "supernode-0: image 'nginx:1'"),
+    (lambda s: s["supernode-0"].update(image="redis:7"), "supernode-0: image 'redis:7'"),
     (lambda s: s["supernode-1"].update(image="flwr/supernode:1.41.0"), "share one version"),
     (lambda s: s["superlink"].update(command="--insecure"), "superlink: command must be a non-empty list"),
     (lambda s: s["superlink"].pop("healthcheck"), "waits for superlink to be healthy"),
     (lambda s: s["superexec-clientapp-0"].update(depends_on={"supernode-9": None}), "'supernode-9', which is not"),
     (lambda s: s["superlink"].update(depends_on={"superexec-serverapp": None}), "depends_on cycle"),
     (lambda s: s["superexec-serverapp"].update(volumes=["results:/app/outputs"]), "'results' is not declared"),
-    (lambda s: s["superlink"].update(ports=["8000"]), "port '8000' must be HOST:CONTAINER"),
+    (lambda s: s["superlink"].update(ports=["8000"]), "port '8000' must be [127.0.0.1:]HOST:CONTAINER"),
     (lambda s: s.pop("superexec-serverapp"), "no 'superexec-serverapp' service"),
 ])
 def test_a_broken_compose_file_is_refused_naming_the_service(edit, says) -> None:
@@ -114,7 +131,7 @@ def test_a_broken_compose_file_is_refused_naming_the_service(edit, says) -> None
 def test_the_twin_maps_addresses_ports_and_paths(tmp_path: Path) -> None:
     t = Twin(load(compose_files()), tmp_path)
     node = t.command("supernode-1")
-    link_port, node_port = t.port("superlink", 8000), t.port("supernode-1", 9095)
+    link_port, node_port = t.port("edge", 8000), t.port("supernode-1", 9095)  # the devices reach the edge
     assert node[:2] == [sys.executable, str(PROJECT_DIR / "client_app" / "supernode.py")]  # warm: the mounted file
     assert node[node.index("--superlink") + 1] == f"127.0.0.1:{link_port}"
     assert node[node.index("--host") + 1] == "127.0.0.1" and node[node.index("--port") + 1] == str(node_port)
@@ -131,9 +148,20 @@ def test_the_twin_maps_addresses_ports_and_paths(tmp_path: Path) -> None:
     assert link[link.index("--ssl-keyfile") + 1] == str(tmp_path / "certs" / "server.key")
     assert (PROJECT_DIR / "data").as_posix() in t.text("superexec-serverapp", "/app/data/x")
     stock = Twin(load(compose_files(flower_devices=True)), tmp_path)  # Flower's own device processes
-    assert stock.command("supernode-1")[:2] == ["flower-supernode", "--root-certificates"]
-    assert stock.command("superexec-clientapp-1")[:2] == ["flower-superexec", "--insecure"]
-    assert stock.command("superlink")[0] == "flower-superlink"
+    assert [Path(stock.command("supernode-1")[0]).name, stock.command("supernode-1")[1]] == [
+        "flower-supernode", "--root-certificates"]
+    assert [Path(stock.command("superexec-clientapp-1")[0]).name, stock.command("superexec-clientapp-1")[1]] == [
+        "flower-superexec", "--insecure"]
+    assert Path(stock.command("superlink")[0]).name == "flower-superlink"
+    # the edge runs nginx on its mounted configuration, rendered with this machine's ports and paths
+    if shutil.which("nginx", path="/usr/sbin:/usr/bin:/sbin") is not None:
+        edge = t.command("edge")
+        conf = Path(edge[edge.index("-c") + 1])
+        assert conf == tmp_path / "files" / "edge" / "etc" / "hybridfl" / "edge" / "nginx.conf"
+        assert f"server 127.0.0.1:{t.port('superlink', 9093)};" in conf.read_text()
+        listen = (conf.parent / "listen.conf").read_text()
+        assert f"listen 127.0.0.1:{link_port} ssl;" in listen and str(tmp_path / "certs" / "server.key") in listen
+        assert edge[edge.index("-p") + 1] == f"{tmp_path / 'volumes' / 'edge-state'}/"
 
 
 def test_the_app_image_matches_the_compose_flower_version() -> None:
@@ -152,7 +180,7 @@ def test_variables_are_interpolated_as_compose_does(monkeypatch) -> None:
     assert interpolate("${V:-1.0}", {"V": ""}) == "1.0"  # unset or empty: the default
     monkeypatch.setenv("FLWR_VERSION", "9.9.9")
     images = {s["image"] for s in load(compose_files())["services"].values()}
-    assert images == {"flwr/superlink:9.9.9", "flwr/supernode:9.9.9", "hybridfl/app:9.9.9"}
+    assert images == {"flwr/superlink:9.9.9", "flwr/supernode:9.9.9", "hybridfl/app:9.9.9", "nginx:1.28"}
 
 
 def test_the_volumes_are_handed_to_the_images_user_before_the_superlink_starts() -> None:
@@ -202,8 +230,9 @@ def test_the_twin_reads_the_files_as_compose_itself_does(plain, gpu, host, stock
         assert len(their.get("ports") or []) == len(svc.get("ports") or []), name  # host-network.yml's !reset
         if host:
             assert their["network_mode"] == "host" and not their.get("ports"), name
-            assert {"superlink=127.0.0.1", "supernode-0=127.0.0.1", "supernode-1=127.0.0.1"} <= set(
+            assert {"superlink=127.0.0.1", "edge=127.0.0.1", "supernode-0=127.0.0.1", "supernode-1=127.0.0.1"} <= set(
                 their["extra_hosts"]), name
+            assert not their.get("networks"), name
         else:
             assert their.get("network_mode") == svc.get("network_mode"), name
 
@@ -231,16 +260,38 @@ def _summary(path: Path) -> dict:
 @pytest.mark.e2e
 @TWIN
 def test_the_compose_twin_runs_fedavg_through_a_superlink_restart_then_an_asynchronous_strategy(tmp_path: Path) -> None:
-    """compose.yml natively, its secure default (TLS, SuperNode authentication, the Runtime APIs' secrets): a process
-    without the secrets is refused a task by the SuperLink and by a SuperNode (Flower's 401). During the FedAvg run
-    the SuperLink is killed after the first evaluated round and started again with the same command (its state in
-    SQLite on the volume): the SuperNodes and the ServerApp reconnect and the run finishes with every update. Then a
-    wall-clock FedAsync run on the same services."""
+    """compose.yml natively, its secure default (TLS, SuperNode authentication, the Runtime APIs' secrets, the edge
+    proxy on the devices' port): a process without the secrets is refused a task by the SuperLink and by a SuperNode
+    (Flower's 401); while the FedAvg run runs, a process on the devices' port holding only ca.crt is refused every
+    Control and Runtime call by the edge (tools/intruder.py), and its app runs nowhere, while the operator's `flwr` on
+    the SuperLink's own port runs it everywhere afterwards. During the FedAvg run the SuperLink is killed after the
+    first evaluated round and started again with the same command (its state in SQLite on the volume): the
+    SuperNodes and the ServerApp reconnect through the edge and the run finishes with every update. Then a wall-clock
+    FedAsync run on the same services."""
+    needs_nginx()
     restarted: list[float] = []
     anonymous: dict[str, object] = {}
+    intrusion: dict[str, dict[str, str]] = {}
+    marks = tmp_path / "marks"
+    operator = flower.flower_env(tmp_path / "home" / "cli")
+
+    def intrude(t: Twin) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and "attempts" not in intrusion:
+            listed = subprocess.run(["flwr", "ls", CONNECTION, "--format", "json"], env=operator, capture_output=True,
+                                    text=True, check=False).stdout
+            try:
+                running = [int(r["run-id"]) for r in json.loads(listed)["runs"] if r["status"].startswith("running")]
+            except (ValueError, KeyError):
+                running = []
+            if running:
+                intrusion["attempts"] = intruder.attempts(t.port("edge", 8000), t.certs / "ca.crt",
+                                                          tmp_path / "intruder", running[0], marks)
+            time.sleep(1.0)
 
     def restart_superlink_mid_run(procs, t: Twin) -> None:
-        for service, port in (("superlink", 8000), ("supernode-0", 9094)):
+        threading.Thread(target=intrude, args=(t,), daemon=True).start()
+        for service, port in (("superlink", 9093), ("supernode-0", 9094)):
             address = f"127.0.0.1:{t.port(service, port)}"
             anonymous[service] = acquire_task_anonymously(address, t.certs / "ca.crt" if service == "superlink"
                                                           else None)
@@ -261,7 +312,17 @@ def test_the_compose_twin_runs_fedavg_through_a_superlink_restart_then_an_asynch
 
     jobs = [{"preset": "fedavg-digits", "num-rounds": 3},
             {"preset": "fedavg-digits", "num-rounds": 3, "strategy": "fedasync", "clock": "wall", "concurrency": 2}]
-    (sync, asyn), pids = twin(compose_files(), jobs, tmp_path, restart_superlink_mid_run)  # raises unless completed
+    operator_run: list[str] = []
+
+    def operator_starts_the_intruders_app(t: Twin) -> None:
+        assert intruder.breaches(intrusion["attempts"], marks) == [], intrusion
+        operator_run.append(intruder.operator_runs_it(operator, CONNECTION, marks))
+
+    (sync, asyn), pids = twin(compose_files(), jobs, tmp_path, restart_superlink_mid_run,
+                              operator_starts_the_intruders_app)  # raises unless completed
+    assert all(got.startswith("refused") and "404" in got for got in intrusion["attempts"].values()), intrusion
+    assert operator_run == ["finished:completed"]
+    assert len(list(marks.glob("server-run-*"))) == 1 and len(list(marks.glob("node-*"))) == 2
     assert all(r is not None and r.status_code == 401 and "Authentication failed" in r.text
                for r in anonymous.values()) and len(anonymous) == 2, anonymous
     assert restarted, "the SuperLink was not restarted during the first run"
@@ -281,6 +342,7 @@ def test_the_plain_http_compose_twin_runs_the_demo_job_as_in_process(tmp_path: P
     """plain-http.yml natively (the Runtime APIs keep their secrets) on Flower's own device processes
     (flower-devices.yml; the other twin test and the engine test run the warm ones), running the demo's job
     (Feddle-ID, shortened): the virtual clock's run, the same arrivals and versions as in-process."""
+    needs_nginx()
     (run,), _ = twin(compose_files(plain_http=True, flower_devices=True), [{"num-rounds": 10}], tmp_path)
     reference = run_inprocess({**job(load(compose_files()), {"num-rounds": 10}), "output-dir": str(tmp_path / "ref")})
     summary = _summary(run)
@@ -324,7 +386,7 @@ def test_the_final_status_outlives_a_superlink_restart_but_not_its_end(monkeypat
 def test_the_engine_test_skips_where_no_engine_can_start_and_fails_so_under_require(monkeypatch, tmp_path,
                                                                                    capsys) -> None:
     """`make compose-test` on a machine that cannot run dockerd says why and skips; CI's --require fails."""
-    from hybridfl import compose_engine
+    from tools import compose_engine
 
     monkeypatch.setattr(compose_engine.os, "geteuid", lambda: 1000)
     assert compose_engine.main(["--workdir", str(tmp_path / "ct")]) == 0

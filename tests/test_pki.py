@@ -4,6 +4,7 @@ format ``flower-supernode --auth-supernode-private-key`` reads; kept on a second
 from __future__ import annotations
 
 import ipaddress
+import os
 from pathlib import Path
 
 from cryptography import x509
@@ -52,3 +53,31 @@ def test_each_trust_boundary_gets_its_own_private_secret_kept_on_a_second_call(t
     assert all(path.stat().st_mode & 0o077 == 0 for path in secrets.values())
     again = make_secrets(tmp_path, nodes=3)
     assert {name: again[name].read_text() for name in values} == values and "supernode-2" in again
+
+
+def test_no_private_file_is_readable_by_others_at_any_moment_under_a_permissive_umask(tmp_path: Path,
+                                                                                        monkeypatch) -> None:
+    """Every private file is created 0600 (umask 0 would make a plain write 0666): with chmod doing nothing, a
+    file written first and restricted after would be left readable by everyone."""
+    monkeypatch.setattr(Path, "chmod", lambda self, mode: None)
+    monkeypatch.setattr(os, "chmod", lambda path, mode, **kw: None)
+    old = os.umask(0)
+    try:
+        make_pki(tmp_path, nodes=2)
+    finally:
+        os.umask(old)
+    private = {"ca.key", "server.key", "supernode-0", "supernode-1", "superlink.secret", "supernode-0.secret",
+               "supernode-1.secret"}
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert {name: modes[name] for name in private} == dict.fromkeys(private, 0o600)
+    assert all(modes[name] & 0o044 for name in set(modes) - private)  # certificates and public keys stay public
+
+
+def test_the_certificate_always_names_the_servers_loopback(tmp_path: Path) -> None:
+    """The edge proxy and the operator reach the SuperLink on the server's loopback: localhost and 127.0.0.1 are on
+    its certificate whatever names are given."""
+    make_pki(tmp_path, ("fl.example.org",))
+    san = x509.load_pem_x509_certificate((tmp_path / "server.crt").read_bytes()).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["fl.example.org", "localhost"]
+    assert san.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]

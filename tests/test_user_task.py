@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from flwr.app import Context, RecordDict
+from helpers import readme_commands
 
 from common.config import ConfigError
 from common.data import load_dataset
@@ -209,12 +209,6 @@ def test_the_example_projects_own_method_runs_on_a_local_deployment(tmp_path):
     assert all(r["train-delta-norm"] > clip for r in steps)  # reported by the nodes' ClippingClient
 
 
-def readme_commands(readme: Path) -> list[str]:
-    """The commands of a README's bash blocks, without their comments."""
-    blocks = re.findall(r"```bash\n(.*?)```", readme.read_text(), re.S)
-    return [line.split("  #")[0].strip() for block in blocks for line in block.splitlines() if line.strip()]
-
-
 @pytest.mark.e2e
 def test_the_example_readmes_commands_run_as_written(tmp_path):
     """Each command of examples/tabular/README.md, as a user runs it in a copy of the folder: it exits 0 and its run
@@ -264,8 +258,13 @@ def mlp(input_shape, num_classes):
 def test_flower_modes_find_the_users_code_and_write_outputs_where_the_user_runs(tmp_path, mode):
     """As a user runs it: `hybridfl run` from a folder holding their own model factory (no Flower app there, no
     edit in hybridfl), in a mode that runs Flower's processes: they import the factory from that folder, and the
-    run's outputs land under it."""
+    run's outputs land under it. The folder is searched last: its own `yaml.py` and `common/` (names of an installed
+    package and of hybridfl's own) shadow nothing."""
     (tmp_path / "mytask.py").write_text(USER_MODEL)
+    shadow = "raise ImportError('the user folder shadowed an installed package')\n"
+    (tmp_path / "yaml.py").write_text(shadow)
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "__init__.py").write_text(shadow)
     done = subprocess.run([str(Path(sys.executable).parent / "hybridfl"), "run", "fedavg-digits", "model=mytask:mlp",
                            "num-clients=2", "clients-per-round=2", "num-rounds=1", "run-name=mine", "--mode", mode,
                            "--flwr-home", str(tmp_path / "home")], cwd=tmp_path, capture_output=True, text=True,

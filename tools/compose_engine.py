@@ -1,6 +1,6 @@
 """``make compose-test``: docker/'s compose files on a real Docker engine, the way an operator runs them.
 
-    python -m hybridfl.compose_engine [--require] [--workdir DIR] [--keep-engine]
+    python -m tools.compose_engine [--require] [--workdir DIR] [--keep-engine]
 
 1. Tools, from the package registries: Debian's ``docker.io`` (engine, containerd, runc, the CLI with BuildKit)
    and ``debootstrap``; the Compose v2 plugin from Debian trixie's ``docker-compose`` package (bookworm only has
@@ -11,16 +11,21 @@
    in a temporary folder, stopped by PID at the end (with its containerd) and the folder removed. No Docker
    network is ever created: every container uses the host's network (docker/host-network.yml), on loopback.
 3. Images, with no image registry and no network inside the builds (``docker build --network none``): Flower's
-   official ``flwr/*`` images when Docker Hub answers, otherwise stand-ins (docker/Dockerfile.flower) on a Debian
-   base made by debootstrap with python3 baked in; the app image from docker/Dockerfile. Python wheels come from
-   a wheelhouse made on the host (docker/wheels/, from pip's own sources). The log says which images it used.
-4. Through ``docker compose`` itself, on the files' secure default (TLS, SuperNode authentication, a SuperExec
-   secret per Runtime API): (a) the main job end to end, its summary.json copied out, (b) with the SuperLink
-   container killed a third of the way in and started again: the run completes with every step (its state is in
-   SQLite on its volume); (c) the registered SuperNodes train, an unregistered key is refused by the SuperLink, a
-   plain-HTTP SuperNode is refused, and a process without the secrets is refused a task by the SuperLink's and a
-   SuperNode's Runtime API (Flower's 401). compose.gpu.yml and plain-http.yml are validated by ``docker compose
-   config`` (tests/test_compose.py compares them with the twin's reading, which runs plain-http.yml natively).
+   official ``flwr/*`` and ``nginx`` images when Docker Hub answers, otherwise stand-ins (docker/Dockerfile.flower)
+   on a Debian base made by debootstrap with python3 and nginx baked in; the app image from docker/Dockerfile. Python
+   wheels come from a wheelhouse made on the host (docker/wheels/, from pip's own sources). The log says which images
+   it used.
+4. Through ``docker compose`` itself, on the files' secure default (TLS, SuperNode authentication, a SuperExec secret
+   per Runtime API): (a) the main job end to end, its summary.json copied out, (b) with the SuperLink container
+   killed a third of the way in and started again: the run completes with every step (its state is in SQLite on its
+   volume); (c) the registered SuperNodes train, an unregistered key is refused by the SuperLink, a plain-HTTP
+   SuperNode is refused, and a process without the secrets is refused a task by the SuperLink's and a SuperNode's
+   Runtime API (Flower's 401); (d) while the job runs, a process on the devices' port holding only ca.crt
+   (tools/intruder.py) is refused by the edge proxy when it registers a key, starts a run of its own app, lists or
+   stops runs, or asks the Runtime API for a task, and its app leaves no file in any container; the operator's `flwr`
+   on the SuperLink's own port (the host's loopback) starts that app, which then runs everywhere. compose.gpu.yml and
+   plain-http.yml are validated by ``docker compose config`` (tests/test_compose.py compares them with the twin's
+   reading, which runs plain-http.yml natively).
 
 Where no engine can start here (not root, no overlay or cgroups), it says why and skips (exit 0), or fails with
 --require (CI). Outputs: <workdir>/ (default outputs/compose-test/): the runs, each service's log, timings.json,
@@ -48,7 +53,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from hybridfl.compose import COMPOSE_DIR, CONNECTION, IMAGE_UID, SERVERAPP, SUPERLINK, auth_key, job, load, supernodes
+from hybridfl.compose import (
+    COMPOSE_DIR,
+    CONNECTION,
+    IMAGE_UID,
+    SERVERAPP,
+    SUPERLINK,
+    auth_key,
+    hand_to_images,
+    job,
+    load,
+    superlink_port,
+    supernodes,
+)
 from hybridfl.flower import (
     PROJECT_DIR,
     acquire_task_anonymously,
@@ -62,6 +79,7 @@ from hybridfl.flower import (
     write_connection,
 )
 from hybridfl.pki import make_pki, node_key
+from tools import intruder
 
 CACHE = Path(os.environ.get("HYBRIDFL_COMPOSE_CACHE", "/var/cache/hybridfl-compose"))  # kept between runs
 WHEELS = COMPOSE_DIR / "wheels"  # in the build context; git-ignored but for its README
@@ -69,7 +87,8 @@ BASE_IMAGE = "local/debian:bookworm-python"
 DOCKER = "/usr/bin/docker"  # the CLI of Debian's docker.io: the engine's version, BuildKit built in
 DOCKERD_FLAGS = ["--bridge=none", "--iptables=false", "--ip6tables=false", "--ip-forward=false", "--ip-masq=false",
                  "--storage-driver=overlay2", "--exec-opt", "native.cgroupdriver=cgroupfs"]
-HOST_PORTS = (8000, 9094, 9095)  # the SuperLink's and the SuperNodes' ports, on the host's network
+HOST_PORTS = (8000, 9093, 9094, 9095)  # the edge's, the SuperLink's and the SuperNodes' ports, on the host's network
+MARKS = "/tmp/hybridfl-intruder"  # where the intruder's app would leave its marks, in each container
 WORKDIR = PROJECT_DIR / "outputs" / "compose-test"
 PASSED = "passed.json"
 TRIXIE = "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie main"
@@ -209,26 +228,27 @@ def check_wheelhouse(version: str) -> None:
 
 
 def debian_base(engine: Engine) -> None:
-    """local/debian:bookworm-python: debootstrap's minbase with python3 and venv, imported (tarball cached)."""
-    tarball = CACHE / "debian-bookworm-python.tar"
+    """local/debian:bookworm-python: debootstrap's minbase with python3, venv and nginx (the edge's stand-in),
+    imported (tarball cached)."""
+    tarball = CACHE / "debian-bookworm-python-nginx.tar"
     if not tarball.exists():
         with tempfile.TemporaryDirectory(dir=CACHE) as rootfs:
-            sh(["debootstrap", "--variant=minbase", "--include=python3,python3-venv", "bookworm", rootfs,
+            sh(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,nginx", "bookworm", rootfs,
                 "http://deb.debian.org/debian"], timeout=1200)
             sh(["tar", "-C", rootfs, "-cf", f"{tarball}.part", "."])
         Path(f"{tarball}.part").rename(tarball)
     engine.docker("import", str(tarball), BASE_IMAGE)
 
 
-def build_images(engine: Engine, version: str, wheels_ready: Callable[[], Any]) -> dict[str, str]:
-    """Every image the compose files name, built offline, once `wheels_ready()` returns (the wheelhouse is
-    made meanwhile); returns image -> where it came from."""
+def build_images(engine: Engine, version: str, edge: str, wheels_ready: Callable[[], Any]) -> dict[str, str]:
+    """Every image the compose files name (`edge`: the edge proxy's, ``nginx:<tag>``), built offline, once
+    `wheels_ready()` returns (the wheelhouse is made meanwhile); returns image -> where it came from."""
     roles = ("superlink", "supernode", "superexec")
     pulled = engine.docker("pull", f"flwr/superlink:{version}", check=False, timeout=120).returncode == 0
     if pulled:
-        for role in roles[1:]:
-            engine.docker("pull", f"flwr/{role}:{version}", timeout=900)
-        used = {f"flwr/{role}:{version}": "Docker Hub (official)" for role in roles}
+        for image in (*(f"flwr/{role}:{version}" for role in roles[1:]), edge):
+            engine.docker("pull", image, timeout=900)
+        used = {f"flwr/{role}:{version}": "Docker Hub (official)" for role in roles} | {edge: "Docker Hub (official)"}
     else:
         log("Docker Hub cannot be reached: building stand-ins for Flower's images (docker/Dockerfile.flower)")
         debian_base(engine)
@@ -241,6 +261,9 @@ def build_images(engine: Engine, version: str, wheels_ready: Callable[[], Any]) 
                           "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "--build-arg", f"FLWR_VERSION={version}",
                           "-t", f"flwr/{role}:{version}", ".", timeout=1200)
             used[f"flwr/{role}:{version}"] = f"stand-in: Debian bookworm (debootstrap) + flwr {version} wheel"
+        engine.docker("build", "--network", "none", "-f", "docker/Dockerfile.flower", "--target", "edge",
+                      "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "-t", edge, ".", timeout=600)
+        used[edge] = "stand-in: Debian bookworm's nginx (debootstrap)"
     engine.docker("build", "--network", "none", "-f", "docker/Dockerfile", "--build-arg", f"FLWR_VERSION={version}",
                   "--build-arg", "PIP_OPTIONS=--no-index --find-links /wheels", "-t", f"hybridfl/app:{version}",
                   ".", timeout=1800)
@@ -272,7 +295,7 @@ class Deployment:
         self.flwr_home = workdir / "flwr-home"
         self.cli_env = flower_env(self.flwr_home)
         self.ca = make_pki(self.certs, nodes=len(supernodes(self.spec))) / "ca.crt"
-        write_connection(self.flwr_home, CONNECTION, 8000, self.ca)
+        write_connection(self.flwr_home, CONNECTION, superlink_port(self.spec), self.ca)  # the operator's
 
     @property
     def certs(self) -> Path:
@@ -285,8 +308,7 @@ class Deployment:
         """Every service up and healthy: the SuperLink first, then the SuperNodes' keys registered, then the rest;
         returns the seconds it took."""
         start = time.monotonic()
-        for f in self.certs.iterdir():  # the images' user reads its certificate, keys and secrets
-            os.chown(f, IMAGE_UID, IMAGE_UID)
+        hand_to_images(self.spec, self.certs)
         self.compose("up", "-d", "--no-build", "--pull", "never", "--wait", SUPERLINK, timeout=300)
         for node in supernodes(self.spec):
             key = auth_key(self.spec["services"][node]["command"])
@@ -353,6 +375,37 @@ def restart_superlink_when(dep: Deployment, ready: Callable[[], bool], record: d
     return thread
 
 
+def intrude_while_running(dep: Deployment, workdir: Path, record: dict[str, Any]) -> threading.Thread:
+    """A watcher that, once the operator's run is running, makes tools/intruder.py's attempts through the devices'
+    port (the edge's 8000) holding only ca.crt, and records what each got (``record["attempts"]``)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            listed = sh(["flwr", "ls", CONNECTION, "--format", "json"], env=dep.cli_env, check=False, quiet=True)
+            try:
+                running = [int(r["run-id"]) for r in json.loads(listed.stdout)["runs"]
+                           if r["status"].startswith("running")]
+            except (ValueError, KeyError):
+                running = []
+            if running:
+                record["attempts"] = intruder.attempts(HOST_PORTS[0], dep.ca, workdir / "intruder", running[0],
+                                                       Path(MARKS))
+                return
+            time.sleep(1.0)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def marks(dep: Deployment) -> dict[str, list[str]]:
+    """The intruder app's marks in the ServerApp's and every ClientApp's container, by service."""
+    services = [SERVERAPP, *(s for s in dep.spec["services"] if s.startswith("superexec-clientapp-"))]
+    return {svc: dep.compose("exec", "-T", svc, "sh", "-c", f"ls {MARKS} 2>/dev/null || true", quiet=True
+                             ).stdout.split() for svc in services}
+
+
 def summary(run: Path) -> dict[str, Any]:
     return json.loads((run / "summary.json").read_text())
 
@@ -380,8 +433,11 @@ def secure_deployment(engine: Engine, workdir: Path, version: str, timings: dict
         record: dict[str, float] = {}
         watcher = restart_superlink_when(
             dep, lambda: metrics.exists() and len(metrics.read_text().splitlines()) > steps // 3, record)
+        intrusion: dict[str, Any] = {}
+        intruding = intrude_while_running(dep, workdir, intrusion)
         run, timings["main-job-s"] = dep.run({"run-name": "compose-main"}, workdir / "runs")
         watcher.join(60)
+        intruding.join(120)
         main = summary(run)
         timings["main-job-accuracy"] = main["final-test-accuracy"]
         check("superlink-down-s" in record, "(b) the SuperLink container was killed a third of the way into the run "
@@ -394,6 +450,7 @@ def secure_deployment(engine: Engine, workdir: Path, version: str, timings: dict
               f"{main['final-version']} versions from {main['total-accepted']} updates, test accuracy "
               f"{main['final-test-accuracy']:.4f}, summary.json copied to {run}")
         check(main["final-test-accuracy"] > 0.8, "(a) the main job learned (test accuracy > 0.8)")
+        edge_refuses(dep, intrusion.get("attempts"))
         intruders(dep)
     finally:
         dep.down(workdir / "secure" / "logs")
@@ -402,6 +459,22 @@ def secure_deployment(engine: Engine, workdir: Path, version: str, timings: dict
     timings["device-per-train-message-s"] = {  # Feddle-ID's steps overlap: no round to split Flower's rest from
         part: round(sum(d.get(part, 0.0) for d in trains) / max(len(trains), 1), 3)
         for part in ("flower-s", "import-s", "data-s", "model-s", "work-s", "handler-s")} | {"messages": len(trains)}
+
+
+def edge_refuses(dep: Deployment, attempts: dict[str, str] | None) -> None:
+    """(d) What a process on the devices' network holding only ca.crt got through the edge while the main job ran
+    (tools/intruder.py): every attempt refused with the edge's 404 and no mark of its app in any container; then the
+    operator starts the same app on the SuperLink's own port, and its marks appear on the server and every device."""
+    check(attempts is not None, "(d) the intruder's attempts ran while the operator's run was running")
+    got = "; ".join(f"{what}: {outcome[:60]}" for what, outcome in attempts.items())
+    check(all(outcome.startswith("refused") and "404" in outcome for outcome in attempts.values()),
+          f"(d) on the devices' port, a process holding only ca.crt is refused everything with the edge's 404: {got}")
+    check(not any(marks(dep).values()), "(d) no file of the intruder's app on the server or any device")
+    status = intruder.operator_runs_it(dep.cli_env, CONNECTION, Path(MARKS))
+    found = marks(dep)
+    check(status == "finished:completed" and all(found.values()),
+          f"(d) the operator's `flwr` on the SuperLink's own port (host loopback) starts the same app ({status}), "
+          f"and it ran everywhere: {found}")
 
 
 def intruders(dep: Deployment) -> None:
@@ -421,7 +494,7 @@ def intruders(dep: Deployment) -> None:
     check(rogue.returncode != 0 and "No SuperNode found with the given public key" in dep.logs(SUPERLINK),
           "(c) an unregistered key is refused: the SuperLink says 'No SuperNode found with the given public key'")
 
-    plain_cmd = ["--insecure", "--superlink", "superlink:8000", "--max-retries", "1", "--max-wait-time", "20",
+    plain_cmd = ["--insecure", "--superlink", "edge:8000", "--max-retries", "1", "--max-wait-time", "20",
                  "--isolation", "process", "--host", "127.0.0.1", "--port", "9097",
                  "--node-config", "partition-id=1 num-partitions=2"]
     plain = dep.compose("run", "--rm", "--no-deps", "supernode-1", *plain_cmd, check=False, timeout=120)
@@ -431,7 +504,8 @@ def intruders(dep: Deployment) -> None:
           "(c) a plain-HTTP SuperNode is refused (exit code 305, "
           f"{'disconnected' if 'disconnected' in output else 'no connection'}); no node was admitted")
 
-    for what, address, ca in (("the SuperLink's", "127.0.0.1:8000", dep.ca), ("supernode-0's", "127.0.0.1:9094", None)):
+    for what, address, ca in (("the SuperLink's", f"127.0.0.1:{superlink_port(dep.spec)}", dep.ca),
+                              ("supernode-0's", "127.0.0.1:9094", None)):
         refused = acquire_task_anonymously(address, ca)
         check(refused is not None and refused.status_code == 401 and "Authentication failed" in refused.text,
               f"(c) {what} Runtime API refuses a task to a process without its secret "
@@ -505,8 +579,9 @@ def compose_test(workdir: Path, keep_engine: bool = False) -> dict[str, Any]:
         engine.start()
         t = time.monotonic()
         version = importlib.metadata.version("flwr")
+        edge = load([COMPOSE_DIR / "compose.yml"])["services"]["edge"]["image"]
         with ThreadPoolExecutor(1) as pool:  # pip's downloads run while debootstrap's do
-            timings["images"] = build_images(engine, version, pool.submit(wheelhouse).result)
+            timings["images"] = build_images(engine, version, edge, pool.submit(wheelhouse).result)
         timings["build-s"] = time.monotonic() - t
         for image, source in timings["images"].items():
             log(f"image {image}: {source}")

@@ -1,0 +1,99 @@
+"""docs/tutorials/deployment.md's secured commands, run as written on loopback (`SERVER` is localhost, two devices,
+free ports): the run completes through the edge proxy, and a process that reaches the devices' port holding only
+ca.crt is refused everything the SuperLink's own port would give it (tools/intruder.py); the operator's `flwr` on
+the SuperLink's port starts the same foreign app, which then runs on the server and both devices."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import needs_nginx, readme_commands
+
+from hybridfl.flower import (
+    PROJECT_DIR,
+    ProcessGroup,
+    final_status,
+    flower_env,
+    free_port,
+    wait_healthy,
+    write_connection,
+)
+from tools import intruder
+
+TUTORIAL = PROJECT_DIR / "docs" / "tutorials" / "deployment.md"
+LONG_RUNNING = ("flower-superlink", "flower-superexec", "flower-supernode", "nginx")
+
+
+def commands(tmp_path: Path, ports: dict[str, int], output: Path) -> list[str]:
+    """The tutorial's commands for this machine: each value below replaced where the tutorial has it (each must be
+    there: a tutorial that changes them fails here), each of device 0's (its key's registration, its two processes)
+    repeated for device 1."""
+    swaps = {"SERVER": "localhost", "--nodes 10": "--nodes 2", "num-partitions=10": "num-partitions=2",
+             "num-clients=10": "num-clients=2 clients-per-round=2 num-rounds=4", "/abs/path": str(output),
+             "$PWD": str(tmp_path), **{str(port): str(mine) for port, mine in ports.items()}}
+    text = "\n".join(readme_commands(TUTORIAL))
+    for token, value in swaps.items():
+        assert token in text, f"the tutorial no longer says {token!r}"
+        text = text.replace(token, value)
+    out = []
+    for line in text.splitlines():
+        out.append(line)
+        if "supernode-0" in line:
+            out.append(line.replace("supernode-0", "supernode-1").replace("partition-id=0", "partition-id=1")
+                       .replace(str(ports[9094]), str(ports[9094] + 1)))
+    return out
+
+
+@pytest.mark.e2e
+def test_the_tutorials_secured_deployment_runs_and_keeps_an_intruder_on_the_devices_port_out(tmp_path: Path) -> None:
+    needs_nginx()
+    ports = {9093: free_port(), 8000: free_port(), 9094: free_port()}
+    output = tmp_path / "outputs"
+    env = flower_env(tmp_path / "home")
+    env["PATH"] = f"{env['PATH']}:/usr/sbin:/sbin"
+    write_connection(tmp_path / "home", "mine", ports[9093], tmp_path / "certs" / "ca.crt")  # the tutorial's config
+    lines = commands(tmp_path, ports, output)
+    run = lines.pop()
+    assert run.startswith("flwr run . mine")
+    with ProcessGroup(tmp_path / "logs", env) as procs:
+        for i, line in enumerate(lines):
+            argv = shlex.split(line)
+            if argv[0] in LONG_RUNNING:
+                name = f"{i}-{argv[0]}"
+                procs.start(name, argv, {**env, "FLWR_HOME": str(tmp_path / "home" / name)}, cwd=tmp_path)
+                if argv[0] == "flower-superlink":
+                    wait_healthy(ports[9093], dict(procs.procs)[name], 90, tmp_path / "certs" / "ca.crt")
+                continue
+            done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, f"{line}:\n{done.stdout}{done.stderr}"
+        streamed = tmp_path / "logs" / "flwr-run.log"
+        main = subprocess.Popen(shlex.split(run), env=env, cwd=PROJECT_DIR, stdout=streamed.open("w"),
+                                stderr=subprocess.STDOUT)
+        try:
+            run_id = None
+            deadline = time.monotonic() + 120
+            while run_id is None and time.monotonic() < deadline:
+                listed = subprocess.run(["flwr", "ls", "mine", "--format", "json"], env=env, capture_output=True,
+                                        text=True, check=False).stdout
+                runs = json.loads(listed or "{}").get("runs", [])
+                run_id = next((int(r["run-id"]) for r in runs if r["status"].startswith("running")), None)
+            assert run_id is not None, "the operator's run did not start"
+            marks = tmp_path / "marks"
+            outcome = intruder.attempts(ports[8000], tmp_path / "certs" / "ca.crt", tmp_path / "intruder", run_id,
+                                        marks)
+            assert intruder.breaches(outcome, marks) == [], outcome
+            assert all("404" in got for got in outcome.values()), outcome  # the edge's answer, not the SuperLink's
+            main.wait(600)
+        finally:
+            main.kill()
+        assert final_status(env, "mine", run_id) == "finished:completed", streamed.read_text()[-3000:]
+        summary = json.loads(next(output.glob("*/summary.json")).read_text())
+        assert summary["final-version"] == 4 and summary["total-failures"] == 0
+        # the refusals were the edge's: on the SuperLink's own port the operator runs the same app everywhere
+        assert intruder.operator_runs_it(env, "mine", marks) == "finished:completed"
+        assert len(list(marks.glob("server-run-*"))) == 1 and len(list(marks.glob("node-*"))) == 2
