@@ -106,16 +106,27 @@ class Run:
         self.check_failures(entry.round)
 
     def check_failures(self, rnd: int) -> None:
-        """Stop a run whose clients fail: more than ``max-failed-fraction`` of the replies so far failed or were
-        rejected, once ``clients-per-round`` replies have arrived (a run must not end as a success having learned
-        nothing)."""
+        """Stop a run whose clients fail: more than ``max-failed-fraction`` of the dispatches so far failed, were
+        rejected or timed out, once ``clients-per-round`` of them have ended (a run must not end as a success
+        having learned nothing)."""
         totals = self.recorder.totals()
-        failed = totals["failures"] + totals["rejected"]
-        replies = failed + totals["accepted"]
-        if replies >= self.cfg.clients_per_round and failed > self.cfg.max_failed_fraction * replies:
-            raise RuntimeError(f"round {rnd}: {failed} of the run's {replies} replies failed or were rejected, more "
-                               f"than max-failed-fraction = {self.cfg.max_failed_fraction:g}; the first: "
+        lost = totals["failures"] + totals["rejected"] + totals["timeouts"]
+        ended = lost + totals["accepted"]
+        if ended >= self.cfg.clients_per_round and lost > self.cfg.max_failed_fraction * ended:
+            raise RuntimeError(f"round {rnd}: {lost} of the run's {ended} dispatches failed, were rejected or timed "
+                               f"out ({totals['timeouts']} timed out after reply-timeout-s = "
+                               f"{self.cfg.reply_timeout_s:g}), more than max-failed-fraction = "
+                               f"{self.cfg.max_failed_fraction:g}; the first: "
                                f"{self.runner.first_loss or 'not recorded (the run was resumed)'}")
+
+    def check_learned(self) -> None:
+        """A run that ends without a single accepted update has learned nothing: it fails, saying why."""
+        totals = self.recorder.totals()
+        if self.first_round <= self.cfg.num_rounds and totals["accepted"] == 0:
+            raise RuntimeError(f"the run accepted no update in {self.cfg.num_rounds} rounds ({totals['failures']} "
+                               f"failed, {totals['rejected']} rejected, {totals['timeouts']} timed out after "
+                               f"reply-timeout-s = {self.cfg.reply_timeout_s:g}); the first: "
+                               f"{self.runner.first_loss or 'none recorded'}")
 
     def checkpoint(self, rnd: int) -> None:
         write_checkpoint(self.out, {
@@ -148,6 +159,7 @@ class Run:
             else:
                 self.runner.run(cfg.num_rounds, self.on_round, self.first_round)
         train_seconds = time.perf_counter() - t_train
+        self.check_learned()
         client_eval = federated_evaluate(self.grid, self.runner.directory, self.runner.dispatcher, self.strategy,
                                          cfg.reply_timeout_s)
         models = {}

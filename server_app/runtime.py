@@ -181,7 +181,7 @@ class Runner:
         # ... and two of its parts: handing the reply to the strategy (a strategy step when one is due), and
         # Flower's push of the next message to the SuperLink
         self.reply_parts: dict[str, list[float]] = {"hand-over": [], "push": []}
-        self.first_loss = ""  # why the run's first failed or rejected update was lost
+        self.first_loss = ""  # why the run's first lost update (failed, rejected, timed out) was lost
         self._pushed_in = 0.0
 
     # -- checkpointing ------------------------------------------------------------------------
@@ -307,7 +307,7 @@ class Runner:
                     entry.rejected += 1
         if update is None or outcome != "accepted":
             log(WARNING, "round %d: update of client %d (node %d) lost: %s", rnd, flight.client, flight.node, reason)
-            if outcome != "timeout" and not self.first_loss:
+            if not self.first_loss:
                 self.first_loss = f"round {rnd}, client {flight.client}: {reason}"
             self.on_event({**event, "outcome": outcome, "reason": reason})
             return False

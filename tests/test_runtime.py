@@ -10,7 +10,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from client_app.app import app as client_app
@@ -145,6 +145,34 @@ def test_losing_every_node_fails_with_a_clear_message(small_run):
         small_run("gone", grid=grid, **{"num-clients": 3, "clients-per-round": 3, "num-rounds": 10,
                                          "wait-nodes-s": 1.0})
     assert list(grid.get_node_ids()) == []
+
+
+class SilentGrid(InProcessGrid):
+    """Nodes that answer the server's queries but never a train message (a device that hangs in training): every
+    dispatch times out."""
+
+    def pull_messages(self, message_ids):
+        return super().pull_messages([i for i in message_ids if i in self._pending
+                                      and self._pending[i].metadata.message_type != MessageType.TRAIN])
+
+
+def test_a_run_whose_every_dispatch_times_out_fails_naming_the_timeouts(small_run):
+    """Timeouts count against max-failed-fraction like failures: the run stops once clients-per-round dispatches
+    have ended, all lost, instead of completing at model version 0."""
+    with pytest.raises(RuntimeError, match=r"round \d+: 3 of the run's 3 dispatches failed, were rejected or timed out "
+                                           r"\(3 timed out after reply-timeout-s = 0.2\).*no reply within 0s"):
+        small_run("silent", grid=SilentGrid(client_app, num_nodes=3),
+                  **{"num-clients": 3, "clients-per-round": 3, "num-rounds": 4, "reply-timeout-s": 0.2})
+
+
+def test_a_run_that_accepts_no_update_fails_even_when_failures_are_allowed(small_run):
+    """max-failed-fraction = 1 lets every dispatch fail along the way; a run that ends without a single accepted
+    update still learned nothing, and fails saying so."""
+    with pytest.raises(RuntimeError, match=r"the run accepted no update in 2 rounds \(0 failed, 0 rejected, \d+ timed "
+                                           r"out"):
+        small_run("silent", grid=SilentGrid(client_app, num_nodes=3),
+                  **{"num-clients": 3, "clients-per-round": 3, "num-rounds": 2, "reply-timeout-s": 0.1,
+                     "max-failed-fraction": 1.0})
 
 
 def test_validation_split_is_evaluated_beside_the_test_split_and_summarised(small_run):
