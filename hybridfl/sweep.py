@@ -41,6 +41,7 @@ import json
 import math
 import multiprocessing
 import statistics
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -134,17 +135,22 @@ def job(preset: str, seed: int, point: Mapping[str, Any] | None = None, run_dir:
 
 def interrupted(overrides: Mapping[str, Any]) -> Path | None:
     """The run folder of an earlier, interrupted run of this very configuration (picked up at its last checkpoint),
-    else None."""
+    else None. A checkpoint there that cannot be resumed, or that belongs to another configuration, is said on
+    stderr before its run starts again from the beginning: a sweep never restarts a run silently."""
     from server_app.checkpoint import CHECKPOINT, read_config
 
     folder = Path(overrides["output-dir"]) / overrides["run-name"]
     if not (folder / CHECKPOINT).is_file() or (folder / "summary.json").is_file():
         return None
     try:
-        same = digest(read_config(folder)) == config_digest(overrides)
-    except ConfigError:  # an unusable checkpoint: start afresh
-        return None
-    return folder if same else None
+        if digest(read_config(folder)) == config_digest(overrides):
+            return folder
+        why = "its configuration is not this job's (the spec changed)"
+    except ConfigError as err:
+        why = str(err)
+    print(f"warning: {folder}: an interrupted run's checkpoint that this job cannot resume ({why}); running the job "
+          "again from its start", file=sys.stderr, flush=True)
+    return None
 
 
 def finished_run(overrides: Mapping[str, Any]) -> tuple[Path, dict[str, Any], list[dict[str, Any]]]:

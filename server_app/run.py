@@ -24,7 +24,7 @@ from common.models import build_from_config, check_on_data
 from common.params import ParamSpec
 from common.server_data import ServerData, build_server_data
 from common.training import LocalRecipe, evaluate
-from server_app.checkpoint import CHECKPOINT, check_layout, read_checkpoint, write_checkpoint
+from server_app.checkpoint import CHECKPOINT, check_layout, pack_state, read_checkpoint, unpack_state, write_checkpoint
 from server_app.config import RunConfig, client_config
 from server_app.evaluation import client_evaluate, federated_evaluate, personal_summary
 from server_app.flower import FlowerStrategy
@@ -132,7 +132,7 @@ class Run:
         write_checkpoint(self.out, {
             "round": rnd, "config": self.cfg.to_dict(),
             "layout": {"names": list(self.pspec.names), "shapes": [list(s) for s in self.pspec.shapes]},
-            "strategy": self.strategy.state_dict(), "runner": self.runner.state_dict(),
+            "strategy": pack_state(self.strategy.state_dict(), type(self.strategy)), "runner": self.runner.state_dict(),
             "recorder": self.recorder.state_dict(), "torch-rng": torch.get_rng_state(),
             "run-seconds": self.run_seconds()})
 
@@ -211,6 +211,8 @@ def build_run(grid: Grid, cfg: RunConfig) -> Run:
     if strategy.server_need() == "none" and server_data is not None:  # the need itself is checked at attach
         log(INFO, "strategy '%s' does not use the server's data (%s)", cfg.strategy, describe(server_data))
     strategy.initialize(pspec.flatten(model), pspec, copy.deepcopy(model))
+    if cfg.checkpoint_every:  # a state a checkpoint could not load back is refused now, not at the resume
+        pack_state(strategy.state_dict(), type(strategy))
     runner = Runner(grid, strategy, client_config(cfg), part_of(RuntimeConfig, cfg), seed=cfg.seed,
                     server_data=server_data)
     # The run's folder once every check at start passed: a run refused at start leaves none
@@ -220,7 +222,7 @@ def build_run(grid: Grid, cfg: RunConfig) -> Run:
     first_round, earlier = 1, 0.0
     if resumed is not None:
         check_layout(out, resumed, pspec.names, pspec.shapes)
-        strategy.load_state_dict(resumed["strategy"])
+        strategy.load_state_dict(unpack_state(resumed["strategy"], type(strategy), out))
         runner.load_state_dict(resumed["runner"])
         torch.set_rng_state(resumed["torch-rng"])
         first_round = int(resumed["round"]) + 1

@@ -168,6 +168,11 @@ class Strategy(ABC):
     Config: ClassVar[type] = NoOptions
     server_data: ClassVar[str] = "none"  # server_need()'s default: "none", "in-domain" (the clients' labels) or "any"
     client_side: ClassVar[type[ClientSide]] = ClientSide  # what the clients do (strategies/client.py)
+    # What the state may hold besides tensors and plain data (dicts, lists, tuples, sets, strings, numbers, None),
+    # hybridfl's Payload and Update, and nn.Linear: the classes (and functions, e.g. numpy's array reconstructor)
+    # a checkpoint rebuilds by name for this strategy. A state holding anything else is refused when first saved,
+    # naming the field (server_app/checkpoint.py; docs/adding-a-method.md, "State and checkpoints").
+    checkpoint_types: ClassVar[tuple[Any, ...]] = ()
     _structure: ClassVar[frozenset[str]] = frozenset({"config", "seed", "num_clients", "recipe", "spec", "model",
                                                       "server"})
 

@@ -15,7 +15,7 @@ from common.models import build_from_config
 from common.params import ParamSpec
 from common.training import evaluate
 from hybridfl.inprocess import run_inprocess
-from server_app.checkpoint import read_checkpoint
+from server_app.checkpoint import read_strategy_state
 from server_app.config import load_config
 from strategies import FedMerge
 from strategies.base import Update
@@ -186,7 +186,7 @@ def test_every_client_is_evaluated_on_its_own_split_with_its_own_merged_model(tm
            "checkpoint-every": 4, "output-dir": str(tmp_path), "run-name": "fm"}
     out = run_inprocess(job)
     cfg = load_config(job)
-    state = read_checkpoint(out)["strategy"]
+    state = read_strategy_state(out)
     last = json.loads((out / "clients.jsonl").read_text().splitlines()[-1])
     assert last["round"] == 4 and last["clients"] == list(range(6))
     model = build_from_config(cfg.to_dict(), (1, 8, 8), 4, seed=0)

@@ -15,7 +15,7 @@ from common.models import build_from_config
 from common.params import ParamSpec
 from common.training import EVAL_STREAM, LocalRecipe, derive_seed, evaluate, train
 from hybridfl.inprocess import run_inprocess
-from server_app.checkpoint import read_checkpoint
+from server_app.checkpoint import read_strategy_state
 from server_app.config import load_config
 from strategies import Local
 from strategies.base import Update
@@ -52,7 +52,7 @@ def test_local_clients_are_evaluated_with_their_own_models(tmp_path):
     job = {**JOB, "strategy": "local", "output-dir": str(tmp_path), "run-name": "local"}
     out = run_inprocess(job)
     cfg, model, spec, last = clients_and_model(out, job)
-    local = read_checkpoint(out)["strategy"]["local"]
+    local = read_strategy_state(out)["local"]
     assert len(local) == 4
     for c in range(4):
         spec.load_into(model, local[c])
@@ -64,7 +64,7 @@ def test_fedavg_plus_fine_tunes_the_global_model_on_each_client_before_evaluatin
     job = {**JOB, "strategy": "fedavg-plus", "finetune-epochs": 2, "output-dir": str(tmp_path), "run-name": "plus"}
     out = run_inprocess(job)
     cfg, model, spec, last = clients_and_model(out, job)
-    state = read_checkpoint(out)["strategy"]
+    state = read_strategy_state(out)
     recipe = dataclasses.replace(part_of(LocalRecipe, cfg), local_epochs=2)
     tuned = []
     for c in range(4):
@@ -79,7 +79,7 @@ def test_ifca_clients_evaluate_the_cluster_model_of_lowest_training_loss(tmp_pat
     job = {**JOB, "strategy": "ifca", "global-models": 3, "output-dir": str(tmp_path), "run-name": "ifca"}
     out = run_inprocess(job)
     cfg, model, spec, last = clients_and_model(out, job)
-    theta = read_checkpoint(out)["strategy"]["theta"]
+    theta = read_strategy_state(out)["theta"]
     picks = set()
     for c in range(4):
         train_losses = []
@@ -98,7 +98,7 @@ def test_fedem_clients_evaluate_their_mixture(tmp_path):
     job = {**JOB, "strategy": "fedem", "global-models": 2, "output-dir": str(tmp_path), "run-name": "fedem"}
     out = run_inprocess(job)
     cfg, model, spec, last = clients_and_model(out, job)
-    state = read_checkpoint(out)["strategy"]
+    state = read_strategy_state(out)
     for c in range(4):
         mixed = evaluate_mixture(model, spec, state["theta"], state["pi"][c],
                                  client_partition(data_spec(cfg), c, "test"), seed=cfg.seed)

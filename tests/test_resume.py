@@ -3,6 +3,7 @@ unusable checkpoints, extending a finished run, the wall clock's re-dispatch, Fl
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ from helpers import Crash, crashing, digest, rows
 from common.config import ConfigError
 from hybridfl.flower import PROJECT_DIR
 from hybridfl.inprocess import run_inprocess
-from server_app.checkpoint import CHECKPOINT, read_checkpoint, write_checkpoint
+from server_app.checkpoint import CHECKPOINT, pack_state, read_checkpoint, unpack_state, write_checkpoint
 from server_app.config import MAY_CHANGE_ON_RESUME, load_config
 
 JOB = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 2, "num-rounds": 6, "local-epochs": 1,
@@ -65,7 +66,7 @@ def test_unusable_checkpoints_fail_at_start_with_the_reason(tmp_path):
     with pytest.raises(ConfigError, match="its model differs from this run's"):
         run_inprocess({"resume": str(out)})
     torch.save({"format": 99}, out / CHECKPOINT)
-    with pytest.raises(ConfigError, match="not a hybridfl checkpoint of format 2 \\(found format 99\\)"):
+    with pytest.raises(ConfigError, match="not a hybridfl checkpoint of format 3 \\(found format 99\\)"):
         load_config({"resume": str(out)})
 
 
@@ -82,24 +83,118 @@ class Gadget:
 
 
 @pytest.mark.parametrize("call", ["system", "eval"])
-def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path, call):
+@pytest.mark.parametrize("where", ["runner", "strategy"])
+def test_a_checkpoint_that_would_run_code_is_refused_without_running_it(tmp_path, call, where):
+    """A gadget in the checkpoint itself, or in the strategy's state nested in it (loaded with the strategy's declared
+    types): refused by name before it runs."""
     out = run_inprocess(job(tmp_path, "a", **{"num-rounds": 2}))
     state, marker = read_checkpoint(out), tmp_path / "ran"
-    state["strategy"]["extra"] = Gadget(call, marker)
+    if where == "runner":
+        state["runner"]["extra"] = Gadget(call, marker)
+    else:
+        inner = torch.load(io.BytesIO(state["strategy"]), weights_only=False)
+        state["strategy"] = pickled({**inner, "extra": Gadget(call, marker)})
     write_checkpoint(out, state)
-    for start in (lambda: load_config({"resume": str(out)}), lambda: run_inprocess({"resume": str(out)})):
+    starts = [lambda: run_inprocess({"resume": str(out)})]
+    if where == "runner":  # the configuration is read from the checkpoint's outer level alone
+        starts.append(lambda: load_config({"resume": str(out)}))
+    for start in starts:
         with pytest.raises(ConfigError, match=f"would load '([a-z]+\\.)?{call}', which no hybridfl checkpoint holds: "
                                               "refused without running anything") as info:
             start()
         assert info.value.key == "resume" and not marker.exists()
-    torch.load(out / CHECKPOINT, weights_only=False)  # the gadget is live: loaded as a pickle, it runs
+    loaded = torch.load(out / CHECKPOINT, weights_only=False)  # the gadget is live: loaded as a pickle, it runs
+    if where == "strategy":
+        torch.load(io.BytesIO(loaded["strategy"]), weights_only=False)
     assert marker.exists()
+
+
+def pickled(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+USER_METHOD = """from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from strategies.fedavg import FedAvg
+
+
+@dataclass
+class Tally:
+    steps: int = 0
+
+
+class Keeps(FedAvg):
+    \"\"\"A user's method whose state holds a deque, a numpy array and a dataclass of its own.\"\"\"
+
+    def initialize(self, params, spec, model=None):
+        super().initialize(params, spec, model)
+        self.recent, self.norms, self.tally = deque(maxlen=3), np.zeros(2), Tally()
+
+    def step(self):
+        metrics = super().step()
+        self.recent.append(self.version)
+        self.norms = self.norms + float(self.params.norm())
+        self.tally.steps += 1
+        return metrics
+
+
+class Declares(Keeps):
+    \"\"\"The same state, made checkpointable: its own classes declared, the deque (which torch's weights-only loader
+    cannot rebuild) saved as a list.\"\"\"
+
+    checkpoint_types = (Tally, np.ndarray, np.dtype, type(np.dtype(np.float64)), np._core.multiarray._reconstruct)
+
+    def state_dict(self):
+        return {**super().state_dict(), "recent": list(self.recent)}
+
+    def load_state_dict(self, state):
+        super().load_state_dict({**state, "recent": deque(state["recent"], maxlen=3)})
+"""
+
+
+def test_a_users_state_that_a_checkpoint_cannot_load_is_refused_at_start_naming_the_field(tmp_path, monkeypatch):
+    """Refused when first saved (at the start), naming the field and its type, not at the resume; declared in
+    ``checkpoint_types``, the same state resumes to the uninterrupted run's model and state."""
+    (tmp_path / "mymethod.py").write_text(USER_METHOD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TypeError, match=r"Keeps's state cannot round-trip through a checkpoint: its field 'recent' "
+                                        r"\(collections.deque\) holds collections.deque, which a checkpoint loads "
+                                        "only if checkpoint_types declares it; declare the class in "
+                                        "Keeps.checkpoint_types"):
+        run_inprocess(job(tmp_path, "refused", strategy="mymethod:Keeps"))
+    assert not (tmp_path / "refused").exists()  # refused at the start: no run folder
+    short = run_inprocess(job(tmp_path, "short", strategy="mymethod:Declares", **{"num-rounds": 3}))
+    extended = run_inprocess({"resume": str(short), "num-rounds": 6})
+    whole = run_inprocess(job(tmp_path, "whole", strategy="mymethod:Declares"))
+    assert digest(extended / "model.pt") == digest(whole / "model.pt")
+    from mymethod import Declares, Tally
+
+    kept = [unpack_state(read_checkpoint(out)["strategy"], Declares, out) for out in (extended, whole)]
+    seen = [(s["recent"], s["tally"], s["norms"].tolist()) for s in kept]
+    steps = json.loads((whole / "summary.json").read_text())["final-version"]  # FedAvg: a version per step
+    assert seen[0] == seen[1] and seen[0][:2] == (list(range(steps - 2, steps + 1)), Tally(steps)) and steps >= 3
+
+
+def test_a_deque_in_the_state_is_named_as_what_the_loader_cannot_rebuild() -> None:
+    from collections import deque
+
+    from strategies.fedavg import FedAvg
+
+    with pytest.raises(TypeError, match=r"its field 'recent' \(collections.deque\) does not load back under torch's "
+                                        r"weights-only loader .*Can only append to lists"):
+        pack_state({"params": torch.zeros(2), "recent": deque([1, 2])}, type("WithDeque", (FedAvg,), {
+            "checkpoint_types": (deque,)}))
 
 
 def test_truncated_and_foreign_checkpoints_are_refused_saying_what_they_are(tmp_path):
     out = run_inprocess(job(tmp_path, "a", **{"num-rounds": 2}))
     good = (out / CHECKPOINT).read_bytes()
-    cut, foreign = "unreadable, corrupt or truncated", r"not a hybridfl checkpoint of format 2 \(found a "
+    cut, foreign = "unreadable, corrupt or truncated", r"not a hybridfl checkpoint of format 3 \(found a "
     files = [(good[:-1], cut), (good[:200], cut), (b"", cut),
              ((out / "model.pt").read_bytes(), foreign + "dict without a format tag"), ([1, 2], foreign + r"list\)")]
     for content, why in files:

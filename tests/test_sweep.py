@@ -18,6 +18,7 @@ import yaml
 from common.errors import ConfigError
 from hybridfl import sweep as sweeps
 from hybridfl.cli import main
+from hybridfl.inprocess import run_inprocess
 
 SPEC = {"runs": [{"presets": "fedavg-digits", "grid": {"lr": [0.05, 0.1]}, "seeds": [0, 1]}],
         "overrides": {"num-rounds": 4, "eval-every": 1, "checkpoint-every": 1, "validation-size": 100}}
@@ -134,6 +135,25 @@ def test_a_sweep_killed_mid_run_resumes_then_reports_its_choice(tmp_path: Path, 
     assert len(_lines(results)) == 4
     assert main(["report", str(spec)]) == 0
     assert capsys.readouterr().out.strip() == report.strip()
+
+
+def test_an_interrupted_run_that_cannot_be_resumed_is_run_again_saying_so(tmp_path: Path, capsys):
+    """A run folder left with a damaged checkpoint, or one of another configuration: the job runs from its start,
+    and stderr says why, naming the folder."""
+    (_, overrides), *_ = sweeps.load(_spec(tmp_path, SPEC)).jobs()
+    folder = Path(overrides["output-dir"]) / overrides["run-name"]
+    folder.mkdir(parents=True)
+    (folder / "checkpoint.pt").write_bytes(b"half a checkpoint")
+    assert sweeps.interrupted(overrides) is None
+    err = capsys.readouterr().err
+    assert f"warning: {folder}: an interrupted run's checkpoint that this job cannot resume" in err
+    assert "corrupt or truncated" in err and "running the job again from its start" in err
+    run_inprocess({**overrides, "num-rounds": 2})  # another configuration's checkpoint, left by a kill
+    (folder / "summary.json").unlink()
+    assert sweeps.interrupted(overrides) is None
+    assert "its configuration is not this job's" in capsys.readouterr().err
+    assert sweeps.interrupted({**overrides, "num-rounds": 2}) == folder  # its own: resumed, nothing said
+    assert capsys.readouterr().err == ""
 
 
 def _no_device(key, overrides):
