@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -35,9 +36,10 @@ from flwr.common.constant import ErrorCode
 
 from common.protocol import METRICS, PARTITION_ID
 
-# When Flower's process handed over to this module (the imports above are Flower's own, already loaded), and
-# whether this process has handled a message yet (deployment: one process per message; simulation: reused).
-_LOADED_AT, _HANDLED = time.time(), [0]
+# When Flower's process handed over to this module (the imports above are Flower's own, already loaded), whether
+# torch was imported before it (a warm device's fork server imports it once), and whether this process has handled
+# a message yet (deployment: one process per message; simulation: reused).
+_LOADED_AT, _TORCH_PRELOADED, _HANDLED = time.time(), "torch" in sys.modules, [0]
 
 app = ClientApp()
 
@@ -87,7 +89,8 @@ def _timing(kind: str, started: float, imported: float, timings: dict[str, float
     born = _process_started()
     _HANDLED[0] += 1
     line = {"message": kind, "flower-s": round(_LOADED_AT - born, 3) if born and _HANDLED[0] == 1 else 0.0,
-            "import-s": round(imported - started, 3), **{k: round(v, 3) for k, v in timings.items()},
+            "import-s": round(imported - started, 3), "torch-preloaded": _TORCH_PRELOADED,
+            **{k: round(v, 3) for k, v in timings.items()},
             "handler-s": round(time.time() - started, 3)}
     log(INFO if _HANDLED[0] == 1 else DEBUG, "device timing %s", json.dumps(line))
 

@@ -71,7 +71,7 @@ def _here_too() -> None:
     the command starts."""
     from common.user_code import USER_DIR
 
-    os.environ.setdefault(USER_DIR, os.getcwd())
+    os.environ[USER_DIR] = os.getcwd()
 
 
 @dataclass(frozen=True)

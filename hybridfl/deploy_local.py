@@ -38,9 +38,8 @@ from hybridfl.flower import (
     wait_healthy,
     write_connection,
 )
-from hybridfl.job import prepare
+from hybridfl.job import app_run_config, prepare
 from hybridfl.pki import make_pki, make_secrets
-from server_app.config import load_config
 
 CONNECTION = "hybridfl-local"
 # A device's two processes, (SuperNode, ClientApp executor), with Flower's flags: Flower's own (a process per
@@ -89,9 +88,10 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
     if executor not in EXECUTORS:
         raise ConfigError("--executor", executor, " or ".join(EXECUTORS))
     if supernodes is not None:
-        runs = [{**o, "num-clients": supernodes} if supernodes != load_config(o).num_clients else o for o in runs]
-    prepared = [prepare(o) for o in runs]  # validates every config before anything starts
-    sizes = {load_config(o).num_clients for o, _ in prepared}
+        runs = [{**o, "num-clients": supernodes} if supernodes != app_run_config(o, a).num_clients else o
+                for o, a in zip(runs, app_dirs)]
+    prepared = [prepare(o, a)[:2] for o, a in zip(runs, app_dirs)]  # every config validated before anything starts
+    sizes = {app_run_config(o, a).num_clients for (o, _), a in zip(prepared, app_dirs)}
     if len(sizes) != 1:
         raise RuntimeError(f"runs on one deployment must share num-clients, got {sorted(sizes)}")
     n = sizes.pop()

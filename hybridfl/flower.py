@@ -55,7 +55,7 @@ def flower_env(flwr_home: Path) -> dict[str, str]:
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
-        USER_DIR: env.get(USER_DIR, os.getcwd()),
+        USER_DIR: os.getcwd(),
         "PYTHONUNBUFFERED": "1",
     })
     return env
@@ -70,12 +70,17 @@ def toml_value(value: Any) -> str:
     return json.dumps(str(value))
 
 
+def app_config(app_dir: Path = PROJECT_DIR) -> dict[str, Any]:
+    """The Flower app's own config table (``[tool.flwr.app.config]`` of `app_dir`'s pyproject.toml)."""
+    with open(app_dir / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["tool"]["flwr"]["app"].get("config", {})
+
+
 def run_config_arg(overrides: Mapping[str, Any], app_dir: Path = PROJECT_DIR) -> str:
     """`overrides` as ``flwr run -c``'s argument for the Flower app in `app_dir`: Flower accepts only the keys the app's
     ``[tool.flwr.app.config]`` declares, so the others (a user's own method's keys) travel packed in
     ``method-options`` when the app declares it, and are refused naming the first one when it does not."""
-    with open(app_dir / "pyproject.toml", "rb") as f:
-        declared = tomllib.load(f)["tool"]["flwr"]["app"].get("config", {})
+    declared = app_config(app_dir)
     packed = {k: v for k, v in overrides.items() if k not in declared}
     plain = {k: v for k, v in overrides.items() if k in declared}
     if packed:

@@ -7,7 +7,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from server_app.config import load_config
+from hybridfl.flower import PROJECT_DIR, app_config
+from server_app.app import user_keys
+from server_app.config import RunConfig, load_config
 from server_app.outputs import run_dir
 
 MAIN_JOB = "feddle-digits"  # README command (1): Feddle-ID on digits
@@ -29,13 +31,20 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-def prepare(overrides: dict[str, Any]) -> tuple[dict[str, Any], Path]:
-    """Validate `overrides`, pin an absolute output-dir (a relative one is under the folder this runs in, as
-    in-process) and a run-name (or, with ``resume``, the absolute folder of the run to continue); return them and
-    the run folder."""
-    cfg = load_config(overrides)
+def app_run_config(overrides: dict[str, Any], app_dir: Path = PROJECT_DIR) -> RunConfig:
+    """The configuration the ServerApp of the Flower app in `app_dir` builds from `overrides` (``flwr run -c``) and
+    that app's own config table (a user's project names its preset there; server_app.app.user_keys)."""
+    return load_config(user_keys(app_config(app_dir), overrides))
+
+
+def prepare(overrides: dict[str, Any], app_dir: Path = PROJECT_DIR) -> tuple[dict[str, Any], Path, RunConfig]:
+    """Validate `overrides` as the ServerApp of the Flower app in `app_dir` will read them (with that app's own
+    config table: a user's project names its preset there), pin an absolute output-dir (a relative one is under the
+    folder this runs in, as in-process) and a run-name (or, with ``resume``, the absolute folder of the run to
+    continue); return them, the run folder and the run's configuration."""
+    cfg = app_run_config(overrides, app_dir)
     if cfg.resume:
-        return {**overrides, "resume": cfg.resume}, Path(cfg.resume)
+        return {**overrides, "resume": cfg.resume}, Path(cfg.resume), cfg
     out_root = Path(cfg.output_dir).resolve()
     name = run_dir(cfg, out_root).name  # created now, so a parallel run cannot take it
-    return {**overrides, "output-dir": str(out_root), "run-name": name}, out_root / name
+    return {**overrides, "output-dir": str(out_root), "run-name": name}, out_root / name, cfg

@@ -28,7 +28,6 @@ from hybridfl.flower import (
     write_connection,
 )
 from hybridfl.job import prepare
-from server_app.config import load_config
 
 CONNECTION = "hybridfl-sim"
 
@@ -44,8 +43,7 @@ def client_gpus() -> float:
 def simulate(overrides: dict[str, Any], flwr_home: Path, app_dir: Path = PROJECT_DIR) -> Path:
     """Run the simulation of the Flower app in `app_dir` (default: this project); return the run folder, or raise
     with the reason it failed."""
-    overrides, run_path = prepare(overrides)
-    cfg = load_config(overrides)
+    overrides, run_path, cfg = prepare(overrides, app_dir)
     env = flower_env(flwr_home)
     port = free_port()
     with ProcessGroup(run_path / "flower-logs", env) as procs:

@@ -109,9 +109,9 @@ class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig, T
     checkpoint_every: int = option(10, Range(0), "write `checkpoint.pt` every this many steps and at the end "
                                    "(0 = never)")
     max_failed_fraction: float = option(0.8, Range(0, 1), "the run stops with an error (exit 1), quoting the first "
-                                        "failure, once more than this fraction of its replies failed or were "
-                                        "rejected (timeouts aside), judged from `clients-per-round` replies on; "
-                                        "1 = never")
+                                        "loss, once more than this fraction of its dispatches failed, were rejected "
+                                        "or timed out, judged from `clients-per-round` dispatches on; 1 = never "
+                                        "(a run that accepts no update at all fails whatever this is)")
     resume: str = option("", None, "a run folder with a `checkpoint.pt`: continue that run there (the other keys "
                          "come from the checkpoint; see [Checkpoints](../how-to/resume.md))", "a run folder")
     output_dir: str = option("outputs", None, "where `<run>/` is written (absolute under `flwr run`)", "path")

@@ -89,7 +89,7 @@ def test_a_run_whose_clients_all_fail_exits_1_saying_why(tmp_path: Path, capsys,
     assert main(["run", "fedavg-digits", "num-rounds=2", "strategy=broken:BrokenClients", f"output-dir={tmp_path}",
                  "run-name=failing"]) == 1
     err = capsys.readouterr().err
-    assert "round 1: 10 of the run's 10 replies failed or were rejected" in err
+    assert "round 1: 10 of the run's 10 dispatches failed, were rejected or timed out (0 timed out" in err
     assert "this device's sensor is unplugged" in err
     assert not (tmp_path / "failing" / "summary.json").exists()
 

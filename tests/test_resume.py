@@ -144,9 +144,8 @@ class Keeps(FedAvg):
 
 
 class Declares(Keeps):
-    \"\"\"The same state, made checkpointable: its own classes declared, the deque (which torch's weights-only loader
-    cannot rebuild) saved as a list.\"\"\"
-
+    # the same state, made checkpointable: its own class and numpy's arrays declared (rebuilt by name), the deque
+    # (which torch's weights-only loader cannot rebuild) saved as a list
     checkpoint_types = (Tally, np.ndarray, np.dtype, type(np.dtype(np.float64)), np._core.multiarray._reconstruct)
 
     def state_dict(self):

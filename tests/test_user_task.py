@@ -111,8 +111,8 @@ def test_the_example_projects_presets_learn_in_process(tmp_path, preset, floor):
 
 
 def test_a_holdout_of_a_few_samples_per_client_is_flagged_at_start(tmp_path):
-    """The example's FedMerge protocol holds out 20 % of partitions of ~34 samples: 2 test samples for one client,
-    whose personalised accuracy can only be 0, 50 or 100 %: said at start, before the plots."""
+    """The example's FedMerge protocol holds out 20 % of partitions of ~85 samples: 8 test samples for one client,
+    whose personalised accuracy moves in steps of 12.5 points: said at start, before the plots."""
     import logging
 
     from flwr.common.logger import FLOWER_LOGGER
@@ -125,7 +125,7 @@ def test_a_holdout_of_a_few_samples_per_client_is_flagged_at_start(tmp_path):
         run_inprocess({"preset": "tabular_task:presets/fedmerge", "num-rounds": 1, "output-dir": str(tmp_path)})
     finally:
         FLOWER_LOGGER.removeHandler(handler)
-    assert any("client-test-fraction 0.2 leaves a client 2 test samples" in m and "steps of 50 points" in m
+    assert any("client-test-fraction 0.2 leaves a client 8 test samples" in m and "steps of 12 points" in m
                for m in seen)
 
 
@@ -133,7 +133,7 @@ def test_a_users_own_serverapp_trains_with_a_hybridfl_strategy_through_flower_st
     from client_app.app import app as client_app
     from tabular_task.own_server import app
 
-    grid = InProcessGrid(client_app, 10)
+    grid = InProcessGrid(client_app, 4)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
     app(grid, context)
     result = context.state["result"]

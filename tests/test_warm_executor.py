@@ -232,5 +232,5 @@ def test_a_warm_deployment_runs_as_in_process_and_survives_its_fork_server_s_dea
     logs = sorted((first / "flower-logs").glob("superexec-clientapp-*.log"))
     trains = [d for d in device_timings(logs) if d["message"] == "train"]
     assert len(trains) >= 5  # both runs' messages: the logs are the nodes'
-    assert all(d["import-s"] < 0.5 for d in trains), [d["import-s"] for d in trains]  # torch came imported
+    assert all(d["torch-preloaded"] for d in trains), trains  # torch came imported, from the fork server
     assert "starting another" in "".join(p.read_text() for p in logs)
