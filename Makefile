@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install data demo test lint docs browser nginx simulate deploy compose-demo compose-twin compose-test clean
+.PHONY: install data demo test lint docs browser nginx simulate deploy compose-demo compose-twin compose-test compose-tools clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,13 +30,15 @@ data:
 demo: $(STAMP)
 	$(VENV)/bin/hybridfl run --mode simulation $(ARGS)
 
-# (2) the whole test suite (unit + end-to-end); PYTEST_ARGS='-m "not e2e"' for the fast part only
+# (2) the whole test suite (unit + end-to-end), on TEST_WORKERS processes (pytest-xdist; one torch thread each:
+# tests/conftest.py); PYTEST_ARGS='-m "not e2e"' for the fast part only, TEST_WORKERS=0 for one process
+TEST_WORKERS ?= 3
 # ruff, configured in pyproject.toml ([tool.ruff]); CI runs it before the tests.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: $(STAMP) browser nginx
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # Debian's Chromium, for the test that opens the documentation site in a real browser (tests/test_site.py): installed
 # as root where apt is; elsewhere that test skips (CI sets HYBRIDFL_REQUIRE_BROWSER=1: it fails instead)
@@ -75,6 +77,10 @@ compose-twin: $(STAMP)
 # no engine can start; COMPOSE_TEST_ARGS=--require (CI) fails instead.
 compose-test: $(STAMP)
 	$(PY) -m tools.compose_engine $(COMPOSE_TEST_ARGS)
+
+# The tools compose-test installs (docker.io, debootstrap, the Compose v2 plugin), alone
+compose-tools: $(STAMP)
+	$(PY) -m tools.compose_engine --tools-only
 
 clean:
 	rm -rf $(VENV) .flwr outputs .pytest_cache site

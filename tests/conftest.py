@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 from flwr.common.logger import FLOWER_LOGGER
+
+# One torch thread per test process (set before any test imports torch; the Flower processes a test starts inherit
+# it): `make test` runs the suite on a worker per core (pytest-xdist), where several OpenMP threads per worker
+# would contend for the same cores, and one thread gives every float comparison with a Flower run the same order of
+# summation on both sides.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -34,7 +34,7 @@ def commands(tmp_path: Path, ports: dict[str, int], output: Path) -> list[str]:
     there: a tutorial that changes them fails here), each of device 0's (its key's registration, its two processes)
     repeated for device 1."""
     swaps = {"SERVER": "localhost", "--nodes 10": "--nodes 2", "num-partitions=10": "num-partitions=2",
-             "num-clients=10": "num-clients=2 clients-per-round=2 num-rounds=4", "/abs/path": str(output),
+             "num-clients=10": "num-clients=2 clients-per-round=2 num-rounds=2", "/abs/path": str(output),
              "$PWD": str(tmp_path), **{str(port): str(mine) for port, mine in ports.items()}}
     text = "\n".join(readme_commands(TUTORIAL))
     for token, value in swaps.items():
@@ -93,7 +93,7 @@ def test_the_tutorials_secured_deployment_runs_and_keeps_an_intruder_on_the_devi
             main.kill()
         assert final_status(env, "mine", run_id) == "finished:completed", streamed.read_text()[-3000:]
         summary = json.loads(next(output.glob("*/summary.json")).read_text())
-        assert summary["final-version"] == 4 and summary["total-failures"] == 0
+        assert summary["final-version"] == 2 and summary["total-failures"] == 0
         # the refusals were the edge's: on the SuperLink's own port the operator runs the same app everywhere
         assert intruder.operator_runs_it(env, "mine", marks) == "finished:completed"
         assert len(list(marks.glob("server-run-*"))) == 1 and len(list(marks.glob("node-*"))) == 2

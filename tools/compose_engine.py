@@ -607,8 +607,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--require", action="store_true", help="fail (exit 1) instead of skipping without an engine")
     parser.add_argument("--workdir", type=Path, default=WORKDIR)
     parser.add_argument("--keep-engine", action="store_true", help="leave dockerd running (debugging)")
+    parser.add_argument("--tools-only", action="store_true",
+                        help="install docker.io, debootstrap and the Compose v2 plugin, then stop (CI: before the "
+                             "suite, whose test compares the twin with `docker compose config`)")
     args = parser.parse_args(argv)
     try:
+        if args.tools_only:
+            ensure_tools()
+            return 0
         timings = compose_test(args.workdir.resolve(), args.keep_engine)
     except Skip as why:
         log(f"SKIPPED: no Docker engine can run here: {why}")
