@@ -408,6 +408,19 @@ def test_the_twin_stands_down_only_for_an_engine_pass_on_this_very_tree(tmp_path
 def test_flower_processes_get_the_superexec_poll_unless_the_environment_sets_one(monkeypatch, tmp_path) -> None:
     monkeypatch.delenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", raising=False)
     assert flower.flower_env(tmp_path)["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "0.2"
-    assert load(compose_files())["services"]["superexec-clientapp-0"]["environment"] == dict([flower.SUPEREXEC_POLL])
+    monkeypatch.delenv("TORCH_THREADS", raising=False)
+    assert load(compose_files())["services"]["superexec-clientapp-0"]["environment"] == dict(
+        [flower.SUPEREXEC_POLL, ("OMP_NUM_THREADS", "1")])
     monkeypatch.setenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "1.0")
     assert flower.flower_env(tmp_path)["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "1.0"
+
+
+def test_every_app_container_gets_one_torch_thread_unless_torch_threads_says_else(monkeypatch) -> None:
+    """The containers share one host's cores: a thread per core in each would oversubscribe them."""
+    monkeypatch.delenv("TORCH_THREADS", raising=False)
+    services = load(compose_files())["services"]
+    apps = [name for name, svc in services.items() if svc.get("image", "").startswith("hybridfl/app")]
+    assert {"superexec-serverapp", "superexec-clientapp-0", "superexec-clientapp-1"} <= set(apps)
+    assert {services[name]["environment"]["OMP_NUM_THREADS"] for name in apps} == {"1"}
+    monkeypatch.setenv("TORCH_THREADS", "4")
+    assert load(compose_files())["services"]["superexec-clientapp-1"]["environment"]["OMP_NUM_THREADS"] == "4"
