@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from hybridfl.deploy_local import deploy
-from hybridfl.flower import children
+from hybridfl.processes import children
 
 
 def rss_mib(pid: int) -> float | None:

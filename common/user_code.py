@@ -47,6 +47,9 @@ def is_import_path(value: str) -> bool:
     return bool(IMPORT_PATH.match(value))
 
 
+# hybridfl's top-level packages: a user's own package of one of these names is never imported (ours come first)
+OWN_PACKAGES = ("common", "client_app", "server_app", "strategies", "hybridfl")
+
 # The folder a hybridfl command ran in (its launchers pass it to every Flower process): where a user's own code is
 # found when no installed package (and not the run's own app) provides it
 USER_DIR = "HYBRIDFL_USER_DIR"
@@ -70,6 +73,11 @@ def resolve(key: str, value: str, what: str) -> Callable[..., Any]:
     """The callable `value` names, or a :class:`ConfigError` naming `key`, `value`, `what` was expected and why
     the import failed."""
     module, _, attr = value.partition(":")
+    top, folder = module.split(".")[0], Path(os.environ.get(USER_DIR) or ".")
+    if top in OWN_PACKAGES and ((folder / top).is_dir() or (folder / f"{top}.py").is_file()):
+        raise ConfigError(key, value, f"{what} in a package of your own; '{top}' in {folder.resolve()} has the name "
+                          f"of hybridfl's package '{top}', which every run imports instead: rename yours (hybridfl's "
+                          f"are {', '.join(OWN_PACKAGES)})")
     try:
         found = getattr(import_user_module(module), attr)
     except ImportError as err:

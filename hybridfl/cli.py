@@ -33,8 +33,8 @@ from typing import Annotated, Any
 import click
 import typer
 
-from hybridfl.flower import PROJECT_DIR, run_and_report
 from hybridfl.job import MAIN_JOB, parse_overrides
+from hybridfl.processes import run_and_report
 
 app = typer.Typer(help=__doc__.split("\n\n")[0], no_args_is_help=True, add_completion=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
@@ -49,7 +49,8 @@ class Mode(enum.StrEnum):
 MODE_HELP = ("in-process: hybridfl's own engine in this process (fastest; no Flower processes); simulation: "
              "`flwr run .` on a simulation SuperLink, one simulated SuperNode per client; deployment: one SuperLink "
              "and a SuperNode per client on loopback, the app submitted with `flwr run`")
-FlwrHome = Annotated[Path, typer.Option(help="FLWR_HOME of the Flower processes (simulation, deployment)")]
+FlwrHome = Annotated[Path, typer.Option(help="FLWR_HOME of the Flower processes (simulation, deployment); "
+                                                   "default: .flwr in the folder it runs in")]
 Supernodes = Annotated[int | None, typer.Option(help="deployment: SuperNodes to start (default: num-clients)")]
 Latency = Annotated[list[str] | None, typer.Option(metavar="I=SECONDS",
                                                    help="deployment: slow SuperNode I's train replies (repeatable)")]
@@ -164,7 +165,7 @@ def run(args: Annotated[list[str] | None, typer.Argument(metavar="[PRESET] [KEY=
                                                         help="a preset (`hybridfl presets`; default: the main job "
                                                              f"{MAIN_JOB}) and run-config overrides")] = None,
         mode: Annotated[Mode, typer.Option(help=MODE_HELP)] = Mode.in_process,
-        flwr_home: FlwrHome = PROJECT_DIR / ".flwr", supernodes: Supernodes = None, latency: Latency = None,
+        flwr_home: FlwrHome = Path(".flwr"), supernodes: Supernodes = None, latency: Latency = None,
         tls: Tls = False, auth: Auth = False, executor: Executor = "warm", verbose: Verbose = False) -> None:
     """Run a preset, with overrides; outputs go to `<output-dir>/<run-name>/`."""
     raise typer.Exit(launch(job(args or []), mode, flwr_home,
@@ -177,7 +178,7 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="a run folder with a che
                                                                  help="only keys a resumed run may change, such as "
                                                                       "num-rounds")] = None,
            mode: Annotated[Mode, typer.Option(help=MODE_HELP)] = Mode.in_process,
-           flwr_home: FlwrHome = PROJECT_DIR / ".flwr", supernodes: Supernodes = None, latency: Latency = None,
+           flwr_home: FlwrHome = Path(".flwr"), supernodes: Supernodes = None, latency: Latency = None,
            tls: Tls = False, auth: Auth = False, executor: Executor = "warm", verbose: Verbose = False) -> None:
     """Continue a run from its last checkpoint, in its own folder (any mode resumes a run of any mode)."""
     raise typer.Exit(launch({**parse_overrides(overrides or []), "resume": str(run_dir.resolve())}, mode, flwr_home,

@@ -35,8 +35,10 @@ from typing import Any
 
 import yaml
 
-from hybridfl.flower import (
-    PROJECT_DIR,
+from hybridfl.bundle import PROJECT_DIR
+from hybridfl.job import MAIN_JOB, parse_overrides
+from hybridfl.pki import make_pki
+from hybridfl.processes import (
     ProcessGroup,
     check_completed,
     flower_env,
@@ -47,8 +49,6 @@ from hybridfl.flower import (
     wait_until,
     write_connection,
 )
-from hybridfl.job import MAIN_JOB, parse_overrides
-from hybridfl.pki import make_pki
 from server_app.config import load_config, used_keys
 
 COMPOSE_DIR = PROJECT_DIR / "docker"

@@ -19,8 +19,8 @@ import sys
 from typing import Any
 
 from common.config import OptionSpec, specs_of
-from hybridfl.flower import PROJECT_DIR, toml_value
-from server_app.config import PARTS, RunConfig, option_owners, option_specs
+from hybridfl.bundle import PROJECT_DIR, pyproject_table, toml_value
+from server_app.config import option_owners, option_specs, run_key_groups
 from strategies import strategy_class
 
 REFERENCE = "docs/reference/configuration.md"  # the page the key tables live in
@@ -39,13 +39,6 @@ def _row(spec: OptionSpec, *extra: str) -> str:
 
 def _declared(cls: type) -> str:
     return f"`{cls.__name__}`, `{cls.__module__.replace('.', '/')}.py`"
-
-
-def run_key_groups() -> list[tuple[str, type, list[OptionSpec]]]:
-    """The run's keys by the dataclass that declares them: the run's own, then each part's."""
-    parts = {key for cls in PARTS.values() for key in specs_of(cls)}
-    return [("The run", RunConfig, [s for k, s in RunConfig.specs().items() if k not in parts]),
-            *((f"The {name}", cls, list(specs_of(cls).values())) for name, cls in PARTS.items())]
 
 
 def key_tables() -> str:
@@ -71,13 +64,6 @@ def method_table(strategy: str) -> str:
         return f"{strategy} ({_declared(cls)}) has no options of its own"
     return "\n".join([f"{strategy} ({_declared(cls)}):", "", "| key | default | allowed | meaning |",
                       "|---|---|---|---|", *(_row(spec) for spec in specs.values())])
-
-
-def pyproject_table() -> str:
-    """``[tool.flwr.app.config]``: every key with its default (Flower fuses only keys declared there)."""
-    defaults = {**{s.key: s.default for _, _, specs in run_key_groups() for s in specs},
-                **{k: s.default for k, s in option_specs().items()}}
-    return "[tool.flwr.app.config]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in defaults.items())
 
 
 def page_with_tables(text: str) -> str:

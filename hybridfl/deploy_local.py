@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError
-from hybridfl.flower import (
-    PROJECT_DIR,
+from hybridfl.job import app_run_config, prepare
+from hybridfl.pki import make_pki, make_secrets
+from hybridfl.processes import (
     ProcessGroup,
     check_completed,
     flower_env,
@@ -38,16 +39,15 @@ from hybridfl.flower import (
     wait_healthy,
     write_connection,
 )
-from hybridfl.job import app_run_config, prepare
-from hybridfl.pki import make_pki, make_secrets
 
 CONNECTION = "hybridfl-local"
 # A device's two processes, (SuperNode, ClientApp executor), with Flower's flags: Flower's own (a process per
 # message, 3 s idle polls); the warm executor (client_app/warm_executor.py) with the SuperNode's waits paced
 # (client_app/supernode.py); or the warm executor alone
-_WARM_EXECUTOR = (sys.executable, "-m", "client_app.warm_executor")
+# (-P: the folder it runs in, the user's, is not searched first, so a package of theirs named as ours is never run)
+_WARM_EXECUTOR = (sys.executable, "-P", "-m", "client_app.warm_executor")
 EXECUTORS = {"flower": (("flower-supernode",), ("flower-superexec",)),
-             "warm": ((sys.executable, "-m", "client_app.supernode"), _WARM_EXECUTOR),
+             "warm": ((sys.executable, "-P", "-m", "client_app.supernode"), _WARM_EXECUTOR),
              "warm-executor": (("flower-supernode",), _WARM_EXECUTOR)}
 
 
@@ -55,13 +55,13 @@ def deploy(overrides: dict[str, Any], flwr_home: Path, supernodes: int | None = 
            latency: dict[int, float] | None = None,
            on_started: Callable[[ProcessGroup, Path], None] | None = None,
            tls: bool = False, auth: bool = False, node_config: str = "",
-           app_dir: Path = PROJECT_DIR, executor: str = "warm") -> tuple[Path, set[int]]:
+           app_dir: Path | None = None, executor: str = "warm") -> tuple[Path, set[int]]:
     """Run one job on a fresh deployment; return its run folder and the PIDs started (all stopped by now).
 
     `latency` slows SuperNode i's train replies by that many seconds (node config ``latency-s``);
     `on_started(processes, run_folder)` is called once every process is up, before the run starts
     (tests use it to stop a SuperNode mid-run). `tls` and `auth` as ``--tls`` and ``--auth``; `node_config`
-    is added to every SuperNode's ``--node-config``; `app_dir` is the Flower app to run (default: this project;
+    is added to every SuperNode's ``--node-config``; `app_dir` is the Flower app to run (default: hybridfl's own;
     a user's project that runs hybridfl's apps, such as examples/tabular); `executor` runs each node's ClientApp
     tasks: ``flower`` (Flower's SuperNode and SuperExec, a process per message), ``warm`` (client_app/warm_executor.py
     and the SuperNode's waits paced, client_app/supernode.py) or ``warm-executor`` (the first alone). Raises
@@ -76,11 +76,12 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
                 latency: dict[int, float] | None = None,
                 on_started: Callable[[ProcessGroup, Path], None] | None = None,
                 tls: bool = False, auth: bool = False, node_config: str = "",
-                app_dir: Path | Sequence[Path] = PROJECT_DIR, executor: str = "warm") -> tuple[list[Path], set[int]]:
+                app_dir: Path | Sequence[Path | None] | None = None, executor: str = "warm"
+                ) -> tuple[list[Path], set[int]]:
     """Run several jobs one after the other on the same SuperLink and SuperNodes (all must agree on
     num-clients); see :func:`deploy`. `on_started` gets the first run's folder; `node_config` is added to
     every SuperNode's ``--node-config`` (e.g. ``cache-dir=""``); `app_dir` is every run's app, or one per run."""
-    app_dirs = [app_dir] * len(runs) if isinstance(app_dir, Path) else list(app_dir)
+    app_dirs = [app_dir] * len(runs) if app_dir is None or isinstance(app_dir, Path) else list(app_dir)
     if len(app_dirs) != len(runs):
         raise ValueError(f"{len(runs)} runs, {len(app_dirs)} app folders")
     if auth and not tls:

@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from hybridfl.flower import PROJECT_DIR, app_config
+from hybridfl.bundle import app_config
 from server_app.app import user_keys
 from server_app.config import RunConfig, load_config
 from server_app.outputs import run_dir
@@ -31,13 +31,14 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-def app_run_config(overrides: dict[str, Any], app_dir: Path = PROJECT_DIR) -> RunConfig:
-    """The configuration the ServerApp of the Flower app in `app_dir` builds from `overrides` (``flwr run -c``) and
-    that app's own config table (a user's project names its preset there; server_app.app.user_keys)."""
+def app_run_config(overrides: dict[str, Any], app_dir: Path | None = None) -> RunConfig:
+    """The configuration the ServerApp of the Flower app in `app_dir` (None: hybridfl's own) builds from `overrides`
+    (``flwr run -c``) and that app's own config table (a user's project names its preset there;
+    server_app.app.user_keys)."""
     return load_config(user_keys(app_config(app_dir), overrides))
 
 
-def prepare(overrides: dict[str, Any], app_dir: Path = PROJECT_DIR) -> tuple[dict[str, Any], Path, RunConfig]:
+def prepare(overrides: dict[str, Any], app_dir: Path | None = None) -> tuple[dict[str, Any], Path, RunConfig]:
     """Validate `overrides` as the ServerApp of the Flower app in `app_dir` will read them (with that app's own
     config table: a user's project names its preset there), pin an absolute output-dir (a relative one is under the
     folder this runs in, as in-process) and a run-name (or, with ``resume``, the absolute folder of the run to

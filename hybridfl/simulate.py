@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hybridfl.flower import (
-    PROJECT_DIR,
+from hybridfl.job import prepare
+from hybridfl.processes import (
     ProcessGroup,
     check_completed,
     flower_env,
@@ -27,7 +27,6 @@ from hybridfl.flower import (
     wait_healthy,
     write_connection,
 )
-from hybridfl.job import prepare
 
 CONNECTION = "hybridfl-sim"
 
@@ -40,8 +39,8 @@ def client_gpus() -> float:
     return round(1 / max(1, os.cpu_count() or 1), 4) if torch.cuda.is_available() else 0.0
 
 
-def simulate(overrides: dict[str, Any], flwr_home: Path, app_dir: Path = PROJECT_DIR) -> Path:
-    """Run the simulation of the Flower app in `app_dir` (default: this project); return the run folder, or raise
+def simulate(overrides: dict[str, Any], flwr_home: Path, app_dir: Path | None = None) -> Path:
+    """Run the simulation of the Flower app in `app_dir` (default: hybridfl's own); return the run folder, or raise
     with the reason it failed."""
     overrides, run_path, cfg = prepare(overrides, app_dir)
     env = flower_env(flwr_home)

@@ -11,6 +11,7 @@ A ``resume`` run takes its configuration from the checkpoint (:func:`resumed_con
 from __future__ import annotations
 
 import difflib
+import importlib.resources
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,7 +45,10 @@ from server_app.runtime import RuntimeConfig
 from server_app.tracking import TrackingConfig, check_tracking
 from strategies import STRATEGIES, MethodChoice, strategy_class
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# The presets: package data of this package in an installed wheel (pyproject's force-include); beside it in a
+# source checkout and in the FAB built from one
+_PACKAGED = Path(str(importlib.resources.files("server_app"))) / "configs"
+CONFIG_DIR = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parent.parent / "configs"
 
 
 def preset_names() -> list[str]:
@@ -57,7 +61,6 @@ def preset_path(name: str) -> Path | None:
     ``<path>.yaml`` inside that installed package; None for a package that cannot be imported."""
     if ":" not in name:
         return CONFIG_DIR / f"{name}.yaml"
-    import importlib.resources
 
     package, _, rel = name.partition(":")
     try:
@@ -136,6 +139,20 @@ class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig, T
 # and local recipe travel in every message to the clients (client_config).
 PARTS: dict[str, type] = {"method": MethodChoice, "data": DataSpec, "model": ModelSpec, "local recipe": LocalRecipe,
                           "runtime": RuntimeConfig, "tracking": TrackingConfig}
+
+
+def run_key_groups() -> list[tuple[str, type, list[OptionSpec]]]:
+    """The run's keys by the dataclass that declares them: the run's own, then each part's (the reference's and
+    pyproject's order)."""
+    parts = {key for cls in PARTS.values() for key in specs_of(cls)}
+    return [("The run", RunConfig, [s for k, s in RunConfig.specs().items() if k not in parts]),
+            *((f"The {name}", cls, list(specs_of(cls).values())) for name, cls in PARTS.items())]
+
+
+def run_key_defaults() -> dict[str, Any]:
+    """Every key a run accepts, run keys and method options, with its default (pyproject's config table)."""
+    return {**{s.key: s.default for _, _, specs in run_key_groups() for s in specs},
+            **{k: s.default for k, s in option_specs().items()}}
 
 
 def client_config(cfg: RunConfig) -> dict[str, Any]:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridfl.bundle import PROJECT_DIR
 from hybridfl.cli import describe, job, main
-from hybridfl.flower import PROJECT_DIR
 from hybridfl.job import MAIN_JOB
 from server_app.config import preset_names
 

@@ -18,7 +18,8 @@ import pytest
 import yaml
 from helpers import needs_nginx
 
-from hybridfl import flower
+from hybridfl import processes
+from hybridfl.bundle import PROJECT_DIR
 from hybridfl.compose import (
     COMPOSE_DIR,
     CONNECTION,
@@ -36,8 +37,8 @@ from hybridfl.compose import (
     twin,
     validate,
 )
-from hybridfl.flower import PROJECT_DIR, acquire_task_anonymously
 from hybridfl.inprocess import run_inprocess
+from hybridfl.processes import acquire_task_anonymously
 from tools import compose_engine, intruder
 
 # The twin stands in for the real engine: it stands down where `make compose-test` passed on this very tree, or runs
@@ -275,7 +276,7 @@ def test_the_compose_twin_runs_fedavg_through_a_superlink_restart_then_an_asynch
     anonymous: dict[str, object] = {}
     intrusion: dict[str, dict[str, str]] = {}
     marks = tmp_path / "marks"
-    operator = flower.flower_env(tmp_path / "home" / "cli")
+    operator = processes.flower_env(tmp_path / "home" / "cli")
 
     def intrude(t: Twin) -> None:
         deadline = time.monotonic() + 300
@@ -379,10 +380,10 @@ class FakeLink:
 ])
 def test_the_final_status_outlives_a_superlink_restart_but_not_its_end(monkeypatch, replies, expected) -> None:
     link = FakeLink(replies)
-    monkeypatch.setattr(flower, "run_status", link.status)
-    monkeypatch.setattr(flower.time, "sleep", link.sleep)
-    monkeypatch.setattr(flower.time, "monotonic", lambda: link.now)
-    assert flower.final_status({}, "c", 1) == expected
+    monkeypatch.setattr(processes, "run_status", link.status)
+    monkeypatch.setattr(processes.time, "sleep", link.sleep)
+    monkeypatch.setattr(processes.time, "monotonic", lambda: link.now)
+    assert processes.final_status({}, "c", 1) == expected
 
 
 def test_the_engine_test_skips_where_no_engine_can_start_and_fails_so_under_require(monkeypatch, tmp_path,
@@ -407,12 +408,12 @@ def test_the_twin_stands_down_only_for_an_engine_pass_on_this_very_tree(tmp_path
 
 def test_flower_processes_get_the_superexec_poll_unless_the_environment_sets_one(monkeypatch, tmp_path) -> None:
     monkeypatch.delenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", raising=False)
-    assert flower.flower_env(tmp_path)["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "0.2"
+    assert processes.flower_env(tmp_path)["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "0.2"
     monkeypatch.delenv("TORCH_THREADS", raising=False)
     assert load(compose_files())["services"]["superexec-clientapp-0"]["environment"] == dict(
-        [flower.SUPEREXEC_POLL, ("OMP_NUM_THREADS", "1")])
+        [processes.SUPEREXEC_POLL, ("OMP_NUM_THREADS", "1")])
     monkeypatch.setenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "1.0")
-    assert flower.flower_env(tmp_path)["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "1.0"
+    assert processes.flower_env(tmp_path)["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] == "1.0"
 
 
 def test_every_app_container_gets_one_torch_thread_unless_torch_threads_says_else(monkeypatch) -> None:

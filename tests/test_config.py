@@ -7,8 +7,8 @@ import tomllib
 import pytest
 
 from common.config import ConfigError
+from hybridfl.bundle import PROJECT_DIR
 from hybridfl.config_table import REFERENCE, page_with_tables, pyproject_with_table
-from hybridfl.flower import PROJECT_DIR
 from server_app.config import CONFIG_DIR, RunConfig, load_config, option_owners, option_specs, read_preset
 from strategies import STRATEGIES, FedBuff, build_strategy
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import shlex
 
-from hybridfl.flower import PROJECT_DIR
+from hybridfl.bundle import PROJECT_DIR
 from hybridfl.job import parse_overrides
 from server_app.config import load_config
 

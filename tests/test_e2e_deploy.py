@@ -17,9 +17,9 @@ from helpers import DITTO_TWO_NODES, flower_threads, personal_accuracies
 
 from hybridfl.cli import main
 from hybridfl.deploy_local import deploy
-from hybridfl.flower import acquire_task_anonymously, device_timings, free_port
 from hybridfl.inprocess import run_inprocess
 from hybridfl.pki import node_key
+from hybridfl.processes import acquire_task_anonymously, device_timings, free_port
 
 
 def running(pid: int) -> bool:
@@ -89,6 +89,13 @@ def test_local_deployment_with_tls_and_auth_runs_keeps_node_state_refuses_intrud
         assert [d["message"] for d in lines].count("train") == 2
         assert all(d["flower-s"] > 0 and d["import-s"] > 0 for d in lines)  # a fresh process every time
     assert len(list((tmp_path / "cache").glob("run-*/partition-[01]-*.npz"))) == 2
+    # each Flower process had a FLWR_HOME of its own; the operator's holds the CLI's connection and the PKI only
+    homes = {p.name: p for p in (home / "processes").iterdir()}
+    assert set(homes) == {"superlink", "superexec-serverapp", "supernode-0", "supernode-1", "superexec-clientapp-0",
+                          "superexec-clientapp-1", "unregistered", "plain-http"}
+    assert all(any((homes[name] / "apps").iterdir()) for name in ("superexec-serverapp", "superexec-clientapp-0",
+                                                                  "superexec-clientapp-1"))
+    assert not (home / "apps").exists()
     # superlink + 2 supernodes + their 3 SuperExecs + 2 intruders, and the app processes the SuperExecs start
     assert len(pids) >= 10
     assert [pid for pid in pids if running(pid)] == []
@@ -148,7 +155,7 @@ def test_async_deployment_survives_a_slow_and_a_lost_supernode(tmp_path: Path) -
 def test_a_launcher_stopped_by_sigterm_stops_the_processes_it_started(tmp_path: Path) -> None:
     """A launcher killed with SIGTERM (a `kill`, a service manager, a CI timeout) unwinds as after Ctrl-C: the
     processes its ProcessGroup started are stopped, not left running with nobody to stop them; it exits 143."""
-    script = ("import sys, time\nfrom pathlib import Path\nfrom hybridfl.flower import ProcessGroup\n"
+    script = ("import sys, time\nfrom pathlib import Path\nfrom hybridfl.processes import ProcessGroup\n"
               "with ProcessGroup(Path(sys.argv[1]), {}) as procs:\n"
               "    print(procs.start('sleeper', ['sleep', '300']).pid, flush=True)\n    time.sleep(300)\n")
     launcher = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True,

@@ -15,8 +15,8 @@ from helpers import digest, flower_threads, rows
 
 from hybridfl import simulate
 from hybridfl.cli import main as cli
-from hybridfl.flower import alive, process_tree
 from hybridfl.inprocess import run_inprocess
+from hybridfl.processes import alive, process_tree
 from server_app.checkpoint import CHECKPOINT
 
 JOB = {"dataset": "synthetic", "num-clients": 3, "clients-per-round": 3, "num-rounds": 2, "local-epochs": 1,

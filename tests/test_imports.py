@@ -8,7 +8,7 @@ import re
 import tomllib
 from pathlib import Path
 
-from hybridfl.flower import PROJECT_DIR
+from hybridfl.bundle import PROJECT_DIR
 
 PACKAGES = ("common", "strategies", "server_app", "client_app", "hybridfl")
 # What each package may import from the others: common is the bottom; a method's client side lives with its

@@ -17,7 +17,7 @@ import torch
 from helpers import Crash, crashing, digest, rows
 
 from common.config import ConfigError
-from hybridfl.flower import PROJECT_DIR
+from hybridfl.bundle import PROJECT_DIR
 from hybridfl.inprocess import run_inprocess
 from server_app.checkpoint import CHECKPOINT, pack_state, read_checkpoint, unpack_state, write_checkpoint
 from server_app.config import MAY_CHANGE_ON_RESUME, load_config

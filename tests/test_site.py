@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import typer
 
+from hybridfl.bundle import PROJECT_DIR
 from hybridfl.cli import app
-from hybridfl.flower import PROJECT_DIR, free_port
+from hybridfl.processes import free_port
 from server_app.config import RunConfig, option_specs
 from strategies import STRATEGIES
 

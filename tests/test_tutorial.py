@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from helpers import needs_nginx, readme_commands
 
-from hybridfl.flower import (
-    PROJECT_DIR,
+from hybridfl.bundle import PROJECT_DIR
+from hybridfl.processes import (
     ProcessGroup,
     final_status,
     flower_env,

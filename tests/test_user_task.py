@@ -16,7 +16,7 @@ from helpers import readme_commands
 from common.config import ConfigError
 from common.data import load_dataset
 from common.models import build_from_config
-from hybridfl.flower import PROJECT_DIR
+from hybridfl.bundle import PROJECT_DIR
 from hybridfl.inprocess import InProcessGrid, run_inprocess
 from server_app.config import load_config
 
@@ -53,6 +53,23 @@ def three_things(root):
 
 def float_labels(root):
     return np.zeros((4, 2), np.float32), np.zeros(4, np.float32)
+
+
+@pytest.mark.parametrize("name", ["common", "strategies"])
+def test_a_users_package_named_as_one_of_hybridfls_is_refused_naming_the_clash(tmp_path, monkeypatch, name):
+    """A user's own `common/` cannot be imported (hybridfl's comes first on every path): the error says so, instead
+    of the import failing inside hybridfl's package."""
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "nets.py").write_text("def mlp(input_shape, num_classes):\n    raise AssertionError\n")
+    monkeypatch.setenv("HYBRIDFL_USER_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match=f"'{name}' in {tmp_path} has the name of hybridfl's package '{name}'"):
+        build_from_config({**load_config({}).to_dict(), "model": f"{name}.nets:mlp"}, (1, 8, 8), 10, seed=0)
+    (tmp_path / "clash_free_net.py").write_text("import torch\n\ndef mlp(input_shape, num_classes):\n"
+                                                "    return torch.nn.Linear(64, num_classes)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # beside it, a module of another name is the user's own
+    monkeypatch.delitem(sys.modules, "clash_free_net", raising=False)  # imported below, forgotten after the test
+    model = {**load_config({}).to_dict(), "model": "clash_free_net:mlp"}
+    assert build_from_config(model, (64,), 10, seed=0).out_features == 10
 
 
 def test_a_user_loader_and_factory_give_the_data_and_model_the_contract_says():
@@ -159,7 +176,7 @@ def test_the_apps_own_config_table_counts_and_hybridfls_defaults_do_not():
 def test_a_users_method_keys_pass_flower_run_c_packed_unless_the_app_declares_them():
     """Flower's `flwr run -c` refuses keys the app does not declare: hybridfl's own app carries a user's method keys
     in `method-options`; the example app declares its method's keys; a key neither can carry is refused by name."""
-    from hybridfl.flower import run_config_arg
+    from hybridfl.processes import run_config_arg
 
     assert run_config_arg({"preset": "x", "clip-norm": 0.1, "server-momentum": 0.5}) == (
         'preset="x" method-options="{ clip-norm = 0.1, server-momentum = 0.5 }"')
@@ -217,7 +234,7 @@ def test_the_example_readmes_commands_run_as_written(tmp_path):
     import shlex
     import shutil
 
-    from hybridfl.flower import flower_env, free_port
+    from hybridfl.processes import flower_env, free_port
 
     project = tmp_path / "tabular"
     shutil.copytree(EXAMPLE, project, ignore=shutil.ignore_patterns("outputs", "__pycache__", ".flwr*"))

@@ -26,9 +26,10 @@ from helpers import flower_threads
 
 from client_app import supernode
 from client_app.warm_executor import PRELOAD, WarmExecutor
+from hybridfl.bundle import PROJECT_DIR
 from hybridfl.deploy_local import deploy, deploy_runs
-from hybridfl.flower import PROJECT_DIR, alive, children, device_timings
 from hybridfl.inprocess import run_inprocess
+from hybridfl.processes import alive, children, device_timings
 
 EXAMPLE = PROJECT_DIR / "examples" / "tabular"
 JOB = {"preset": "fedavg-digits", "num-clients": 2, "clients-per-round": 2, "num-rounds": 2, "eval-every": 2}

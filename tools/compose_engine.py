@@ -54,6 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from hybridfl.bundle import PROJECT_DIR
 from hybridfl.compose import (
     COMPOSE_DIR,
     CONNECTION,
@@ -67,8 +68,8 @@ from hybridfl.compose import (
     superlink_port,
     supernodes,
 )
-from hybridfl.flower import (
-    PROJECT_DIR,
+from hybridfl.pki import make_pki, node_key
+from hybridfl.processes import (
     acquire_task_anonymously,
     alive,
     check_completed,
@@ -79,7 +80,6 @@ from hybridfl.flower import (
     register_supernode,
     write_connection,
 )
-from hybridfl.pki import make_pki, node_key
 from tools import intruder
 
 CACHE = Path(os.environ.get("HYBRIDFL_COMPOSE_CACHE", "/var/cache/hybridfl-compose"))  # kept between runs

@@ -14,8 +14,8 @@ import json
 import subprocess
 from pathlib import Path
 
-from hybridfl.flower import acquire_task_anonymously, flower_env, write_connection
 from hybridfl.pki import node_key
+from hybridfl.processes import acquire_task_anonymously, flower_env, write_connection
 
 APP = Path(__file__).resolve().parent / "intruder_app"
 CONNECTION = "intruder"
@@ -63,7 +63,7 @@ def breaches(outcome: dict[str, str], marks: Path) -> list[str]:
 def operator_runs_it(env: dict[str, str], connection: str, marks: Path) -> str:
     """The operator starts the same app on the SuperLink's own port (`connection` in `env`'s FLWR_HOME) and waits
     for it: its run's final status (its ServerApp and ClientApps then wrote their marks under `marks`)."""
-    from hybridfl.flower import final_status
+    from hybridfl.processes import final_status
 
     out = subprocess.run(["flwr", "run", str(APP), connection, "--format", "json", "--run-config",
                           f'mark-dir="{marks}"'], env=env, capture_output=True, text=True, timeout=120, cwd=APP)

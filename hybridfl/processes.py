@@ -15,7 +15,6 @@ import sys
 import tempfile
 import threading
 import time
-import tomllib
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -25,8 +24,7 @@ import httpx
 
 from common.config import ConfigError
 from common.user_code import USER_DIR
-
-PROJECT_DIR = Path(__file__).resolve().parent.parent
+from hybridfl.bundle import app_config, flower_app, toml_value
 
 
 def free_port() -> int:
@@ -61,35 +59,28 @@ def flower_env(flwr_home: Path) -> dict[str, str]:
     return env
 
 
-def toml_value(value: Any) -> str:
-    """A Python value as a TOML literal for ``flwr run -c``."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(str(value))
-
-
-def app_config(app_dir: Path = PROJECT_DIR) -> dict[str, Any]:
-    """The Flower app's own config table (``[tool.flwr.app.config]`` of `app_dir`'s pyproject.toml)."""
-    with open(app_dir / "pyproject.toml", "rb") as f:
-        return tomllib.load(f)["tool"]["flwr"]["app"].get("config", {})
-
-
-def run_config_arg(overrides: Mapping[str, Any], app_dir: Path = PROJECT_DIR) -> str:
-    """`overrides` as ``flwr run -c``'s argument for the Flower app in `app_dir`: Flower accepts only the keys the app's
-    ``[tool.flwr.app.config]`` declares, so the others (a user's own method's keys) travel packed in
-    ``method-options`` when the app declares it, and are refused naming the first one when it does not."""
+def run_config_arg(overrides: Mapping[str, Any], app_dir: Path | None = None) -> str:
+    """`overrides` as ``flwr run -c``'s argument for the Flower app in `app_dir` (None: hybridfl's own): Flower
+    accepts only the keys the app's ``[tool.flwr.app.config]`` declares, so the others (a user's own method's keys)
+    travel packed in ``method-options`` when the app declares it, and are refused naming the first one when it does
+    not."""
     declared = app_config(app_dir)
     packed = {k: v for k, v in overrides.items() if k not in declared}
     plain = {k: v for k, v in overrides.items() if k in declared}
     if packed:
         if "method-options" not in declared:
             key = next(iter(packed))
-            raise ConfigError(key, packed[key], f"a key that {app_dir / 'pyproject.toml'} declares in "
+            raise ConfigError(key, packed[key], f"a key that {app_dir or '.'}/pyproject.toml declares in "
                               "[tool.flwr.app.config] (Flower's `flwr run -c` accepts no other)")
         plain["method-options"] = "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in packed.items()) + " }"
     return " ".join(f"{k}={toml_value(v)}" for k, v in plain.items())
+
+
+def process_home(flwr_home: Path, name: str) -> Path:
+    """The FLWR_HOME of process `name` under the operator's `flwr_home` (which holds the CLI's connections and the
+    PKI): Flower installs a run's app into the FLWR_HOME of each process that runs it and skips the install when
+    the app's folder exists, so two processes sharing one could import an app the other is still unpacking."""
+    return flwr_home / "processes" / name
 
 
 class ProcessGroup:
@@ -107,10 +98,13 @@ class ProcessGroup:
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None,
-              cwd: Path = PROJECT_DIR) -> subprocess.Popen:
-        """Start `cmd` as `name` (log: <log_dir>/<name>.log) in `cwd` with the group's environment, or `env`."""
+              cwd: Path | None = None) -> subprocess.Popen:
+        """Start `cmd` as `name` (log: <log_dir>/<name>.log) in `cwd` with `env`, or else the group's environment
+        with a FLWR_HOME of its own (:func:`process_home`): Flower's processes do not share one."""
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(list(cmd), env=env or self.env, stdout=log, stderr=subprocess.STDOUT,
+        if env is None and "FLWR_HOME" in self.env:
+            env = {**self.env, "FLWR_HOME": str(process_home(Path(self.env["FLWR_HOME"]), name))}
+        proc = subprocess.Popen(list(cmd), env=self.env if env is None else env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, cwd=cwd)
         self.procs.append((name, proc))
         return proc
@@ -236,7 +230,7 @@ def register_supernode(env: dict[str, str], connection: str, public_key: Path) -
     """``flwr supernode register``: allow the SuperNode holding `public_key`'s private key on a SuperLink
     started with ``--enable-supernode-auth``; returns its node id (fixed by the key, across restarts)."""
     out = subprocess.run(["flwr", "supernode", "register", str(public_key),
-                          connection, "--format", "json"], env=env, cwd=PROJECT_DIR, capture_output=True,
+                          connection, "--format", "json"], env=env, capture_output=True,
                          text=True, timeout=120)
     try:
         reply = json.loads(out.stdout)
@@ -249,9 +243,9 @@ def register_supernode(env: dict[str, str], connection: str, public_key: Path) -
 
 def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
              federation_config: str | None = None, timeout: float = 3600.0,
-             app_dir: Path = PROJECT_DIR) -> tuple[int, str]:
-    """``flwr run . <connection> --stream`` in `app_dir` (this project, or a user's Flower app that runs hybridfl's
-    apps: examples/tabular); returns (run id, its final status text).
+             app_dir: Path | None = None) -> tuple[int, str]:
+    """``flwr run . <connection> --stream`` in `app_dir` (None: hybridfl's own app, :func:`hybridfl.bundle.flower_app`;
+    or a user's Flower app that runs hybridfl's apps: examples/tabular); returns (run id, its final status text).
 
     Output is streamed to this process's stdout as it comes.
     """
@@ -261,17 +255,18 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
     if federation_config:
         cmd += ["--federation-config", federation_config]
     print("$", shlex.join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, env=env, cwd=app_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    watchdog = threading.Timer(timeout, proc.kill)  # the output loop below blocks; this bounds it
-    watchdog.start()
-    run_id = None
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        sys.stdout.write(line)
-        sys.stdout.flush()
-        if run_id is None and (m := re.search(r"started run (\d+)", line)):
-            run_id = int(m.group(1))
+    with flower_app(app_dir) as folder:
+        proc = subprocess.Popen(cmd, env=env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+        watchdog = threading.Timer(timeout, proc.kill)  # the output loop below blocks; this bounds it
+        watchdog.start()
+        run_id = None
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            if run_id is None and (m := re.search(r"started run (\d+)", line)):
+                run_id = int(m.group(1))
     proc.wait()
     timed_out = not watchdog.is_alive()
     watchdog.cancel()
@@ -285,7 +280,7 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
 def run_status(env: dict[str, str], connection: str, run_id: int) -> str:
     """A run's status text, e.g. ``finished:completed`` (from ``flwr ls --format json``)."""
     out = subprocess.run(["flwr", "ls", connection, "--run-id", str(run_id),
-                          "--format", "json"], env=env, cwd=PROJECT_DIR, capture_output=True, text=True, timeout=120)
+                          "--format", "json"], env=env, capture_output=True, text=True, timeout=120)
     try:
         runs = json.loads(out.stdout)["runs"]
     except (json.JSONDecodeError, KeyError) as err:

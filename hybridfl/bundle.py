@@ -1,0 +1,88 @@
+"""The Flower app a launcher submits with ``flwr run``: hybridfl's ServerApp and ClientApp, with their packages.
+
+From a source checkout it is the checkout itself (its pyproject.toml declares the app, and ``flwr run .`` there runs
+the same one). An installed wheel has no such folder: the app is assembled in a temporary folder from the installed
+packages and a pyproject.toml generated from the code (``hybridfl.config_table``, the table tests/test_config.py
+keeps the checkout's equal to), then removed. Either way the FAB carries what a node needs: the app's packages and
+the presets.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import shutil
+import tempfile
+import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from common.user_code import OWN_PACKAGES
+
+# The folder above the package: a source checkout's root, or an installed wheel's site-packages
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+APP_PACKAGES = tuple(p for p in OWN_PACKAGES if p != "hybridfl")  # what the FAB carries
+PUBLISHER = "hybridfl"
+
+
+def source_checkout() -> Path | None:
+    """The checkout this code runs from, when it is one (its pyproject.toml declares hybridfl's Flower app)."""
+    try:
+        with open(PROJECT_DIR / "pyproject.toml", "rb") as f:
+            app = tomllib.load(f)["tool"]["flwr"]["app"]
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return None
+    return PROJECT_DIR if app.get("publisher") == PUBLISHER else None
+
+
+def toml_value(value: Any) -> str:
+    """A Python value as a TOML literal for ``flwr run -c``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))
+
+
+def pyproject_table() -> str:
+    """``[tool.flwr.app.config]``: every key with its default (Flower fuses only keys declared there)."""
+    from server_app.config import run_key_defaults
+
+    return "[tool.flwr.app.config]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in run_key_defaults().items())
+
+
+def app_pyproject() -> str:
+    """The app's pyproject.toml for an installed hybridfl: its components and every run key at its default."""
+    meta = importlib.metadata.metadata("hybridfl")
+    return (f'[project]\nname = "hybridfl"\nversion = "{meta["Version"]}"\ndescription = "{meta["Summary"]}"\n'
+            f'license = "{meta["License-Expression"]}"\n\n'
+            f'[tool.flwr.app]\npublisher = "{PUBLISHER}"\n\n[tool.flwr.app.components]\n'
+            'serverapp = "server_app.app:app"\nclientapp = "client_app.app:app"\n\n' + pyproject_table())
+
+
+def app_config(app_dir: Path | None = None) -> dict[str, Any]:
+    """A Flower app's own config table (``[tool.flwr.app.config]`` of `app_dir`'s pyproject.toml); hybridfl's own
+    app's when `app_dir` is None (every key at its default)."""
+    if app_dir is None and (app_dir := source_checkout()) is None:
+        return tomllib.loads(app_pyproject())["tool"]["flwr"]["app"]["config"]
+    with open(app_dir / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["tool"]["flwr"]["app"].get("config", {})
+
+
+@contextmanager
+def flower_app(app_dir: Path | None = None) -> Iterator[Path]:
+    """The folder of the Flower app `app_dir` (a user's) or, when None, of hybridfl's own, for as long as the block
+    runs."""
+    if app_dir is not None or (app_dir := source_checkout()) is not None:
+        yield app_dir
+        return
+    with tempfile.TemporaryDirectory(prefix="hybridfl-app-") as folder:
+        root = Path(folder)
+        for package in APP_PACKAGES:
+            source = Path(importlib.import_module(package).__file__).parent
+            shutil.copytree(source, root / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        (root / "pyproject.toml").write_text(app_pyproject())
+        yield root
