@@ -15,16 +15,19 @@ as FedAvg, FedBuff, FedAsync, CA2FL, Feddle, FedMerge and the hybrid baselines u
 objective, SGD or Adam, and a model whose training-mode forward is a function of its parameters and input alone
 (no BatchNorm running statistics, no active dropout). A method with a client side or an objective of its own
 (Ditto, FedDUAL, SCAFFOLD, FedProx, IFCA, FedEM, FedAvg+, the transfers), a slowed node (``latency-s``) and any
-message whose batched run fails run as before, one message at a time, through the ClientApp.
+message whose batched run fails run as before, one message at a time, through the ClientApp (a failure is logged
+once per kind and run). The in-process engine frees the cohort's steps at the end of each run (:func:`release`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from logging import WARNING
 
 import torch
 from flwr.app import Context, Message, MessageType
+from flwr.common.logger import log
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn import functional as F
@@ -81,7 +84,8 @@ def train_cohort(messages: Sequence[Message], contexts: Mapping[int, Context]) -
     for members in groups.values():
         try:
             deltas, metrics = train_together(members)
-        except Exception:  # noqa: BLE001 - one at a time instead, where a failure stays the client's own
+        except Exception as err:  # noqa: BLE001 - one at a time instead, where a failure stays the client's own
+            fell_back("a cohort's batched training failed", err, f"its {len(members)} clients train one at a time")
             continue
         for member, delta, stats in zip(members, deltas, metrics):
             member.task.metrics.update(stats)
@@ -176,7 +180,8 @@ class CohortStep:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 self._compute()
-        except Exception:  # noqa: BLE001 - eager steps compute the same
+        except Exception as err:  # noqa: BLE001 - eager steps compute the same
+            fell_back("capturing a cohort step as a CUDA graph failed", err, "the step runs eagerly")
             graph = None
         for t, s in zip(tensors, saved):
             t.copy_(s)
@@ -199,6 +204,24 @@ class CohortStep:
 
 
 _STEPS: dict[tuple, CohortStep] = {}  # by model, recipe, cohort size and sample shape: captured graphs are reused
+_REPORTED: set[tuple[str, str]] = set()  # the fallbacks already logged (what, exception type)
+
+
+def fell_back(what: str, err: Exception, instead: str) -> None:
+    """Log a fallback once per kind of failure and run: an out-of-memory error that turns the speed-up off is
+    said, not silent, and not repeated at every step."""
+    if (what, type(err).__name__) not in _REPORTED:
+        _REPORTED.add((what, type(err).__name__))
+        log(WARNING, "%s (%s: %s); %s (said once per run)", what, type(err).__name__, err, instead)
+
+
+def release() -> None:
+    """Free what the cohort keeps between steps, at a run's end: its steps (each holding the model, C copies of
+    the parameters and optimizer state, and on CUDA a captured graph and its memory pool)."""
+    _STEPS.clear()
+    _REPORTED.clear()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _step_for(task: LocalTask, C: int, sample_shape: tuple[int, ...], dtype: torch.dtype) -> CohortStep:

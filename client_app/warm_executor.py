@@ -22,7 +22,8 @@ pushes the reply, as ``flwr-clientapp`` does, then exits. So:
 - Not kept across messages: the node's data and model (read from the node's partition cache, ~0.5 s) and a CUDA
   context (CUDA cannot cross a fork: each child makes its own).
 
-Other task types (none on a SuperNode) go to Flower's subprocess executor. What it uses of Flower is pinned by
+Other task types (none on a SuperNode), and tasks whose app's dependencies Flower installs per run, go to Flower's
+subprocess executor. What it uses of Flower is pinned by
 ``tests/test_warm_executor.py`` (the executor protocol, ``run_superexec``'s ``get_executor``, ``run_clientapp``).
 """
 
@@ -51,7 +52,7 @@ PRELOAD = ("torch", "numpy", "flwr.supernode.runtime.run_clientapp", "flwr.clien
 # is (0.4 s per message for this project's 2.3 MB FAB); a child marks a FAB whose install it completed, by its
 # SHA-256, and later children use the install without unzipping it again.
 _SERVER = r"""
-import hashlib, importlib, json, os, signal, sys
+import hashlib, importlib, json, os, signal, sys, traceback
 tasks, replies = os.fdopen(int(sys.argv[1]), "r"), os.fdopen(int(sys.argv[2]), "w")
 marks = sys.argv[3]
 for module in sys.argv[4:]:
@@ -84,6 +85,8 @@ for line in tasks:
             run_clientapp(**task)
         except SystemExit as done:  # run_clientapp ends with flwr_exit
             code = done.code if isinstance(done.code, int) else 1
+        except BaseException:  # os._exit below would drop it unprinted: the node's log shows it, as Flower's would
+            traceback.print_exc()
         finally:
             sys.stdout.flush(); sys.stderr.flush(); os._exit(code)
     print(pid, file=replies, flush=True)
@@ -100,6 +103,7 @@ class WarmExecutor(SubprocessExecutor):
         self._replies: Any = None
         self._marks = tempfile.TemporaryDirectory(prefix="warm-executor-")  # the FABs installed whole
         self.restarts = 0
+        self.failed_starts = 0
 
     def _running(self) -> bool:
         return self._server is not None and self._server.poll() is None
@@ -122,7 +126,9 @@ class WarmExecutor(SubprocessExecutor):
             raise RuntimeError(f"the warm executor's fork server did not start (exit {self._server.wait()})")
 
     def launch(self, spec: ExecutionSpec) -> LaunchResult:
-        if spec.task_type != TaskType.CLIENT_APP:
+        # A task whose app's dependencies Flower installs per run needs a fresh interpreter: a fork already holds
+        # torch and numpy, so the app's own versions could not take effect
+        if spec.task_type != TaskType.CLIENT_APP or spec.runtime_dependency_install:
             return super().launch(spec)
         task = {"runtime_api_address": spec.runtime_api_address, "token": spec.token, "insecure": spec.insecure,
                 "root_certificates_path": None if spec.insecure else spec.root_certificates_path,
@@ -138,8 +144,15 @@ class WarmExecutor(SubprocessExecutor):
         return LaunchResult.accepted()
 
     def reconcile(self) -> None:
-        """Keep a fork server running: a dead one is replaced between tasks, not during one."""
-        self._start()
+        """Keep a fork server running: a dead one is replaced between tasks, not during one. Called in Flower's
+        loop, which an exception would end (and the node's executor with it): a fork server that cannot start is
+        reported and tried again at the next call; meanwhile launches fail, each reported to Flower."""
+        try:
+            self._start()
+        except (OSError, RuntimeError) as err:
+            self.failed_starts += 1
+            print(f"warm executor: cannot start the fork server ({type(err).__name__}: {err}); trying again",
+                  file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._running():
@@ -148,6 +161,7 @@ class WarmExecutor(SubprocessExecutor):
                 self._server.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self._server.kill()
+                self._server.wait()
         self._marks.cleanup()
 
 

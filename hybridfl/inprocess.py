@@ -21,6 +21,7 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.app import app as default_client_app
+from client_app.cohort import release as release_cohort
 from client_app.cohort import train_cohort
 from server_app.app import RUN_STATE
 from server_app.app import app as default_server_app
@@ -143,5 +144,8 @@ def run_inprocess(overrides: Mapping[str, Any] | None = None, client_app: Client
     grid = grid or InProcessGrid(client_app or default_client_app, cfg.num_clients, cohort=cohort)
     grid.run.override_config = overrides
     context = Context(run_id=grid.run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config={})
-    (server_app or default_server_app)(grid, context)
+    try:
+        (server_app or default_server_app)(grid, context)
+    finally:
+        release_cohort()
     return Path(str(context.state[RUN_STATE]["output-dir"]))

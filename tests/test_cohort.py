@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -179,11 +180,41 @@ def test_a_failing_batched_run_falls_back_to_one_message_at_a_time(tmp_path, mon
     def broken(members):
         raise RuntimeError("CUDA out of memory")
 
+    logged: list[str] = []
     monkeypatch.setattr(cohort, "train_together", broken)
+    monkeypatch.setattr(cohort, "log", lambda level, fmt, *args: logged.append(fmt % args))
     together, served = _run(tmp_path, "cohort", {"num-rounds": 2}, use_cohort=True)
     alone, _ = _run(tmp_path, "alone", {"num-rounds": 2}, use_cohort=False)
     assert served and sum(served) == 0 and together["summary"]["total-failures"] == 0
     assert digest(together["out"] / "model.pt") == digest(alone["out"] / "model.pt")
+    # every pull failed: said once, with the reason, and what happens instead
+    assert len(served) > 1 and len(logged) == 1 and re.fullmatch(
+        r"a cohort's batched training failed \(RuntimeError: CUDA out of memory\); its \d clients train one at a "
+        r"time \(said once per run\)", logged[0]), logged
+
+
+def test_a_runs_cohort_steps_are_freed_when_it_ends(tmp_path):
+    """A cohort step holds the model, C copies of the parameters and optimizer state (and on CUDA a graph and its
+    memory pool): none outlives its run, over several runs in one process."""
+    import gc
+    import weakref
+
+    made: list[weakref.ref] = []
+    original = cohort.CohortStep.__init__
+
+    def tracked(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    cohort.CohortStep.__init__ = tracked
+    try:
+        for seed in range(3):
+            _, served = _run(tmp_path, f"cohort-{seed}", {"num-rounds": 2, "seed": seed}, use_cohort=True)
+            gc.collect()
+            assert sum(served) > 0 and made and cohort._STEPS == {}
+            assert [ref for ref in made if ref() is not None] == []
+    finally:
+        cohort.CohortStep.__init__ = original
 
 
 def test_the_key_chooses_cohort_training_on_cuda_only_unless_told(tmp_path):

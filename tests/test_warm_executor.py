@@ -150,6 +150,75 @@ def test_a_launch_the_fork_server_cannot_take_fails_and_the_next_starts_another(
         executor.close()
 
 
+def test_a_fork_server_that_cannot_start_is_reported_and_flowers_loop_goes_on(monkeypatch, capsys):
+    """reconcile() runs in Flower's SuperExec loop, which an exception ends: a fork server that cannot start is
+    reported, counted and tried again at the next call."""
+    executor = WarmExecutor()
+
+    def broken() -> None:
+        raise RuntimeError("the warm executor's fork server did not start (exit 1)")
+
+    monkeypatch.setattr(executor, "_start", broken)
+    try:
+        executor.reconcile()
+        executor.reconcile()
+        assert executor.failed_starts == 2
+        assert capsys.readouterr().err.count("warm executor: cannot start the fork server (RuntimeError") == 2
+        monkeypatch.undo()
+        executor.reconcile()
+        assert executor._running() and executor.failed_starts == 2
+    finally:
+        executor.close()
+
+
+def test_a_task_that_installs_its_apps_dependencies_goes_to_flowers_executor(monkeypatch):
+    """A fork holds torch and numpy already: an app whose dependencies Flower installs per run gets a fresh
+    `flwr-clientapp` process from Flower's own executor; the fork server is not even started for it."""
+    launched: list[ExecutionSpec] = []
+    monkeypatch.setattr(SubprocessExecutor, "launch", lambda self, spec: launched.append(spec) or
+                        LaunchResult.accepted())
+    executor = WarmExecutor()
+    spec = ExecutionSpec(TaskType.CLIENT_APP, "127.0.0.1:1", "token", True, None, True, None, False, 1)
+    try:
+        assert executor.launch(spec).status == "accepted" and launched == [spec] and executor._server is None
+    finally:
+        executor.close()
+
+
+def test_a_child_whose_app_raises_prints_its_traceback_in_the_nodes_log():
+    """The fork server's child ends with os._exit (never the server's own cleanup): an exception that is not
+    Flower's exit is printed first, as `flwr-clientapp` would print it, and the child exits 1."""
+    from client_app.warm_executor import _SERVER
+
+    task_r, task_w = os.pipe()
+    reply_r, reply_w = os.pipe()
+    with contextlib.ExitStack() as stack:
+        marks = stack.enter_context(__import__("tempfile").TemporaryDirectory())
+        server = subprocess.Popen([sys.executable, "-P", "-c", _SERVER, str(task_r), str(reply_w), marks],
+                                  pass_fds=(task_r, reply_w), stderr=subprocess.PIPE, text=True)
+        os.close(task_r)
+        os.close(reply_w)
+        tasks, replies = os.fdopen(task_w, "w"), os.fdopen(reply_r, "r")
+        assert replies.readline().strip() == "ready"
+        # run_clientapp(**task) with an argument it does not take: a TypeError inside the child
+        print(json.dumps({"root_certificates_path": None, "not_an_argument": 1}), file=tasks, flush=True)
+        assert replies.readline().strip().isdigit()
+        tasks.close()
+        server.wait(timeout=60)
+        err = server.stderr.read()
+    assert "Traceback (most recent call last)" in err and "TypeError" in err and "not_an_argument" in err
+
+
+def test_close_waits_for_a_fork_server_it_had_to_kill():
+    """A fork server that does not end at the end of its input (stopped here) is killed and reaped: no zombie."""
+    executor = WarmExecutor()
+    executor.reconcile()
+    server = executor._server
+    server.send_signal(signal.SIGSTOP)
+    executor.close()
+    assert server.returncode == -signal.SIGKILL
+
+
 def warm_processes(procs, name: str) -> tuple[set[int], set[int]]:
     """The fork servers of the executors whose process names start with `name`, and their children (one per
     message being handled). A fork server is an executor's own child; its forks share its command line."""
