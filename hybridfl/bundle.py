@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import json
 import shutil
 import tempfile
 import tomllib
@@ -19,6 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import tomli_w
 
 from common.user_code import OWN_PACKAGES
 
@@ -39,28 +40,25 @@ def source_checkout() -> Path | None:
 
 
 def toml_value(value: Any) -> str:
-    """A Python value as a TOML literal for ``flwr run -c``."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    return json.dumps(str(value))
+    """A Python value as a TOML literal, as ``flwr run -c`` reads it."""
+    return tomli_w.dumps({"v": value})[len("v = "):].rstrip("\n")
 
 
 def pyproject_table() -> str:
     """``[tool.flwr.app.config]``: every key with its default (Flower fuses only keys declared there)."""
     from server_app.config import run_key_defaults
 
-    return "[tool.flwr.app.config]\n" + "".join(f"{k} = {toml_value(v)}\n" for k, v in run_key_defaults().items())
+    return tomli_w.dumps({"tool": {"flwr": {"app": {"config": run_key_defaults()}}}})
 
 
 def app_pyproject() -> str:
     """The app's pyproject.toml for an installed hybridfl: its components and every run key at its default."""
     meta = importlib.metadata.metadata("hybridfl")
-    return (f'[project]\nname = "hybridfl"\nversion = "{meta["Version"]}"\ndescription = "{meta["Summary"]}"\n'
-            f'license = "{meta["License-Expression"]}"\n\n'
-            f'[tool.flwr.app]\npublisher = "{PUBLISHER}"\n\n[tool.flwr.app.components]\n'
-            'serverapp = "server_app.app:app"\nclientapp = "client_app.app:app"\n\n' + pyproject_table())
+    project = {"name": "hybridfl", "version": meta["Version"], "description": meta["Summary"],
+               "license": meta["License-Expression"]}
+    app = {"publisher": PUBLISHER, "components": {"serverapp": "server_app.app:app",
+                                                  "clientapp": "client_app.app:app"}}
+    return tomli_w.dumps({"project": project, "tool": {"flwr": {"app": app}}}) + "\n" + pyproject_table()
 
 
 def app_config(app_dir: Path | None = None) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import click
 import typer
@@ -168,7 +168,7 @@ def run(args: Annotated[list[str] | None, typer.Argument(metavar="[PRESET] [KEY=
         flwr_home: FlwrHome = Path(".flwr"), supernodes: Supernodes = None, latency: Latency = None,
         tls: Tls = False, auth: Auth = False, executor: Executor = "warm", verbose: Verbose = False) -> None:
     """Run a preset, with overrides; outputs go to `<output-dir>/<run-name>/`."""
-    raise typer.Exit(launch(job(args or []), mode, flwr_home,
+    raise typer.Exit(launch(_or_exit_2(lambda: job(args or [])), mode, flwr_home,
                             Deployment(supernodes, tuple(latency or ()), tls, auth, executor), verbose))
 
 
@@ -181,7 +181,8 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="a run folder with a che
            flwr_home: FlwrHome = Path(".flwr"), supernodes: Supernodes = None, latency: Latency = None,
            tls: Tls = False, auth: Auth = False, executor: Executor = "warm", verbose: Verbose = False) -> None:
     """Continue a run from its last checkpoint, in its own folder (any mode resumes a run of any mode)."""
-    raise typer.Exit(launch({**parse_overrides(overrides or []), "resume": str(run_dir.resolve())}, mode, flwr_home,
+    raise typer.Exit(launch({**_or_exit_2(lambda: parse_overrides(overrides or [])), "resume": str(run_dir.resolve())},
+                            mode, flwr_home,
                             Deployment(supernodes, tuple(latency or ()), tls, auth, executor), verbose))
 
 
@@ -295,15 +296,23 @@ def report(spec: SweepSpec) -> None:
     _echo_or_exit_2(lambda: sweeps.report(sweeps.load(spec)))
 
 
-def _echo_or_exit_2(make: Callable[[], str]) -> None:
-    """Print what `make` returns; a bad spec or configuration is one line on stderr and exit code 2."""
+T = TypeVar("T")
+
+
+def _or_exit_2(make: Callable[[], T]) -> T:
+    """What `make` returns; a bad spec, configuration or override is one line on stderr and exit code 2."""
     from common.errors import ConfigError
 
     try:
-        typer.echo(make())
+        return make()
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None
+
+
+def _echo_or_exit_2(make: Callable[[], str]) -> None:
+    """Print what `make` returns (:func:`_or_exit_2`)."""
+    typer.echo(_or_exit_2(make))
 
 
 def main(argv: list[str] | None = None) -> int:

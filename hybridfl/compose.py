@@ -35,6 +35,7 @@ from typing import Any
 
 import yaml
 
+from common.errors import ConfigError
 from hybridfl.bundle import PROJECT_DIR
 from hybridfl.job import MAIN_JOB, parse_overrides
 from hybridfl.pki import make_pki
@@ -485,7 +486,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{', '.join(f.name for f in files)}: {len(compose['services'])} services, start order "
               f"{' -> '.join(start_order(compose['services']))}")
         return 0
-    overrides = parse_overrides(args.overrides)
+    try:
+        overrides = parse_overrides(args.overrides)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if args.mode == "demo":
         return run_and_report(lambda: demo(files, overrides))
     return run_and_report(lambda: twin(files, [overrides], args.workdir.resolve())[0][0])

@@ -98,9 +98,7 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
     n = sizes.pop()
     env = flower_env(flwr_home)
     port = free_port()
-    node_ports: set[int] = set()
-    while len(node_ports) < n:  # free_port can hand out a port twice in a row
-        node_ports |= {free_port()} - {port}
+    node_ports = [free_port() for _ in range(n)]  # never the same twice
     pki = make_pki(flwr_home / "pki", nodes=n if auth else 0) if tls else None
     ca = pki / "ca.crt" if pki else None
     secret = make_secrets(flwr_home / "pki", n)
@@ -116,7 +114,7 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
         wait_healthy(port, link, ca=ca)
         write_connection(flwr_home, CONNECTION, port, ca)
         procs.start("superexec-serverapp", superexec(to_link, f"127.0.0.1:{port}", secret["superlink"]))
-        for i, node_port in enumerate(sorted(node_ports)):
+        for i, node_port in enumerate(node_ports):
             node_config_i = f"partition-id={i} num-partitions={n}"
             if (latency or {}).get(i):
                 node_config_i += f" latency-s={float(latency[i])}"

@@ -7,6 +7,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from common.errors import ConfigError
 from hybridfl.bundle import app_config
 from server_app.app import user_keys
 from server_app.config import RunConfig, load_config
@@ -23,7 +24,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
-            raise SystemExit(f"bad override {pair!r}: expected KEY=VALUE")
+            raise ConfigError("override", pair, "KEY=VALUE", f"bad override {pair!r}: expected KEY=VALUE")
         try:
             out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
         except tomllib.TOMLDecodeError:

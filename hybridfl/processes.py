@@ -4,8 +4,10 @@ environment for offline machines, process groups stopped by PID, and a run's rea
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import re
 import shlex
 import signal
@@ -21,17 +23,42 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
+import tomli_w
 
 from common.config import ConfigError
 from common.user_code import USER_DIR
 from hybridfl.bundle import app_config, flower_app, toml_value
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_ports() -> range:
+    """The kernel's range for the source ports of outgoing connections (Linux's default where unreadable)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that is free right now, chosen at random outside the kernel's ephemeral range (where
+    the port 0 trick picks, and where any outgoing connection may take it before the server that was meant to) and
+    never the same twice in this process."""
+    ephemeral, rng = _ephemeral_ports(), random.SystemRandom()  # not the run's seed: two launchers must differ
+    for _ in range(1000):
+        port = rng.randrange(10000, 65536)
+        if port in ephemeral or port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free TCP port on 127.0.0.1 outside the ephemeral range after 1000 tries")
 
 
 # Flower's one knob on a message's way to a ClientApp process: how often a SuperExec looks for new tasks (Flower's
@@ -119,18 +146,14 @@ class ProcessGroup:
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM every group, SIGKILL what is left after `grace` s, descendants included."""
         tree = process_tree([p.pid for _, p in self.procs])  # while children are still linked to parents
-        self.pids |= tree
+        self.pids |= {p.pid for p in tree}
         for _, p in self.procs:
             if p.poll() is None:
                 _signal_group(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        while (left := alive(tree)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _, left = psutil.wait_procs(tree, timeout=grace)
+        for proc in left:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()  # only the very process seen above: psutil checks that its PID was not reused
         for _, p in self.procs:
             _signal_group(p.pid, signal.SIGKILL)  # anything still in a group
             p.wait()
@@ -161,33 +184,35 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def _ps(fields: str) -> list[list[str]]:
-    out = subprocess.run(["ps", "-e", "-o", fields], capture_output=True, text=True, check=True).stdout
-    return [line.split() for line in out.splitlines()]
-
-
 def children(parents: set[int]) -> set[int]:
     """The processes whose parent is in `parents` (one level: a warm executor's fork server, or its forks)."""
-    return {int(pid) for pid, ppid in _ps("pid=,ppid=") if int(ppid) in parents}
+    found = set()
+    for pid in parents:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found |= {child.pid for child in psutil.Process(pid).children()}
+    return found
 
 
-def process_tree(roots: list[int]) -> set[int]:
-    """`roots` and all their live descendants."""
-    children: dict[int, list[int]] = {}
-    for pid, ppid in _ps("pid=,ppid="):
-        children.setdefault(int(ppid), []).append(int(pid))
-    tree, todo = set(), list(roots)
-    while todo:
-        pid = todo.pop()
-        if pid not in tree:
-            tree.add(pid)
-            todo += children.get(pid, [])
-    return tree
+def process_tree(roots: list[int]) -> list[psutil.Process]:
+    """`roots` and all their live descendants, as processes that a signal reaches only while they are the same
+    process (psutil checks the start time: a PID reused since is left alone)."""
+    tree: dict[int, psutil.Process] = {}
+    for pid in roots:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            root = psutil.Process(pid)
+            tree |= {p.pid: p for p in [root, *root.children(recursive=True)]}
+    return list(tree.values())
 
 
 def alive(pids: set[int]) -> set[int]:
     """The PIDs in `pids` that still exist as non-zombie processes."""
-    return pids & {int(pid) for pid, stat in _ps("pid=,stat=") if not stat.startswith("Z")}
+    def running(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    return {pid for pid in pids if running(pid)}
 
 
 def wait_until(what: str, check: Callable[[], bool], proc: subprocess.Popen, timeout: float = 60.0,
@@ -221,9 +246,9 @@ def write_connection(flwr_home: Path, name: str, port: int, ca: Path | None = No
     """A SuperLink connection `name` -> 127.0.0.1:`port` in $FLWR_HOME/config.toml: HTTPS verified against
     the root certificate `ca` when given, plain HTTP otherwise."""
     flwr_home.mkdir(parents=True, exist_ok=True)
-    security = f"root-certificates = {json.dumps(str(ca))}" if ca else "insecure = true"
-    (flwr_home / "config.toml").write_text(
-        f'[superlink]\ndefault = "{name}"\n\n[superlink.{name}]\naddress = "127.0.0.1:{port}"\n{security}\n')
+    security = {"root-certificates": str(ca)} if ca else {"insecure": True}
+    (flwr_home / "config.toml").write_text(tomli_w.dumps(
+        {"superlink": {"default": name, name: {"address": f"127.0.0.1:{port}", **security}}}))
 
 
 def register_supernode(env: dict[str, str], connection: str, public_key: Path) -> int:

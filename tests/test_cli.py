@@ -54,6 +54,10 @@ def test_a_bad_key_or_value_exits_2_naming_it_and_writes_nothing(tmp_path: Path,
     assert main(["run", "--mode", "bogus"]) == 2
     assert "'bogus' is not one of 'in-process', 'simulation', 'deployment'" in capsys.readouterr().err
     assert main(["resume", str(tmp_path / "nothing-here")]) == 2
+    assert main(["run", "fedavg-digits", "=3", f"output-dir={tmp_path}"]) == 2  # a malformed override
+    assert "bad override '=3': expected KEY=VALUE" in capsys.readouterr().err
+    assert main(["resume", str(tmp_path), "rounds"]) == 2
+    assert "bad override 'rounds'" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -398,6 +398,24 @@ def test_the_engine_test_skips_where_no_engine_can_start_and_fails_so_under_requ
     assert not (tmp_path / "ct").exists()  # nothing was started or written
 
 
+def test_a_dockerd_that_dies_fails_the_engine_test_even_without_require(tmp_path, monkeypatch) -> None:
+    """Only a machine where no engine can run skips; a dockerd that exits where it could run is a failure."""
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "dockerd").write_text("#!/bin/sh\necho 'failed to start daemon' >&2\nexit 3\n")
+    (tmp_path / "bin" / "dockerd").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setattr(compose_engine, "compose_test", lambda workdir, keep_engine: compose_engine.Engine(
+        tmp_path, tmp_path / "data").start(timeout=30))
+    assert compose_engine.main(["--workdir", str(tmp_path / "work")]) == 1
+
+    def cannot_run(workdir: Path, keep_engine: bool) -> None:
+        raise compose_engine.Skip("not root")
+
+    monkeypatch.setattr(compose_engine, "compose_test", cannot_run)
+    assert compose_engine.main(["--workdir", str(tmp_path / "work")]) == 0
+    assert compose_engine.main(["--workdir", str(tmp_path / "work"), "--require"]) == 1
+
+
 def test_the_twin_stands_down_only_for_an_engine_pass_on_this_very_tree(tmp_path) -> None:
     assert not compose_engine.passed_here(tmp_path)  # no passed.json
     (tmp_path / compose_engine.PASSED).write_text(json.dumps({"tree": compose_engine.tree_digest()}))

@@ -174,7 +174,7 @@ def test_command_line_overrides_take_toml_values_or_bare_strings():
                             "data-root=/data/x"]) == {"preset": "fedbuff-digits", "num-rounds": 5, "lr": 0.1,
                                                       "fallback-init": False, "data-root": "/data/x"}
     assert load_config(parse_overrides(["preset=fedbuff-digits"])).strategy == "fedbuff"
-    with pytest.raises(SystemExit, match="expected KEY=VALUE"):
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
         parse_overrides(["num-rounds"])
 
 

@@ -15,6 +15,7 @@ import httpx
 import pytest
 from helpers import DITTO_TWO_NODES, flower_threads, personal_accuracies
 
+from hybridfl import processes
 from hybridfl.cli import main
 from hybridfl.deploy_local import deploy
 from hybridfl.inprocess import run_inprocess
@@ -109,6 +110,14 @@ def test_auth_without_tls_is_refused_before_starting_anything(tmp_path: Path, ca
     assert main(["run", "--mode", "deployment", "--flwr-home", str(tmp_path / "flwr-home"), "--latency", "x"]) == 2
     assert "I=SECONDS" in capsys.readouterr().err
     assert not (tmp_path / "flwr-home").exists()
+
+
+def test_free_ports_are_outside_the_ephemeral_range_and_never_handed_out_twice() -> None:
+    """Outgoing connections take their source ports from the kernel's ephemeral range (where binding port 0 picks
+    too): a port chosen there can be taken before the server that was meant to listen on it starts."""
+    ports = [processes.free_port() for _ in range(300)]
+    assert len(set(ports)) == 300
+    assert not set(ports) & set(processes._ephemeral_ports()) and min(ports) >= 10000
 
 
 def test_bad_config_exits_2_before_starting_anything(tmp_path: Path) -> None:

@@ -94,7 +94,7 @@ def test_serverapp_killed_under_flwr_run_resumes_to_the_model_of_an_uninterrupte
         while time.monotonic() < deadline:
             # step 5's line: step 4's checkpoint is complete (a step's metrics line comes before its checkpoint)
             if (out / CHECKPOINT).exists() and metrics.exists() and len(metrics.read_text().splitlines()) >= 6:
-                tree = process_tree([os.getpid()]) - {os.getpid()}
+                tree = {p.pid for p in process_tree([os.getpid()])} - {os.getpid()}
                 serverapp = [pid for pid, args in command_lines(tree).items() if "flwr-simulation" in args]
                 for pid in [*serverapp, *sorted(tree - set(serverapp))]:
                     try:

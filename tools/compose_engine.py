@@ -28,15 +28,17 @@
    plain-http.yml are validated by ``docker compose config`` (tests/test_compose.py compares them with the twin's
    reading, which runs plain-http.yml natively).
 
-Where no engine can start here (not root, no overlay or cgroups), it says why and skips (exit 0), or fails with
---require (CI). Outputs: <workdir>/ (default outputs/compose-test/): the runs, each service's log, timings.json,
-and on success passed.json: the digest of the tracked tree it built and ran (tests/test_compose.py's native twin
+Where no engine can start here (not root, no apt-get, no overlay filesystem), it says why and skips (exit 0), or
+fails with --require (CI); a dockerd that exits or does not answer where it could run is a failure (exit 1).
+Outputs: <workdir>/ (default outputs/compose-test/): the runs, each service's log, timings.json, and on success
+passed.json: the digest of the tracked tree it built and ran (tests/test_compose.py's native twin
 runs stand in for this test, and skip where it passed on this very tree).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -53,6 +55,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from hybridfl.bundle import PROJECT_DIR
 from hybridfl.compose import (
@@ -71,7 +75,6 @@ from hybridfl.compose import (
 from hybridfl.pki import make_pki, node_key
 from hybridfl.processes import (
     acquire_task_anonymously,
-    alive,
     check_completed,
     device_timings,
     flower_env,
@@ -122,6 +125,8 @@ def ensure_tools() -> None:
         raise Skip("not root: dockerd, debootstrap and apt-get need root")
     if not shutil.which("apt-get") and not (Path(DOCKER).exists() and shutil.which("dockerd")):
         raise Skip("no apt-get to install Debian's docker.io and debootstrap")
+    if "overlay" not in Path("/proc/filesystems").read_text().split():  # --storage-driver=overlay2's kernel part
+        raise Skip("this kernel has no overlay filesystem, which the engine's storage driver needs")
     tools = (("docker.io", "dockerd"), ("debootstrap", "debootstrap"))
     missing = [pkg for pkg, tool in tools if not shutil.which(tool)]
     if missing or not Path(DOCKER).exists():
@@ -167,16 +172,16 @@ class Engine:
         self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            if self.proc.poll() is not None:  # where it can run (root, overlay: ensure_tools), an exit is a failure
                 tail = (self.root / "dockerd.log").read_text()[-2000:]
-                raise Skip(f"dockerd exited with code {self.proc.returncode}:\n{tail}")
+                raise RuntimeError(f"dockerd exited with code {self.proc.returncode}:\n{tail}")
             if self.docker("version", check=False, quiet=True).returncode == 0:
                 log(f"dockerd ready (PID {self.proc.pid}) in {timeout - (deadline - time.monotonic()):.1f} s")
                 for what in ("container", "volume"):  # anything an interrupted earlier run left in the data root
                     self.docker(what, "prune", "--force", quiet=True)
                 return
             time.sleep(0.5)
-        raise Skip(f"dockerd did not answer within {timeout:.0f} s")
+        raise RuntimeError(f"dockerd did not answer within {timeout:.0f} s")
 
     def docker(self, *args: str, **kw: Any) -> subprocess.CompletedProcess:
         return sh([DOCKER, *args], env=self.env, **kw)
@@ -189,8 +194,9 @@ class Engine:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 pass
-            for pid in alive(tree):
-                os.kill(pid, signal.SIGKILL)
+            for proc in tree:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.kill()  # only if still the process seen above (psutil checks the PID's start time)
             self.proc.wait()
             log(f"dockerd (PID {self.proc.pid}) and its {len(tree) - 1} child processes stopped")
         mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
