@@ -127,10 +127,13 @@ class ProcessGroup:
     def start(self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None,
               cwd: Path | None = None) -> subprocess.Popen:
         """Start `cmd` as `name` (log: <log_dir>/<name>.log) in `cwd` with `env`, or else the group's environment
-        with a FLWR_HOME of its own (:func:`process_home`): Flower's processes do not share one."""
+        with a FLWR_HOME of its own (:func:`process_home`), run in it: Flower's processes do not share one."""
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
         if env is None and "FLWR_HOME" in self.env:
-            env = {**self.env, "FLWR_HOME": str(process_home(Path(self.env["FLWR_HOME"]), name))}
+            home = process_home(Path(self.env["FLWR_HOME"]), name)
+            home.mkdir(parents=True, exist_ok=True)
+            # ... which is also the folder it runs in: never the user's, which Ray puts first on its workers' path
+            env, cwd = {**self.env, "FLWR_HOME": str(home)}, cwd or home
         proc = subprocess.Popen(list(cmd), env=self.env if env is None else env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, cwd=cwd)
         self.procs.append((name, proc))

@@ -84,9 +84,9 @@ def test_serverapp_killed_under_flwr_run_resumes_to_the_model_of_an_uninterrupte
     """`flwr run`: the ServerApp's process (flwr-simulation) is SIGKILLed after a checkpoint, and the rest of the
     server machine with it (SuperLink, SuperExec, Ray). A new `flwr run` with resume=<run folder> ends with the
     very model of an uninterrupted run (in-process, torch on one thread like Ray's workers)."""
-    # 40 rounds, killed after the second checkpoint: on a loaded machine the watcher may lag the run by
+    # 24 rounds, killed after the second checkpoint: on a loaded machine the watcher may lag the run by
     # many rounds, and it must still find the ServerApp running.
-    job = {**ASYNC_JOB, "num-rounds": 40, "checkpoint-every": 2, "output-dir": str(tmp_path), "run-name": "killed"}
+    job = {**ASYNC_JOB, "num-rounds": 24, "checkpoint-every": 2, "output-dir": str(tmp_path), "run-name": "killed"}
     out, killed = tmp_path / "killed", []
 
     def kill_the_server_after_a_checkpoint() -> None:

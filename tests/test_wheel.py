@@ -52,9 +52,23 @@ def wheel_venv(tmp_path_factory) -> Path:
     return venv
 
 
+USER_MODEL = """import math
+
+import torch
+
+
+def mlp(input_shape, num_classes):
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(math.prod(input_shape), num_classes))
+"""
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("mode", ["in-process", "simulation", "deployment"])
-def test_the_installed_wheel_runs_the_main_job_from_an_empty_folder(wheel_venv, tmp_path, mode):
+def test_the_installed_wheel_runs_the_main_job_with_the_users_model_from_their_folder(wheel_venv, tmp_path, mode):
+    """As a user runs it: the wheel's `hybridfl run` (the main job's protocol, a few rounds) from a folder holding
+    their own model factory (no Flower app there, no edit in hybridfl): every process imports the factory from
+    that folder, and the run's outputs and Flower's home land under it. The folder is searched last: its own
+    `yaml.py` and `common/` (names of an installed package and of hybridfl's own) shadow nothing."""
     where = subprocess.run([str(wheel_venv / "bin" / "python"), "-c",
                             "import hybridfl, server_app.config as c; print(hybridfl.__file__); print(c.CONFIG_DIR)"],
                            cwd=tmp_path, capture_output=True, text=True, check=True).stdout.split()
@@ -62,13 +76,18 @@ def test_the_installed_wheel_runs_the_main_job_from_an_empty_folder(wheel_venv, 
     hybridfl = str(wheel_venv / "bin" / "hybridfl")
     presets = subprocess.run([hybridfl, "presets"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert len(presets.stdout.splitlines()) == len(list((PROJECT_DIR / "configs").rglob("*.yaml")))
+    (tmp_path / "mytask.py").write_text(USER_MODEL)
+    shadow = "raise ImportError('the user folder shadowed an installed package')\n"
+    (tmp_path / "yaml.py").write_text(shadow)
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "__init__.py").write_text(shadow)
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
     env.pop("HYBRIDFL_USER_DIR", None)
-    done = subprocess.run([hybridfl, "run", "num-clients=2", "clients-per-round=2", "buffer-size=2", "delay-sigma=0",
-                           "num-rounds=2",
-                           "run-name=mine", "--mode", mode], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=900)
+    done = subprocess.run([hybridfl, "run", "feddle-digits", "model=mytask:mlp", "num-clients=2", "clients-per-round=2",
+                           "buffer-size=2", "delay-sigma=0", "num-rounds=2", "run-name=mine", "--mode", mode],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "outputs" / "mine" / "summary.json").read_text())
-    assert summary["config"]["preset"] == "feddle-digits" and summary["final-version"] == 2
+    assert summary["config"]["preset"] == "feddle-digits" and summary["config"]["model"] == "mytask:mlp"
+    assert summary["final-version"] == 2
     assert (tmp_path / ".flwr").is_dir() == (mode != "in-process")  # Flower's home in the folder it ran in
