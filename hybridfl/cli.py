@@ -24,6 +24,7 @@ import enum
 import logging
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ import click
 import typer
 
 from hybridfl.job import MAIN_JOB, parse_overrides
-from hybridfl.processes import run_and_report
+from hybridfl.processes import run_and_report, terminated
 
 app = typer.Typer(help=__doc__.split("\n\n")[0], no_args_is_help=True, add_completion=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
@@ -316,13 +317,24 @@ def _echo_or_exit_2(make: Callable[[], str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command with `argv` (default: the process's), returning its exit code."""
+    """The command with `argv` (default: the process's), returning its exit code: 130 after Ctrl-C, as a shell
+    reports a process it interrupted (the launchers stop what they started on the way out)."""
     try:
         return app(args=argv, standalone_mode=False) or 0
     except click.ClickException as err:  # a usage error: the message, as the command line prints it
         err.show()
         return err.exit_code
+    except (click.exceptions.Abort, KeyboardInterrupt):  # click turns a KeyboardInterrupt into Abort
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def entry() -> None:
+    """The `hybridfl` console command: SIGTERM (a `kill`, a service manager, CI's timeout) unwinds every launcher
+    as Ctrl-C does, stopping what it started, and exits 143."""
+    signal.signal(signal.SIGTERM, terminated)
+    raise SystemExit(main())
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

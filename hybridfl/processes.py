@@ -164,7 +164,7 @@ class ProcessGroup:
     def __enter__(self) -> ProcessGroup:
         # SIGTERM (a `kill`, a service manager, CI's timeout) unwinds like Ctrl-C, so that this group is stopped
         # too rather than left running with nobody to stop it
-        self._on_term = (signal.signal(signal.SIGTERM, _terminated)
+        self._on_term = (signal.signal(signal.SIGTERM, terminated)
                          if threading.current_thread() is threading.main_thread() else None)
         return self
 
@@ -176,7 +176,8 @@ class ProcessGroup:
                 signal.signal(signal.SIGTERM, self._on_term)
 
 
-def _terminated(signum: int, frame: object) -> None:
+def terminated(signum: int, frame: object) -> None:
+    """A SIGTERM handler: unwind as an exception does (``finally`` blocks and context managers run), exit 143."""
     raise SystemExit(128 + signum)
 
 
@@ -286,18 +287,26 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
     with flower_app(app_dir) as folder:
         proc = subprocess.Popen(cmd, env=env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
-        watchdog = threading.Timer(timeout, proc.kill)  # the output loop below blocks; this bounds it
+        # the output loop below blocks; this bounds it. A daemon: a launcher interrupted (SIGTERM, Ctrl-C) must not
+        # wait for it at exit (a live Timer kept one hanging for its whole timeout)
+        watchdog = threading.Timer(timeout, proc.kill)
+        watchdog.daemon = True
         watchdog.start()
         run_id = None
         assert proc.stdout is not None
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            if run_id is None and (m := re.search(r"started run (\d+)", line)):
-                run_id = int(m.group(1))
-    proc.wait()
-    timed_out = not watchdog.is_alive()
-    watchdog.cancel()
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+                if run_id is None and (m := re.search(r"started run (\d+)", line)):
+                    run_id = int(m.group(1))
+            proc.wait()
+        finally:
+            timed_out = not watchdog.is_alive()
+            watchdog.cancel()
+            if proc.poll() is None:  # interrupted: the flwr CLI goes with this launcher, reaped, not a zombie
+                proc.kill()
+                proc.wait()
     if timed_out:
         raise RuntimeError(f"flwr run did not finish within {timeout:.0f}s")
     if run_id is None:

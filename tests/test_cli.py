@@ -142,7 +142,7 @@ def test_presets_lists_every_preset_with_one_line(capsys):
 
 def test_the_console_command_is_installed_with_help_on_every_subcommand():
     scripts = tomllib.loads((PROJECT_DIR / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"hybridfl": "hybridfl.cli:app"}
+    assert scripts == {"hybridfl": "hybridfl.cli:entry"}
     done = subprocess.run([sys.executable, "-m", "hybridfl.cli", "--help"], capture_output=True, text=True,
                           cwd=PROJECT_DIR, timeout=120)
     assert done.returncode == 0 and all(sub in done.stdout for sub in ("run", "resume", "presets")), done.stderr

@@ -1,0 +1,72 @@
+"""Stopping a launcher as a user or an operator does: Ctrl-C (SIGINT) or SIGTERM at any phase of `hybridfl run` ends
+it within seconds, with exit code 130 or 143, and nothing it started is left running."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+# (mode and flags, the output line that marks the phase, the signal): every launcher that starts Flower's processes
+# at the phases that were seen to hang or leak (SuperNodes being registered, `flwr run --stream` streaming), and the
+# in-process engine mid-run
+CASES = {
+    "deployment-registering": (["--mode", "deployment", "--tls", "--auth"], None, signal.SIGTERM),
+    "deployment-streaming": (["--mode", "deployment", "--tls", "--auth"], "Successfully started run", signal.SIGTERM),
+    "simulation-streaming": (["--mode", "simulation"], "Starting Flower Simulation", signal.SIGINT),
+    "in-process-running": ([], "round 2/", signal.SIGINT),
+}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("case", CASES)
+def test_a_launcher_interrupted_at_any_phase_ends_at_once_and_leaves_nothing(tmp_path: Path, case: str) -> None:
+    flags, marker, sig = CASES[case]
+    hybridfl = str(Path(sys.executable).parent / "hybridfl")
+    launcher = subprocess.Popen([hybridfl, "run", "fedavg-digits", "num-clients=2", "clients-per-round=2",
+                                 "num-rounds=200", *flags], cwd=tmp_path, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"})
+    reached = threading.Event()
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in launcher.stdout:
+            lines.append(line)
+            if marker is not None and marker in line:
+                reached.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    # no marker: the launcher is stopped while it starts its processes (SuperLink, keys registered, SuperNodes)
+    assert reached.wait(300) if marker else not reached.wait(4), "".join(lines[-40:])
+    with_children = psutil.Process(launcher.pid)
+    seen = {p.pid for p in [with_children, *with_children.children(recursive=True)]}
+    launcher.send_signal(sig)
+    start = time.monotonic()
+    code = launcher.wait(timeout=60)
+    assert code == EXIT[sig], "".join(lines[-40:])
+    assert time.monotonic() - start < 30
+    deadline = time.monotonic() + 15
+    while (left := _left(seen, tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert left == [], [(p.pid, p.cmdline()) for p in left]
+
+
+def _left(seen: set[int], folder: Path) -> list[psutil.Process]:
+    """What still runs of the processes seen, or of any running in `folder` (each Flower process runs in its own
+    FLWR_HOME there, also one started after the snapshot)."""
+    left = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE and (proc.pid in seen or Path(proc.cwd()).is_relative_to(folder)):
+                left.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return left
