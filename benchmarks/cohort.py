@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from client_app import cohort
+from hybridfl import cohort
 from hybridfl.inprocess import run_inprocess
 
 # one client at a time; together, each step a CUDA graph where there is CUDA; together, eagerly

@@ -77,7 +77,7 @@ def _here_too() -> None:
 
 
 @dataclass(frozen=True)
-class Deployment:
+class DeploymentFlags:
     """A local deployment's switches (``--mode deployment``)."""
 
     supernodes: int | None = None
@@ -96,12 +96,12 @@ class Deployment:
             raise ConfigError("--latency", list(self.latency), "I=SECONDS items (node index = seconds)") from None
 
 
-def launch(overrides: dict[str, Any], mode: Mode, flwr_home: Path, deployment: Deployment = Deployment(),
+def launch(overrides: dict[str, Any], mode: Mode, flwr_home: Path, deployment: DeploymentFlags = DeploymentFlags(),
            verbose: bool = False) -> int:
     """Run `overrides` in `mode`; print the summary. Exit code 0 = completed, 1 = the run failed, 2 = bad config.
     In-process on a terminal, a progress line replaces the per-step log lines unless `verbose`."""
     def go() -> Path:
-        if mode is not Mode.deployment and deployment != Deployment():
+        if mode is not Mode.deployment and deployment != DeploymentFlags():
             from common.errors import ConfigError
 
             raise ConfigError("--mode", str(mode), "deployment, the only mode with --supernodes, --latency, --tls, "
@@ -148,7 +148,7 @@ def progress_line(verbose: bool) -> Iterator[None]:
 OWN_TASK = ("dataset", "model")  # keys that name a task of one's own
 
 
-def job(args: list[str]) -> dict[str, Any]:
+def command_overrides(args: list[str]) -> dict[str, Any]:
     """``[PRESET] [KEY=VALUE ...]`` -> run-config overrides: the preset named first (else a ``preset`` key, else,
     unless a run is resumed or names its own task, the main job) and the overrides. A task of one's own
     (``dataset`` or ``model`` given, no preset) runs on the plain base, the run keys' defaults (``RunConfig.preset``:
@@ -169,8 +169,8 @@ def run(args: Annotated[list[str] | None, typer.Argument(metavar="[PRESET] [KEY=
         flwr_home: FlwrHome = Path(".flwr"), supernodes: Supernodes = None, latency: Latency = None,
         tls: Tls = False, auth: Auth = False, executor: Executor = "warm", verbose: Verbose = False) -> None:
     """Run a preset, with overrides; outputs go to `<output-dir>/<run-name>/`."""
-    raise typer.Exit(launch(_or_exit_2(lambda: job(args or [])), mode, flwr_home,
-                            Deployment(supernodes, tuple(latency or ()), tls, auth, executor), verbose))
+    raise typer.Exit(launch(_or_exit_2(lambda: command_overrides(args or [])), mode, flwr_home,
+                            DeploymentFlags(supernodes, tuple(latency or ()), tls, auth, executor), verbose))
 
 
 @app.command()
@@ -184,7 +184,7 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="a run folder with a che
     """Continue a run from its last checkpoint, in its own folder (any mode resumes a run of any mode)."""
     raise typer.Exit(launch({**_or_exit_2(lambda: parse_overrides(overrides or [])), "resume": str(run_dir.resolve())},
                             mode, flwr_home,
-                            Deployment(supernodes, tuple(latency or ()), tls, auth, executor), verbose))
+                            DeploymentFlags(supernodes, tuple(latency or ()), tls, auth, executor), verbose))
 
 
 # A sentence ends at a full stop before a capital, a digit, a bracket or the end, but not after an abbreviation

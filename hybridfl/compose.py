@@ -351,7 +351,7 @@ class Twin:
         return subprocess.run(argv, capture_output=True, timeout=30).returncode == 0
 
 
-def job(compose: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+def demo_run_config(compose: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """The demo's run config: the main job (Feddle-ID on digits) on as many clients as the file has SuperNodes,
     all of them in every step and in every buffered step (buffer-size, where the job's strategy has one), for
     20 steps; written to the
@@ -389,7 +389,7 @@ def certificates(compose: dict[str, Any], directory: Path) -> Path | None:
 def twin(files: list[Path], jobs: list[dict[str, Any]], workdir: Path,
          on_started: Callable[[ProcessGroup, Twin], None] | None = None,
          on_done: Callable[[Twin], None] | None = None) -> tuple[list[Path], set[int]]:
-    """Run the compose files' services natively and the jobs (overrides of :func:`job`) through them one
+    """Run the compose files' services natively and the jobs (overrides of :func:`demo_run_config`) through them one
     after the other; return their run folders (in the outputs volume) and every PID started (all stopped by
     now). `on_started(processes, twin)` runs once every service is up (tests stop or restart services there),
     `on_done(twin)` after the jobs, the services still up."""
@@ -398,7 +398,7 @@ def twin(files: list[Path], jobs: list[dict[str, Any]], workdir: Path,
     env = flower_env(workdir / "home" / "cli")
     run_configs = []
     for i, overrides in enumerate(jobs):
-        run_config = job(compose, overrides)
+        run_config = demo_run_config(compose, overrides)
         run_configs.append({**run_config, "output-dir": t.text(SERVERAPP, run_config["output-dir"]),
                             "run-name": f"{run_config['run-name']}-{i}"})
     ca = certificates(compose, t.certs)  # once every job is known to be valid
@@ -445,7 +445,7 @@ def demo(files: list[Path], overrides: dict[str, Any]) -> Path:
         if key := auth_key(compose["services"][node]["command"]):
             register_supernode(env, CONNECTION, CERTS / f"{Path(key).name}.pub")
     _sh(dc + ["up", "-d", "--build", "--wait"], env)
-    run_config = job(compose, overrides)
+    run_config = demo_run_config(compose, overrides)
     run_id, status = flwr_run(env, CONNECTION, run_config)
     local = PROJECT_DIR / "outputs" / "compose"
     local.mkdir(parents=True, exist_ok=True)

@@ -21,8 +21,8 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.app import app as default_client_app
-from client_app.cohort import release as release_cohort
-from client_app.cohort import train_cohort
+from hybridfl.cohort import release as release_cohort
+from hybridfl.cohort import train_cohort
 from server_app.app import RUN_STATE
 from server_app.app import app as default_server_app
 from server_app.config import load_config
@@ -40,7 +40,7 @@ class InProcessGrid(Grid):
         run_id: the run's id.
         node_config: more keys for every node's ``node_config`` (``latency-s``: a slow device).
         cohort: trains the train messages of one pull together, replying to those it serves by message id
-            (:func:`client_app.cohort.train_cohort`); the rest go to `client_app` one by one.
+            (:func:`hybridfl.cohort.train_cohort`); the rest go to `client_app` one by one.
     """
 
     def __init__(self, client_app: ClientApp, num_nodes: int, override_config: Mapping[str, Any] | None = None,

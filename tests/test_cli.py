@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hybridfl.bundle import PROJECT_DIR
-from hybridfl.cli import describe, job, main
+from hybridfl.cli import command_overrides, describe, main
 from hybridfl.job import MAIN_JOB
 from server_app.config import preset_names
 
@@ -25,12 +25,13 @@ def _summary(folder: Path) -> dict:
 
 
 def test_the_arguments_name_a_preset_or_the_main_job_then_overrides():
-    assert job([]) == {"preset": MAIN_JOB}
-    assert job(["fedbuff-digits", "num-rounds=5", "run-name=x"]) == {"preset": "fedbuff-digits", "num-rounds": 5,
-                                                                     "run-name": "x"}
-    assert job(["preset=fedbuff-digits", "lr=0.1"]) == {"preset": "fedbuff-digits", "lr": 0.1}
-    assert job(["resume=outputs/a"]) == {"resume": "outputs/a"}  # a resumed run keeps its own preset
-    assert job(["dataset=mypkg.data:load", "model=mypkg.nets:mlp"]) == {  # a task of one's own: the plain base
+    assert command_overrides([]) == {"preset": MAIN_JOB}
+    assert command_overrides(["fedbuff-digits", "num-rounds=5", "run-name=x"]) == {
+        "preset": "fedbuff-digits", "num-rounds": 5, "run-name": "x"}
+    assert command_overrides(["preset=fedbuff-digits", "lr=0.1"]) == {"preset": "fedbuff-digits", "lr": 0.1}
+    assert command_overrides(["resume=outputs/a"]) == {"resume": "outputs/a"}  # a resumed run keeps its own preset
+    # a task of one's own: the plain base
+    assert command_overrides(["dataset=mypkg.data:load", "model=mypkg.nets:mlp"]) == {
         "dataset": "mypkg.data:load", "model": "mypkg.nets:mlp"}
 
 

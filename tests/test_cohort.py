@@ -1,4 +1,4 @@
-"""Cohort training (client_app/cohort.py): a pull's clients trained as one batched computation give the updates that
+"""Cohort training (hybridfl/cohort.py): a pull's clients trained as one batched computation give the updates that
 training them one after another gives, within float rounding, for every method it serves; everything else runs
 one message at a time, as before."""
 
@@ -14,7 +14,6 @@ import torch
 from flwr.app import RecordDict
 from helpers import digest
 
-from client_app import cohort
 from client_app.app import app as client_app
 from common.config import options_dict, part_of
 from common.data import client_partition, data_spec
@@ -22,6 +21,7 @@ from common.models import build_from_config
 from common.params import WIRE_KEY, ParamSpec
 from common.protocol import ARRAYS, TRAIN_SEED
 from common.training import LocalRecipe
+from hybridfl import cohort
 from hybridfl.inprocess import InProcessGrid, cohort_training, run_inprocess
 from server_app.config import load_config
 from strategies.client import ClientSide, LocalTask

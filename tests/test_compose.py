@@ -27,9 +27,9 @@ from hybridfl.compose import (
     Twin,
     _merge,
     compose_files,
+    demo_run_config,
     interpolate,
     is_setup,
-    job,
     load,
     main,
     start_order,
@@ -251,9 +251,11 @@ def test_a_bad_run_config_fails_before_any_service_starts(tmp_path: Path, capsys
 def test_the_job_fills_every_buffer_only_where_the_strategy_has_one() -> None:
     compose = load(compose_files())
     n = len(supernodes(compose))
-    assert job(compose, {})["buffer-size"] == n  # the main job (Feddle) steps on every SuperNode's update
-    assert "buffer-size" not in job(compose, {"preset": "fedavg-digits"})  # else refused: FedAvg has no buffer
-    assert job(compose, {"preset": "fedavg-digits", "strategy": "fedbuff", "buffer-size": 1})["buffer-size"] == 1
+    assert demo_run_config(compose, {})["buffer-size"] == n  # the main job (Feddle) steps on every SuperNode's update
+    # else refused: FedAvg has no buffer
+    assert "buffer-size" not in demo_run_config(compose, {"preset": "fedavg-digits"})
+    fedbuff = {"preset": "fedavg-digits", "strategy": "fedbuff", "buffer-size": 1}
+    assert demo_run_config(compose, fedbuff)["buffer-size"] == 1
 
 
 def _summary(path: Path) -> dict:
@@ -347,7 +349,8 @@ def test_the_plain_http_compose_twin_runs_the_demo_job_as_in_process(tmp_path: P
     (Feddle-ID, shortened): the virtual clock's run, the same arrivals and versions as in-process."""
     needs_nginx()
     (run,), _ = twin(compose_files(plain_http=True, flower_devices=True), [{"num-rounds": 10}], tmp_path)
-    reference = run_inprocess({**job(load(compose_files()), {"num-rounds": 10}), "output-dir": str(tmp_path / "ref")})
+    reference = run_inprocess({**demo_run_config(load(compose_files()), {"num-rounds": 10}),
+                               "output-dir": str(tmp_path / "ref")})
     summary = _summary(run)
     assert summary["strategy"]["strategy"] == "feddle" and summary["final-version"] >= 1
     for key in ("final-version", "total-accepted"):

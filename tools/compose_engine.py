@@ -66,8 +66,8 @@ from hybridfl.compose import (
     SERVERAPP,
     SUPERLINK,
     auth_key,
+    demo_run_config,
     hand_to_images,
-    job,
     load,
     superlink_port,
     supernodes,
@@ -331,7 +331,7 @@ class Deployment:
     def run(self, overrides: dict[str, Any], out: Path) -> tuple[Path, float]:
         """One job through the deployment (hybridfl.compose's job: the main job unless `overrides` say else),
         its outputs copied from the ServerApp's outputs volume to `out`; returns the run folder and seconds."""
-        run_config = job(self.spec, overrides)
+        run_config = demo_run_config(self.spec, overrides)
         start = time.monotonic()
         run_id, status = flwr_run(self.cli_env, CONNECTION, run_config, timeout=900)
         seconds = time.monotonic() - start
@@ -440,7 +440,7 @@ def secure_deployment(engine: Engine, workdir: Path, version: str, timings: dict
         owner = sh(["stat", "-c", "%u", str(dep.volume("superlink-state")), str(dep.volume("outputs"))],
                    quiet=True).stdout.split()
         check(owner == [str(IMAGE_UID)] * 2, f"both volumes belong to the images' user {IMAGE_UID}: {owner}")
-        steps = job(dep.spec, {})["num-rounds"]
+        steps = demo_run_config(dep.spec, {})["num-rounds"]
         metrics = dep.volume("outputs") / "compose-main" / "metrics.jsonl"
         record: dict[str, float] = {}
         watcher = restart_superlink_when(
