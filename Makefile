@@ -70,7 +70,7 @@ compose-demo: $(STAMP)
 
 # The same compose files without Docker: every service's command started natively on loopback
 compose-twin: $(STAMP)
-	$(PY) -m hybridfl.compose twin $(if $(PLAIN_HTTP),--plain-http) $(if $(FLOWER_DEVICES),--flower-devices) $(ARGS)
+	$(PY) -m tools.compose_twin $(if $(PLAIN_HTTP),--plain-http) $(if $(FLOWER_DEVICES),--flower-devices) $(ARGS)
 
 # docker/ on a real Docker engine of its own (root; installs docker.io, debootstrap and the Compose v2 plugin from
 # Debian's packages, builds every image offline): the main job, a SuperLink restart, TLS + node auth. Skips where

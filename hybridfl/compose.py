@@ -1,21 +1,14 @@
-"""docker/compose.yml, run: with Docker (``demo``), or natively on loopback as its "twin" (``twin``).
+"""docker/compose.yml, run with Docker (``demo``), and the files read as Compose reads them (merged, interpolated,
+checked) for the demo, its native twin (tools/compose_twin.py) and the real-engine test (tools/compose_engine.py).
 
     python -m hybridfl.compose demo [--plain-http] [--gpu] [--host-network] [KEY=VALUE ...]  # needs a Docker engine
-    python -m hybridfl.compose twin [--plain-http] [--workdir DIR] [KEY=VALUE ...]
     python -m hybridfl.compose check [--plain-http] [--gpu] [--host-network]                # the files' structure
 
 The deployment is secure by default (docker/compose.yml: TLS, SuperNode authentication, a SuperExec secret per
-Runtime API); ``--plain-http`` adds ``plain-http.yml`` and warns. The twin reads the compose files, checks their
-structure, and starts every service's exact command as a local process, in ``depends_on`` order, waiting
-for each dependency's own healthcheck command: a service name in an address becomes 127.0.0.1, each
-(service, container port) gets a free port (a service in another's network namespace, ``network_mode:
-service:X``, shares X's), ``--host 0.0.0.0`` becomes 127.0.0.1, each volume becomes a
-folder under the workdir (bind mounts: their source), and every service gets its own FLWR_HOME as every
-container has its own HOME. SuperNodes started with ``--auth-supernode-private-key K`` are registered
-(``K.pub``) before they start, as the demo does. Then both modes run the same job with ``flwr run`` and
-check that it finished:completed: the main job on ``num-clients`` = the compose file's SuperNodes, outputs
-in the ``outputs`` volume. What the twin cannot show: image contents, the Docker network, GPU reservation,
-volume ownership: ``make compose-test`` (tools/compose_engine.py) runs the files on a real engine.
+Runtime API); ``--plain-http`` adds ``plain-http.yml`` and warns. The demo makes the certificates, keys and secrets,
+starts the SuperLink, registers the SuperNodes' keys, starts the rest, runs the main job on ``num-clients`` = the
+compose file's SuperNodes with ``flwr run``, checks that it finished:completed and copies its outputs from the
+``outputs`` volume. It needs this checkout's docker/ folder: an installed wheel has no compose files.
 """
 
 from __future__ import annotations
@@ -24,12 +17,9 @@ import argparse
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,14 +30,11 @@ from hybridfl.bundle import PROJECT_DIR
 from hybridfl.job import MAIN_JOB, parse_overrides
 from hybridfl.pki import make_pki
 from hybridfl.processes import (
-    ProcessGroup,
     check_completed,
     flower_env,
     flwr_run,
-    free_port,
     register_supernode,
     run_and_report,
-    wait_until,
     write_connection,
 )
 from server_app.config import load_config, used_keys
@@ -100,8 +87,8 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
         elif isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = _merge(out[key], value)
         elif key == "volumes" and isinstance(value, list) and isinstance(out.get(key), list):
-            targets = {_volume(v)[1] for v in value}
-            out[key] = [v for v in out[key] if _volume(v)[1] not in targets] + value
+            targets = {volume_spec(v)[1] for v in value}
+            out[key] = [v for v in out[key] if volume_spec(v)[1] not in targets] + value
         elif key == "ports" and isinstance(value, list) and isinstance(out.get(key), list):
             out[key] = out[key] + [p for p in value if p not in out[key]]
         else:
@@ -140,7 +127,7 @@ def is_setup(service: dict[str, Any]) -> bool:
     return "entrypoint" in service and service.get("restart") == "no"
 
 
-def _volume(spec: str) -> tuple[str, str, bool]:
+def volume_spec(spec: str) -> tuple[str, str, bool]:
     """``source:target[:ro]`` -> (source, target, read-only)."""
     parts = str(spec).split(":")
     if len(parts) not in (2, 3) or not parts[1].startswith("/") or parts[2:] not in ([], ["ro"], ["rw"]):
@@ -148,7 +135,7 @@ def _volume(spec: str) -> tuple[str, str, bool]:
     return parts[0], parts[1], parts[2:] == ["ro"]
 
 
-def _image(name: str, service: dict[str, Any]) -> str:
+def image_of(name: str, service: dict[str, Any]) -> str:
     image = service.get("image")
     if not isinstance(image, str) or ":" not in image:
         raise ComposeError(f"service {name}: image {image!r} must be repository:tag")
@@ -170,7 +157,7 @@ def validate(compose: dict[str, Any]) -> None:
     tags: dict[str, str] = {}
     for name, svc in services.items():
         try:
-            repository = _image(name, svc)
+            repository = image_of(name, svc)
         except ComposeError as err:
             problems.append(str(err))
             continue
@@ -184,7 +171,7 @@ def validate(compose: dict[str, Any]) -> None:
                 problems.append(f"service {name}: port {port!r} must be [127.0.0.1:]HOST:CONTAINER")
         for spec in svc.get("volumes") or []:
             try:
-                source = _volume(spec)[0]
+                source = volume_spec(spec)[0]
             except ComposeError as err:
                 problems.append(f"service {name}: {err}")
                 continue
@@ -253,104 +240,6 @@ def supernodes(compose: dict[str, Any]) -> list[str]:
     return [n for n, s in compose["services"].items() if s["image"].startswith("flwr/supernode:")]
 
 
-@dataclass
-class Twin:
-    """Where each service's container ports and paths land on this machine: named volumes in
-    <workdir>/volumes, the certificates' bind mount in <workdir>/certs (a fresh CA per twin, as a fresh
-    deployment), other bind mounts at their source."""
-
-    compose: dict[str, Any]
-    workdir: Path
-    ports: dict[tuple[str, int], int] = field(default_factory=dict)
-
-    @property
-    def certs(self) -> Path:
-        return self.workdir / "certs"
-
-    def port(self, service: str, container_port: int) -> int:
-        if (service, container_port) not in self.ports:
-            taken = set(self.ports.values())
-            while (p := free_port()) in taken:
-                pass
-            self.ports[(service, container_port)] = p
-        return self.ports[(service, container_port)]
-
-    def paths(self, service: str) -> list[tuple[str, Path]]:
-        """(container path, host path) of `service`'s volumes, longest container path first. A mounted ``.conf``
-        file (the edge's nginx configuration) is read by the service as its command is: it lands in
-        <workdir>/files/<service>/ at its container path, rendered by :meth:`render`."""
-        out = []
-        for spec in self.compose["services"][service].get("volumes") or []:
-            source, target, _ = _volume(spec)
-            resolved = (COMPOSE_DIR / source).resolve()
-            if resolved.is_relative_to(CERTS):
-                host = self.certs / resolved.relative_to(CERTS)
-            elif source.startswith((".", "/")):
-                host = self._rendered(service, target) if resolved.suffix == ".conf" else resolved
-            else:
-                host = self.workdir / "volumes" / source
-                host.mkdir(parents=True, exist_ok=True)
-            out.append((target, host))
-        return sorted(out, key=lambda tp: -len(tp[0]))
-
-    def _rendered(self, service: str, target: str) -> Path:
-        return self.workdir / "files" / service / target.lstrip("/")
-
-    def render(self, service: str) -> None:
-        """Write `service`'s mounted ``.conf`` files with their addresses, ports and paths mapped (:meth:`text`)."""
-        for spec in self.compose["services"][service].get("volumes") or []:
-            source, target, _ = _volume(spec)
-            if source.startswith(".") and source.endswith(".conf"):
-                host = self._rendered(service, target)
-                host.parent.mkdir(parents=True, exist_ok=True)
-                host.write_text(self.text(service, (COMPOSE_DIR / source).read_text()))
-
-    def text(self, service: str, value: str) -> str:
-        """`value` as seen on this machine: service addresses, loopback ports (those of the service whose network
-        namespace it shares) and container paths mapped."""
-        services = self.compose["services"]
-        mode = str(services[service].get("network_mode", ""))
-        own = mode.removeprefix("service:") if mode.startswith("service:") else service
-        value = re.sub(r"\b([A-Za-z0-9_.-]+):(\d+)\b", lambda m: (
-            f"127.0.0.1:{self.port(m[1], int(m[2]))}" if m[1] in services else
-            f"127.0.0.1:{self.port(own, int(m[2]))}" if m[1] in ("127.0.0.1", "localhost", "0.0.0.0") else m[0]),
-            value)
-        for target, host in self.paths(service):
-            value = re.sub(rf"{re.escape(target)}(?=/|\b|$)", str(host), value)
-        return value
-
-    def command(self, service: str) -> list[str]:
-        """The service's entrypoint (its own, else its image's) and command, as run on this machine (its mounted
-        configuration files rendered); a program this machine lacks (nginx) is an error naming it."""
-        svc = self.compose["services"][service]
-        args = svc["command"]
-        out = ([sys.executable if a == "python" else self.text(service, a) for a in svc["entrypoint"]]
-               if "entrypoint" in svc else [ENTRYPOINTS[_image(service, svc)]])
-        program = shutil.which(out[0], path=os.pathsep.join((self.env(service)["PATH"], "/usr/sbin", "/sbin")))
-        if program is None:
-            raise ComposeError(f"service {service}: the twin runs {out[0]!r} natively, and this machine has none "
-                               f"(Debian: apt-get install {out[0]})")
-        out[0] = program
-        self.render(service)
-        for i, arg in enumerate(args):
-            before = args[i - 1] if i else ""
-            out.append("127.0.0.1" if before == "--host" else str(self.port(service, int(arg))) if before == "--port"
-                       else self.text(service, arg))
-        return out
-
-    def env(self, service: str) -> dict[str, str]:
-        """`service`'s environment: its own FLWR_HOME (each container has its own HOME), its ``environment``."""
-        own = self.compose["services"][service].get("environment") or {}
-        return {**flower_env(self.workdir / "home" / service),
-                **{k: self.text(service, str(v)) for k, v in own.items()}}
-
-    def healthy(self, service: str) -> bool:
-        test = self.compose["services"][service]["healthcheck"]["test"]
-        argv = test[1:] if test[0] == "CMD" else ["sh", "-c", test[1]]
-        argv = [sys.executable if a == "python" else self.text(service, a) for a in argv]
-        return subprocess.run(argv, capture_output=True, timeout=30).returncode == 0
-
-
 def demo_run_config(compose: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """The demo's run config: the main job (Feddle-ID on digits) on as many clients as the file has SuperNodes,
     all of them in every step and in every buffered step (buffer-size, where the job's strategy has one), for
@@ -359,9 +248,9 @@ def demo_run_config(compose: dict[str, Any], overrides: dict[str, Any]) -> dict[
     (ConfigError) before anything starts."""
     n = len(supernodes(compose))
     for spec in compose["services"][SERVERAPP].get("volumes") or []:
-        if _volume(spec)[0] == OUTPUTS:
+        if volume_spec(spec)[0] == OUTPUTS:
             run_config = {"preset": MAIN_JOB, "num-clients": n, "clients-per-round": n,
-                          "num-rounds": 20, "output-dir": _volume(spec)[1],
+                          "num-rounds": 20, "output-dir": volume_spec(spec)[1],
                           "run-name": time.strftime("compose-%Y%m%d-%H%M%S"), **overrides}
             if "buffer-size" not in run_config and "buffer-size" in used_keys(load_config(run_config)):
                 run_config["buffer-size"] = n
@@ -373,8 +262,8 @@ def demo_run_config(compose: dict[str, Any], overrides: dict[str, Any]) -> dict[
 def hand_to_images(compose: dict[str, Any], directory: Path) -> None:
     """Give the images' user (UID 49999) the files of `directory` (the certificates' folder) that a service mounts,
     so that its containers can read their keys and secrets; nothing else there (``ca.key`` stays the operator's)."""
-    mounted = {Path(_volume(spec)[0]).name for svc in compose["services"].values()
-               for spec in svc.get("volumes") or [] if _volume(spec)[0].startswith("./certs/")}
+    mounted = {Path(volume_spec(spec)[0]).name for svc in compose["services"].values()
+               for spec in svc.get("volumes") or [] if volume_spec(spec)[0].startswith("./certs/")}
     for name in sorted(mounted):
         os.chown(directory / name, IMAGE_UID, IMAGE_UID)
 
@@ -384,48 +273,6 @@ def certificates(compose: dict[str, Any], directory: Path) -> Path | None:
     they exist); the CA the CLI verifies the SuperLink with, None where the SuperLink speaks plain HTTP."""
     make_pki(directory, nodes=len(supernodes(compose)))
     return None if "--insecure" in compose["services"][SUPERLINK]["command"] else directory / "ca.crt"
-
-
-def twin(files: list[Path], jobs: list[dict[str, Any]], workdir: Path,
-         on_started: Callable[[ProcessGroup, Twin], None] | None = None,
-         on_done: Callable[[Twin], None] | None = None) -> tuple[list[Path], set[int]]:
-    """Run the compose files' services natively and the jobs (overrides of :func:`demo_run_config`) through them one
-    after the other; return their run folders (in the outputs volume) and every PID started (all stopped by
-    now). `on_started(processes, twin)` runs once every service is up (tests stop or restart services there),
-    `on_done(twin)` after the jobs, the services still up."""
-    compose = load(files)
-    t = Twin(compose, workdir)
-    env = flower_env(workdir / "home" / "cli")
-    run_configs = []
-    for i, overrides in enumerate(jobs):
-        run_config = demo_run_config(compose, overrides)
-        run_configs.append({**run_config, "output-dir": t.text(SERVERAPP, run_config["output-dir"]),
-                            "run-name": f"{run_config['run-name']}-{i}"})
-    ca = certificates(compose, t.certs)  # once every job is known to be valid
-    with ProcessGroup(workdir / "logs", env) as procs:
-        for name in start_order(compose["services"]):
-            svc = compose["services"][name]
-            if is_setup(svc):
-                continue
-            for dep, cond in (svc.get("depends_on") or {}).items():
-                if (cond or {}).get("condition") == "service_healthy":
-                    wait_until(dep, lambda d=dep: t.healthy(d), dict(procs.procs)[dep], 90.0, 0.5)
-            cmd = t.command(name)
-            if key := auth_key(cmd):
-                register_supernode(env, CONNECTION, Path(f"{key}.pub"))
-            procs.start(name, cmd, t.env(name))
-            if name == SUPERLINK:
-                wait_until(name, lambda: t.healthy(SUPERLINK), dict(procs.procs)[name], 90.0, 0.5)
-                write_connection(workdir / "home" / "cli", CONNECTION, t.port(SUPERLINK, superlink_port(compose)), ca)
-        if on_started:
-            on_started(procs, t)
-        outcomes = [flwr_run(env, CONNECTION, c) for c in run_configs]
-        if on_done:
-            on_done(t)
-    paths = [Path(c["output-dir"]) / c["run-name"] for c in run_configs]
-    for (run_id, status), path in zip(outcomes, paths):
-        check_completed(run_id, status, path)
-    return paths, procs.pids
 
 
 def demo(files: list[Path], overrides: dict[str, Any]) -> Path:
@@ -459,10 +306,8 @@ def _sh(cmd: list[str], env: dict[str, str]) -> None:
     subprocess.run(cmd, env=env, cwd=PROJECT_DIR, check=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["demo", "twin", "check"])
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+def file_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that choose the compose files (:func:`compose_files`): this command's and the twin's."""
     parser.add_argument("--plain-http", action="store_true",
                         help="add docker/plain-http.yml: no TLS, no SuperNode authentication (a closed test bench)")
     parser.add_argument("--gpu", action="store_true", help="add docker/compose.gpu.yml (CUDA ServerApp)")
@@ -471,29 +316,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flower-devices", action="store_true",
                         help="add docker/flower-devices.yml: Flower's own flower-supernode and flower-superexec on "
                              "each device instead of the warm ones")
-    parser.add_argument("--workdir", type=Path, default=PROJECT_DIR / "outputs" / "compose-twin",
-                        help="twin: folder for volumes, FLWR_HOMEs and logs")
-    args = parser.parse_intermixed_args(argv)
-    files = compose_files(args.plain_http, args.gpu, args.host_network, args.flower_devices)
+
+
+def chosen_files(args: argparse.Namespace) -> list[Path]:
+    """The compose files the flags of :func:`file_flags` chose (a warning with ``--plain-http``)."""
     if args.plain_http:
         print(PLAIN_HTTP_WARNING, file=sys.stderr)
+    return compose_files(args.plain_http, args.gpu, args.host_network, args.flower_devices)
+
+
+def checked(files: list[Path], pairs: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The merged files and the command line's overrides, or a ComposeError or ConfigError saying what is wrong."""
+    return load(files), parse_overrides(pairs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["demo", "check"])
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    file_flags(parser)
+    args = parser.parse_intermixed_args(argv)
+    files = chosen_files(args)
     try:
-        compose = load(files)
-    except ComposeError as err:
+        compose, overrides = checked(files, args.overrides)
+    except (ComposeError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.mode == "check":
         print(f"{', '.join(f.name for f in files)}: {len(compose['services'])} services, start order "
               f"{' -> '.join(start_order(compose['services']))}")
         return 0
-    try:
-        overrides = parse_overrides(args.overrides)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.mode == "demo":
-        return run_and_report(lambda: demo(files, overrides))
-    return run_and_report(lambda: twin(files, [overrides], args.workdir.resolve())[0][0])
+    return run_and_report(lambda: demo(files, overrides))
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -24,7 +24,6 @@ from hybridfl.compose import (
     COMPOSE_DIR,
     CONNECTION,
     ComposeError,
-    Twin,
     _merge,
     compose_files,
     demo_run_config,
@@ -34,12 +33,13 @@ from hybridfl.compose import (
     main,
     start_order,
     supernodes,
-    twin,
     validate,
 )
 from hybridfl.inprocess import run_inprocess
 from hybridfl.processes import acquire_task_anonymously
 from tools import compose_engine, intruder
+from tools.compose_twin import Twin, twin
+from tools.compose_twin import main as twin_main
 
 # The twin stands in for the real engine: it stands down where `make compose-test` passed on this very tree, or runs
 # beside this suite and decides CI (.ci/run sets HYBRIDFL_ENGINE_TEST)
@@ -241,9 +241,11 @@ def test_the_twin_reads_the_files_as_compose_itself_does(plain, gpu, host, stock
 
 
 def test_a_bad_run_config_fails_before_any_service_starts(tmp_path: Path, capsys) -> None:
-    assert main(["twin", "--workdir", str(tmp_path / "twin"), "num-rounds=0"]) == 2
+    assert twin_main(["--workdir", str(tmp_path / "twin"), "num-rounds=0"]) == 2
     assert "'num-rounds' = 0" in capsys.readouterr().err
     assert not (tmp_path / "twin").exists()
+    assert main(["demo", "rounds"]) == 2  # a malformed override, before Docker is asked anything
+    assert "bad override 'rounds'" in capsys.readouterr().err
     assert main(["check", "--plain-http", "--gpu"]) == 0
     assert "warning: --plain-http" in capsys.readouterr().err
 

@@ -90,6 +90,25 @@ def test_the_installed_packages_are_the_layers_and_none_has_a_generic_name():
     assert not (PROJECT_DIR / "scripts").exists()
 
 
+def test_the_installed_packages_never_import_the_test_rig():
+    """tools/ (the compose twin, the real-engine test, the intruder) is the checkout's, not the wheel's."""
+    rig = {path.relative_to(PROJECT_DIR).as_posix() for pkg in PACKAGES for path in (PROJECT_DIR / pkg).rglob("*.py")
+           if any(name == "tools" or name.startswith("tools.") for name in _imported_names(path))}
+    assert rig == set()
+    assert "tools.compose_twin" in {n for p in (PROJECT_DIR / "tests").glob("test_compose.py")
+                                    for n in _imported_names(p)}  # the walk sees such imports
+
+
+def _imported_names(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
 def test_each_package_imports_only_the_layers_below_it():
     wrong = sorted((m, i) for m, deps in graph().items() for i in deps
                    if i.split(".")[0] != m.split(".")[0] and i.split(".")[0] not in ALLOWED[m.split(".")[0]])
