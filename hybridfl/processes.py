@@ -149,7 +149,7 @@ class ProcessGroup:
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM every group, SIGKILL what is left after `grace` s, descendants included."""
         tree = process_tree([p.pid for _, p in self.procs])  # while children are still linked to parents
-        self.pids |= {p.pid for p in tree}
+        self.pids |= {p.pid for _, p in self.procs} | {p.pid for p in tree}  # those that ended already too
         for _, p in self.procs:
             if p.poll() is None:
                 _signal_group(p.pid, signal.SIGTERM)

@@ -31,9 +31,10 @@ CASES = {
 def test_a_launcher_interrupted_at_any_phase_ends_at_once_and_leaves_nothing(tmp_path: Path, case: str) -> None:
     flags, marker, sig = CASES[case]
     hybridfl = str(Path(sys.executable).parent / "hybridfl")
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "PYTHONFAULTHANDLER": "1"}
     launcher = subprocess.Popen([hybridfl, "run", "fedavg-digits", "num-clients=2", "clients-per-round=2",
                                  "num-rounds=200", *flags], cwd=tmp_path, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"})
+                                stderr=subprocess.STDOUT, text=True, preexec_fn=_as_from_a_terminal, env=env)
     reached = threading.Event()
     lines: list[str] = []
 
@@ -50,7 +51,13 @@ def test_a_launcher_interrupted_at_any_phase_ends_at_once_and_leaves_nothing(tmp
     seen = {p.pid for p in [with_children, *with_children.children(recursive=True)]}
     launcher.send_signal(sig)
     start = time.monotonic()
-    code = launcher.wait(timeout=60)
+    try:
+        code = launcher.wait(timeout=60)
+    except subprocess.TimeoutExpired:  # hung: its threads' stacks (faulthandler, on SIGABRT) say where
+        launcher.send_signal(signal.SIGABRT)
+        launcher.wait(timeout=30)
+        time.sleep(1)
+        raise AssertionError("the launcher did not end within 60 s:\n" + "".join(lines[-150:])) from None
     assert code == EXIT[sig], "".join(lines[-40:])
     assert time.monotonic() - start < 30
     deadline = time.monotonic() + 15
@@ -70,3 +77,9 @@ def _left(seen: set[int], folder: Path) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return left
+
+
+def _as_from_a_terminal() -> None:
+    """Ctrl-C's default action, as in a user's terminal: a process started in the background of a script (a CI
+    runner's, this suite's under `.ci/run`) inherits SIGINT ignored, and Python then leaves it ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

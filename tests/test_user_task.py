@@ -198,7 +198,7 @@ def test_the_example_project_runs_under_flwr_run_with_its_own_preset(tmp_path):
     the preset from the app's own config table (Feddle-ID)."""
     from hybridfl import simulate
 
-    out = simulate.simulate({"output-dir": str(tmp_path), "run-name": "example", "num-rounds": 10},
+    out = simulate.simulate({"output-dir": str(tmp_path), "run-name": "example", "num-rounds": 4},
                             tmp_path / "flwr-home", app_dir=EXAMPLE)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["strategy"] == "feddle" and summary["config"]["model"] == "tabular_task.task:mlp"

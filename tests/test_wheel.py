@@ -74,8 +74,9 @@ def test_the_installed_wheel_runs_the_main_job_with_the_users_model_from_their_f
                            cwd=tmp_path, capture_output=True, text=True, check=True).stdout.split()
     assert all(Path(p).is_relative_to(wheel_venv) for p in where), where  # the wheel's code, not this checkout's
     hybridfl = str(wheel_venv / "bin" / "hybridfl")
-    presets = subprocess.run([hybridfl, "presets"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert len(presets.stdout.splitlines()) == len(list((PROJECT_DIR / "configs").rglob("*.yaml")))
+    if mode == "in-process":  # the presets are the wheel's (listing them is the same in every mode)
+        presets = subprocess.run([hybridfl, "presets"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert len(presets.stdout.splitlines()) == len(list((PROJECT_DIR / "configs").rglob("*.yaml")))
     (tmp_path / "mytask.py").write_text(USER_MODEL)
     shadow = "raise ImportError('the user folder shadowed an installed package')\n"
     (tmp_path / "yaml.py").write_text(shadow)
