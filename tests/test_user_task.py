@@ -154,7 +154,7 @@ def test_a_users_own_serverapp_trains_with_a_hybridfl_strategy_through_flower_st
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
     app(grid, context)
     result = context.state["result"]
-    assert result["rounds"] == 30 and result["accuracy"] >= 0.9
+    assert result["rounds"] == 12 and result["accuracy"] >= 0.9  # the example's protocol
 
 
 def test_the_apps_own_config_table_counts_and_hybridfls_defaults_do_not():
