@@ -318,30 +318,30 @@ def file_flags(parser: argparse.ArgumentParser) -> None:
                              "each device instead of the warm ones")
 
 
-def chosen_files(args: argparse.Namespace) -> list[Path]:
-    """The compose files the flags of :func:`file_flags` chose (a warning with ``--plain-http``)."""
+def read_command_line(parser: argparse.ArgumentParser, argv: list[str] | None
+                      ) -> tuple[argparse.Namespace, list[Path], dict[str, Any], dict[str, Any]] | None:
+    """`parser` (with :func:`file_flags` added) on `argv`: the flags, the compose files they chose, their merge and
+    the ``KEY=VALUE`` overrides; None, the error printed in one line, when the files or an override are bad. This
+    command's and the twin's (tools/compose_twin.py)."""
+    file_flags(parser)
+    args = parser.parse_intermixed_args(argv)
     if args.plain_http:
         print(PLAIN_HTTP_WARNING, file=sys.stderr)
-    return compose_files(args.plain_http, args.gpu, args.host_network, args.flower_devices)
-
-
-def checked(files: list[Path], pairs: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The merged files and the command line's overrides, or a ComposeError or ConfigError saying what is wrong."""
-    return load(files), parse_overrides(pairs)
+    files = compose_files(args.plain_http, args.gpu, args.host_network, args.flower_devices)
+    try:
+        return args, files, load(files), parse_overrides(args.overrides)
+    except (ComposeError, ConfigError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["demo", "check"])
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    file_flags(parser)
-    args = parser.parse_intermixed_args(argv)
-    files = chosen_files(args)
-    try:
-        compose, overrides = checked(files, args.overrides)
-    except (ComposeError, ConfigError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    if (read := read_command_line(parser, argv)) is None:
         return 2
+    args, files, compose, overrides = read
     if args.mode == "check":
         print(f"{', '.join(f.name for f in files)}: {len(compose['services'])} services, start order "
               f"{' -> '.join(start_order(compose['services']))}")

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.errors import ConfigError
 from hybridfl.bundle import PROJECT_DIR
 from hybridfl.compose import (
     CERTS,
@@ -39,13 +38,11 @@ from hybridfl.compose import (
     ComposeError,
     auth_key,
     certificates,
-    checked,
-    chosen_files,
     demo_run_config,
-    file_flags,
     image_of,
     is_setup,
     load,
+    read_command_line,
     start_order,
     superlink_port,
     volume_spec,
@@ -206,16 +203,11 @@ def twin(files: list[Path], jobs: list[dict[str, Any]], workdir: Path,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    file_flags(parser)
     parser.add_argument("--workdir", type=Path, default=PROJECT_DIR / "outputs" / "compose-twin",
                         help="folder for volumes, FLWR_HOMEs and logs")
-    args = parser.parse_intermixed_args(argv)
-    files = chosen_files(args)
-    try:
-        _, overrides = checked(files, args.overrides)
-    except (ComposeError, ConfigError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    if (read := read_command_line(parser, argv)) is None:
         return 2
+    args, files, _, overrides = read
     return run_and_report(lambda: twin(files, [overrides], args.workdir.resolve())[0][0])
 
 
