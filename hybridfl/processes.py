@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +110,26 @@ def process_home(flwr_home: Path, name: str) -> Path:
     return flwr_home / "processes" / name
 
 
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """SIGTERM and SIGINT that arrive inside the block act when it ends. An interrupt raised inside
+    ``subprocess.Popen`` after its fork leaves the child running with no Popen to stop it: a process is started and
+    recorded within this block. (Python runs signal handlers in the main thread only; elsewhere nothing is held.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        if held:
+            signal.raise_signal(held[0])
+
+
 class ProcessGroup:
     """Processes this script started, each in its own session, stopped together (and only them).
 
@@ -134,9 +154,10 @@ class ProcessGroup:
             home.mkdir(parents=True, exist_ok=True)
             # ... which is also the folder it runs in: never the user's, which Ray puts first on its workers' path
             env, cwd = {**self.env, "FLWR_HOME": str(home)}, cwd or home
-        proc = subprocess.Popen(list(cmd), env=self.env if env is None else env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, cwd=cwd)
-        self.procs.append((name, proc))
+        with interrupts_held():
+            proc = subprocess.Popen(list(cmd), env=self.env if env is None else env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
+            self.procs.append((name, proc))
         return proc
 
     def kill(self, name: str) -> None:
@@ -284,17 +305,19 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
     if federation_config:
         cmd += ["--federation-config", federation_config]
     print("$", shlex.join(cmd), flush=True)
+    proc: subprocess.Popen | None = None
+    run_id = None
     with flower_app(app_dir) as folder:
-        proc = subprocess.Popen(cmd, env=env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
-        # the output loop below blocks; this bounds it. A daemon: a launcher interrupted (SIGTERM, Ctrl-C) must not
-        # wait for it at exit (a live Timer kept one hanging for its whole timeout)
-        watchdog = threading.Timer(timeout, proc.kill)
+        # the output loop below blocks; a watchdog bounds it. A daemon: a launcher interrupted (SIGTERM, Ctrl-C) must
+        # not wait for it at exit (a live Timer kept one hanging for its whole timeout)
+        watchdog = threading.Timer(timeout, lambda: proc.kill())
         watchdog.daemon = True
-        watchdog.start()
-        run_id = None
-        assert proc.stdout is not None
         try:
+            with interrupts_held():
+                proc = subprocess.Popen(cmd, env=env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True)
+                watchdog.start()
+            assert proc.stdout is not None
             for line in proc.stdout:
                 sys.stdout.write(line)
                 sys.stdout.flush()
@@ -302,9 +325,9 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
                     run_id = int(m.group(1))
             proc.wait()
         finally:
-            timed_out = not watchdog.is_alive()
+            timed_out = watchdog.ident is not None and not watchdog.is_alive()
             watchdog.cancel()
-            if proc.poll() is None:  # interrupted: the flwr CLI goes with this launcher, reaped, not a zombie
+            if proc is not None and proc.poll() is None:  # interrupted: the flwr CLI goes too, reaped, not a zombie
                 proc.kill()
                 proc.wait()
     if timed_out:

@@ -87,3 +87,36 @@ def _as_from_a_terminal() -> None:
     """Ctrl-C's default action, as in a user's terminal: a process started in the background of a script (a CI
     runner's, this suite's under `.ci/run`) inherits SIGINT ignored, and Python then leaves it ignored."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_an_interrupt_while_a_process_starts_acts_once_it_is_recorded(tmp_path: Path) -> None:
+    """A SIGTERM that lands inside ProcessGroup.start (between its fork and its record: the registering case above,
+    seen leaving a SuperLink running) unwinds only after the process is in the group, which then stops it."""
+    script = """
+import os, signal, subprocess, sys
+from pathlib import Path
+from hybridfl import processes
+signal.signal(signal.SIGTERM, processes.terminated)
+real_popen = subprocess.Popen
+def popen_then_terminated(*args, **kwargs):
+    proc = real_popen(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)  # as if it arrived before Popen returned
+    for _ in range(1000):
+        pass  # bytecodes run: a handler that raised would raise here
+    return proc
+subprocess.Popen = popen_then_terminated
+group = processes.ProcessGroup(Path(sys.argv[1]), dict(os.environ))
+try:
+    with group:
+        group.start("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"])
+        print("not reached", flush=True)
+finally:
+    print("recorded", [name for name, _ in group.procs], "pids", sorted(group.pids), flush=True)
+"""
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 143, out.stderr
+    assert "not reached" not in out.stdout
+    assert "recorded ['sleeper']" in out.stdout, out.stdout + out.stderr
+    pids = {int(p) for p in out.stdout.split("pids [")[1].split("]")[0].split(",")}
+    assert pids and not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                            for p in pids)
