@@ -1,14 +1,15 @@
 """docker/compose.yml, run with Docker (``demo``), and the files read as Compose reads them (merged, interpolated,
 checked) for the demo, its native twin (tools/compose_twin.py) and the real-engine test (tools/compose_engine.py).
 
-    python -m hybridfl.compose demo [--plain-http] [--gpu] [--host-network] [KEY=VALUE ...]  # needs a Docker engine
+    python -m hybridfl.compose demo [--plain-http] [--gpu] [--host-network] [--no-build] [KEY=VALUE ...]  # Docker
     python -m hybridfl.compose check [--plain-http] [--gpu] [--host-network]                # the files' structure
 
 The deployment is secure by default (docker/compose.yml: TLS, SuperNode authentication, a SuperExec secret per
 Runtime API); ``--plain-http`` adds ``plain-http.yml`` and warns. The demo makes the certificates, keys and secrets,
 starts the SuperLink, registers the SuperNodes' keys, starts the rest, runs the main job on ``num-clients`` = the
 compose file's SuperNodes with ``flwr run``, checks that it finished:completed and copies its outputs from the
-``outputs`` volume. It needs this checkout's docker/ folder: an installed wheel has no compose files.
+``outputs`` volume; the deployment stays up for more runs. Ctrl-C or SIGTERM at any point takes it down (volumes
+kept) and exits 130 or 143. It needs this checkout's docker/ folder: an installed wheel has no compose files.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -33,8 +35,10 @@ from hybridfl.processes import (
     check_completed,
     flower_env,
     flwr_run,
+    interrupts_held,
     register_supernode,
     run_and_report,
+    terminated,
     write_connection,
 )
 from server_app.config import load_config, used_keys
@@ -275,29 +279,40 @@ def certificates(compose: dict[str, Any], directory: Path) -> Path | None:
     return None if "--insecure" in compose["services"][SUPERLINK]["command"] else directory / "ca.crt"
 
 
-def demo(files: list[Path], overrides: dict[str, Any]) -> Path:
-    """``docker compose up`` the files (building the app image): the certificates, keys and secrets made, the
-    SuperLink alone first to register the SuperNodes' keys; run the job; copy its outputs to ./outputs/compose.
-    Needs a Docker engine."""
+def demo(files: list[Path], overrides: dict[str, Any], build: bool = True) -> Path:
+    """``docker compose up`` the files (building the app image unless `build` is False: the images there are
+    used): the certificates, keys and secrets made, the SuperLink alone first to register the SuperNodes' keys; run
+    the job; copy its outputs to ./outputs/compose. The deployment stays up for more runs; interrupted (Ctrl-C,
+    SIGTERM) at any point, it is taken down (its volumes kept) before the interrupt goes on. Needs a Docker engine."""
     compose = load(files)
     flwr_home = PROJECT_DIR / ".flwr-compose"
     env = flower_env(flwr_home)
     dc = ["docker", "compose", *(a for f in files for a in ("-f", str(f)))]
+    up = [*dc, "up", "-d", "--wait", *(["--build"] if build else ["--no-build", "--pull", "never"])]
     ca = certificates(compose, CERTS)
     if os.geteuid() == 0:  # the images run as app (UID 49999): let them read their keys and secrets
         hand_to_images(compose, CERTS)
     write_connection(flwr_home, CONNECTION, superlink_port(compose), ca)  # published on the host's loopback
-    _sh(dc + ["up", "-d", "--build", "--wait", SUPERLINK], env)
-    for node in supernodes(compose):
-        if key := auth_key(compose["services"][node]["command"]):
-            register_supernode(env, CONNECTION, CERTS / f"{Path(key).name}.pub")
-    _sh(dc + ["up", "-d", "--build", "--wait"], env)
-    run_config = demo_run_config(compose, overrides)
-    run_id, status = flwr_run(env, CONNECTION, run_config)
+    try:
+        _sh([*up, SUPERLINK], env)
+        for node in supernodes(compose):
+            if key := auth_key(compose["services"][node]["command"]):
+                register_supernode(env, CONNECTION, CERTS / f"{Path(key).name}.pub")
+        _sh(up, env)
+        run_config = demo_run_config(compose, overrides)
+        run_id, status = flwr_run(env, CONNECTION, run_config)
+    except (KeyboardInterrupt, SystemExit):
+        print("interrupted: taking the deployment down (docker compose down; its volumes are kept)",
+              file=sys.stderr, flush=True)
+        with interrupts_held():  # a second Ctrl-C must not leave it half down
+            subprocess.run([*dc, "down", "--timeout", "10"], env=env, cwd=PROJECT_DIR, check=False)
+        raise
     local = PROJECT_DIR / "outputs" / "compose"
     local.mkdir(parents=True, exist_ok=True)
     _sh(dc + ["cp", f"{SERVERAPP}:{run_config['output-dir']}/{run_config['run-name']}", str(local)], env)
     check_completed(run_id, status, local / run_config["run-name"])
+    print(f"the deployment stays up for more runs (`flwr run . {CONNECTION}` with FLWR_HOME={flwr_home}); "
+          f"`{shlex.join([*dc, 'down'])}` stops it", flush=True)
     return local / run_config["run-name"]
 
 
@@ -339,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["demo", "check"])
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    parser.add_argument("--no-build", action="store_true", help="demo: run the images the engine has (no build)")
     if (read := read_command_line(parser, argv)) is None:
         return 2
     args, files, compose, overrides = read
@@ -346,8 +362,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{', '.join(f.name for f in files)}: {len(compose['services'])} services, start order "
               f"{' -> '.join(start_order(compose['services']))}")
         return 0
-    return run_and_report(lambda: demo(files, overrides))
+    try:
+        return run_and_report(lambda: demo(files, overrides, build=not args.no_build))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, terminated)  # SIGTERM unwinds as Ctrl-C does: the demo's deployment goes down
     sys.exit(main())

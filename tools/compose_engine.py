@@ -27,6 +27,8 @@
    on the SuperLink's own port (the host's loopback) starts that app, which then runs everywhere. compose.gpu.yml and
    plain-http.yml are validated by ``docker compose config`` (tests/test_compose.py compares them with the twin's
    reading, which runs plain-http.yml natively).
+5. The demo as a user runs it (``make compose-demo HOST=1 ARGS=--no-build``), sent SIGTERM while its job streams:
+   exit 143 within 60 s, none of its processes left, its deployment down and its volumes kept.
 
 Where no engine can start here (not root, no apt-get, no overlay filesystem), it says why and skips (exit 0), or
 fails with --require (CI); a dockerd that exits or does not answer where it could run is a failure (exit 1).
@@ -75,6 +77,7 @@ from hybridfl.compose import (
 from hybridfl.pki import make_pki, node_key
 from hybridfl.processes import (
     acquire_task_anonymously,
+    alive,
     check_completed,
     device_timings,
     flower_env,
@@ -473,6 +476,47 @@ def secure_deployment(engine: Engine, workdir: Path, version: str, timings: dict
         for part in ("flower-s", "import-s", "data-s", "model-s", "work-s", "handler-s")} | {"messages": len(trains)}
 
 
+def demo_interrupted(engine: Engine, version: str, workdir: Path) -> None:
+    """`make compose-demo HOST=1 ARGS=--no-build` as a user runs it (the images built above), sent SIGTERM while its
+    job streams: it exits 143 within 60 s, leaves no process of its own and no container running, and keeps its
+    volumes (the SuperLink's state, the outputs)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "hybridfl.compose", "demo", "--host-network", "--no-build"]
+    log("$ " + " ".join(cmd))
+    demo = subprocess.Popen(cmd, cwd=workdir, env={**engine.env, "FLWR_VERSION": version}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    streaming = threading.Event()
+
+    def read() -> None:
+        assert demo.stdout is not None
+        for line in demo.stdout:
+            lines.append(line)
+            if "Successfully started run" in line:
+                streaming.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        check(streaming.wait(600), "the demo's job started: " + "".join(lines[-3:]).strip())
+        seen = process_tree([demo.pid])
+        demo.send_signal(signal.SIGTERM)
+        code = demo.wait(60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+        (workdir / "demo.log").write_text("".join(lines))
+    check(code == 143, f"the demo, sent SIGTERM while its job streamed, exited {code} (143 expected)")
+    left = sorted(alive({p.pid for p in seen}))
+    check(left == [], f"none of the demo's {len(seen)} processes is left running ({left})")
+    running = engine.docker("ps", "-q", quiet=True).stdout.split()
+    check(running == [], f"the demo took its deployment down: no container running ({running})")
+    volumes = engine.docker("volume", "ls", "-q", quiet=True).stdout.split()
+    check({"hybridfl_superlink-state", "hybridfl_outputs"} <= set(volumes), f"and kept its volumes ({volumes})")
+    for volume in volumes:
+        engine.docker("volume", "rm", volume, quiet=True)
+
+
 def edge_refuses(dep: Deployment, attempts: dict[str, str] | None) -> None:
     """(d) What a process on the devices' network holding only ca.crt got through the edge while the main job ran
     (tools/intruder.py): every attempt refused with the edge's 404 and no mark of its app in any container; then the
@@ -599,6 +643,9 @@ def compose_test(workdir: Path, keep_engine: bool = False) -> dict[str, Any]:
             log(f"image {image}: {source}")
         gpu_config(engine, version)
         secure_deployment(engine, workdir, version, timings)
+        t = time.monotonic()
+        demo_interrupted(engine, version, workdir / "demo")
+        timings["demo-interrupted-s"] = time.monotonic() - t
         (workdir / PASSED).write_text(json.dumps({"tree": tree}) + "\n")
     finally:
         if not keep_engine:
