@@ -80,6 +80,14 @@ def _process_started() -> float | None:
         return None
 
 
+def _ray_node() -> dict[str, str]:
+    """``{"ray-node": ID}`` in a Ray worker (a simulated client on a Ray cluster's node), else nothing."""
+    ray = sys.modules.get("ray")  # never imported here: only a Ray worker has it
+    if ray is None or not ray.is_initialized():
+        return {}
+    return {"ray-node": ray.get_runtime_context().get_node_id()}
+
+
 def _timing(kind: str, started: float, imported: float, timings: dict[str, float]) -> None:
     """One log line per message: where this device's time went (BENCHMARKS "Seconds per update in deployment").
     ``flower-s``: the process's start until this module loaded (a new process per message in deployment; 0
@@ -91,7 +99,7 @@ def _timing(kind: str, started: float, imported: float, timings: dict[str, float
     line = {"message": kind, "flower-s": round(_LOADED_AT - born, 3) if born and _HANDLED[0] == 1 else 0.0,
             "import-s": round(imported - started, 3), "torch-preloaded": _TORCH_PRELOADED,
             **{k: round(v, 3) for k, v in timings.items()},
-            "handler-s": round(time.time() - started, 3)}
+            "handler-s": round(time.time() - started, 3), **_ray_node()}
     log(INFO if _HANDLED[0] == 1 else DEBUG, "device timing %s", json.dumps(line))
 
 

@@ -2,6 +2,7 @@
 
     hybridfl run                                   # the main job (Feddle-ID on digits), in-process
     hybridfl run fedbuff-digits num-rounds=5 --mode simulation
+    hybridfl run fedbuff-digits --mode simulation --ray 10.0.0.5:6379 --client-num-gpus 0.25   # a Ray cluster's
     hybridfl run feddle-digits --mode deployment --supernodes 4
     hybridfl run fedasync-digits --mode deployment --supernodes 3 --latency 2=4 --tls --auth clock=wall concurrency=3
     hybridfl certs docker/certs --nodes 2
@@ -10,6 +11,7 @@
     hybridfl presets
     hybridfl options tabular_task.fedavgm:FedAvgM      # a method's own keys (yours by import path)
     hybridfl sweep benchmarks/sweeps/fedmerge-fmnist.yaml --jobs 2
+    hybridfl sweep benchmarks/sweeps/fedmerge-fmnist.yaml --ray 10.0.0.5:6379 --run-num-gpus 0.25
     hybridfl report benchmarks/sweeps/fedmerge-fmnist.yaml
 
 KEY=VALUE pairs are run-config overrides with ``flwr run -c`` syntax (TOML values; a bare word is a string). A bad
@@ -66,6 +68,16 @@ Executor = Annotated[str, typer.Option(help="deployment: how each device runs it
                                             "client_app/supernode.py) or `warm-executor` (the warm executor alone)")]
 
 
+Ray = Annotated[str | None, typer.Option(help="simulation: join the Ray cluster at this address (what `ray start "
+                                              "--head` prints; default: RAY_ADDRESS) instead of starting a Ray "
+                                              "here; the ServerApp runs here, the clients on the cluster's nodes")]
+ClientCpus = Annotated[float, typer.Option(help="simulation: CPUs each simulated client holds (Ray's num_cpus; "
+                                                 "fractional allowed)")]
+ClientGpus = Annotated[float | None, typer.Option(help="simulation: GPUs each simulated client holds (Ray's "
+                                                        "num_gpus, fractional: 0.25 = four clients share one GPU); "
+                                                        "default: a share of this machine's GPU, 0 on a cluster")]
+
+
 @app.callback()
 def _here_too() -> None:
     """Your own code by import path (`model`, `dataset`, `strategy`, a `package:path` preset) resolves from the
@@ -96,25 +108,39 @@ class DeploymentFlags:
             raise ConfigError("--latency", list(self.latency), "I=SECONDS items (node index = seconds)") from None
 
 
+@dataclass(frozen=True)
+class SimulationFlags:
+    """A simulation's switches (``--mode simulation``): the Ray cluster to join and each client's resources."""
+
+    ray: str | None = None
+    client_num_cpus: float = 1.0
+    client_num_gpus: float | None = None
+
+
 def launch(overrides: dict[str, Any], mode: Mode, flwr_home: Path, deployment: DeploymentFlags = DeploymentFlags(),
-           verbose: bool = False) -> int:
+           verbose: bool = False, simulation: SimulationFlags = SimulationFlags()) -> int:
     """Run `overrides` in `mode`; print the summary. Exit code 0 = completed, 1 = the run failed, 2 = bad config.
     In-process on a terminal, a progress line replaces the per-step log lines unless `verbose`."""
     def go() -> Path:
-        if mode is not Mode.deployment and deployment != DeploymentFlags():
-            from common.errors import ConfigError
+        from common.errors import ConfigError
 
+        if mode is not Mode.deployment and deployment != DeploymentFlags():
             raise ConfigError("--mode", str(mode), "deployment, the only mode with --supernodes, --latency, --tls, "
                               "--auth and --executor")
+        if mode is not Mode.simulation and simulation != SimulationFlags():
+            raise ConfigError("--mode", str(mode), "simulation, the only mode with --ray, --client-num-cpus and "
+                              "--client-num-gpus")
         if mode is Mode.in_process:
             from hybridfl.inprocess import run_inprocess
 
             with progress_line(verbose):
                 return run_inprocess(overrides)  # output-dir relative to here, as the user typed it
         if mode is Mode.simulation:
+            from hybridfl import cluster
             from hybridfl.simulate import simulate
 
-            return simulate(overrides, flwr_home.resolve())
+            return simulate(overrides, flwr_home.resolve(), ray_address=cluster.address(simulation.ray),
+                            client_cpus=simulation.client_num_cpus, client_gpus=simulation.client_num_gpus)
         from hybridfl.deploy_local import deploy
 
         return deploy(overrides, flwr_home.resolve(), deployment.supernodes, deployment.slow_nodes(),
@@ -167,10 +193,12 @@ def run(args: Annotated[list[str] | None, typer.Argument(metavar="[PRESET] [KEY=
                                                              f"{MAIN_JOB}) and run-config overrides")] = None,
         mode: Annotated[Mode, typer.Option(help=MODE_HELP)] = Mode.in_process,
         flwr_home: FlwrHome = Path(".flwr"), supernodes: Supernodes = None, latency: Latency = None,
-        tls: Tls = False, auth: Auth = False, executor: Executor = "warm", verbose: Verbose = False) -> None:
+        tls: Tls = False, auth: Auth = False, executor: Executor = "warm", ray: Ray = None,
+        client_num_cpus: ClientCpus = 1.0, client_num_gpus: ClientGpus = None, verbose: Verbose = False) -> None:
     """Run a preset, with overrides; outputs go to `<output-dir>/<run-name>/`."""
     raise typer.Exit(launch(_or_exit_2(lambda: command_overrides(args or [])), mode, flwr_home,
-                            DeploymentFlags(supernodes, tuple(latency or ()), tls, auth, executor), verbose))
+                            DeploymentFlags(supernodes, tuple(latency or ()), tls, auth, executor), verbose,
+                            SimulationFlags(ray, client_num_cpus, client_num_gpus)))
 
 
 @app.command()
@@ -180,11 +208,13 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="a run folder with a che
                                                                       "num-rounds")] = None,
            mode: Annotated[Mode, typer.Option(help=MODE_HELP)] = Mode.in_process,
            flwr_home: FlwrHome = Path(".flwr"), supernodes: Supernodes = None, latency: Latency = None,
-           tls: Tls = False, auth: Auth = False, executor: Executor = "warm", verbose: Verbose = False) -> None:
+           tls: Tls = False, auth: Auth = False, executor: Executor = "warm", ray: Ray = None,
+           client_num_cpus: ClientCpus = 1.0, client_num_gpus: ClientGpus = None, verbose: Verbose = False) -> None:
     """Continue a run from its last checkpoint, in its own folder (any mode resumes a run of any mode)."""
     raise typer.Exit(launch({**_or_exit_2(lambda: parse_overrides(overrides or [])), "resume": str(run_dir.resolve())},
                             mode, flwr_home,
-                            DeploymentFlags(supernodes, tuple(latency or ()), tls, auth, executor), verbose))
+                            DeploymentFlags(supernodes, tuple(latency or ()), tls, auth, executor), verbose,
+                            SimulationFlags(ray, client_num_cpus, client_num_gpus)))
 
 
 # A sentence ends at a full stop before a capital, a digit, a bracket or the end, but not after an abbreviation
@@ -276,14 +306,30 @@ SweepSpec = Annotated[Path, typer.Argument(help="a sweep spec (YAML; docs: \"Swe
 
 @app.command()
 def sweep(spec: SweepSpec,
-          jobs: Annotated[int, typer.Option(min=1, help="runs in parallel (processes, one torch thread each)")] = 1
-          ) -> None:
+          jobs: Annotated[int, typer.Option(min=1, help="runs in parallel on this machine (processes, one torch "
+                                                        "thread each)")] = 1,
+          ray: Annotated[str | None, typer.Option(help="run every run as a task on the Ray cluster at this address "
+                                                       "(what `ray start --head` prints) instead of --jobs "
+                                                       "processes here")] = None,
+          run_num_cpus: Annotated[float, typer.Option(help="--ray: CPUs each run holds")] = 1.0,
+          run_num_gpus: Annotated[float, typer.Option(help="--ray: GPUs each run holds (fractional: 0.25 = four "
+                                                           "runs share one GPU)")] = 0.0) -> None:
     """Run a sweep's runs that have no current result (resumable: run it again after a stop), then report it."""
+    from common.errors import ConfigError
     from hybridfl import sweep as sweeps
     from hybridfl.progress import Line, SweepProgress
 
+    def go() -> str:
+        if ray is None and (run_num_cpus, run_num_gpus) != (1.0, 0.0):
+            raise ConfigError("--ray", None, "a Ray cluster's address: --run-num-cpus and --run-num-gpus place runs "
+                              "on one")
+        if ray is not None and jobs != 1:
+            raise ConfigError("--jobs", jobs, "1 with --ray: the cluster's resources decide how many runs at once")
+        place = sweeps.RayPlace(ray, run_num_cpus, run_num_gpus) if ray else None
+        return sweeps.run(sweeps.load(spec), jobs, progress=SweepProgress(Line(sys.stdout)), ray=place)
+
     try:
-        _echo_or_exit_2(lambda: sweeps.run(sweeps.load(spec), jobs, progress=SweepProgress(Line(sys.stdout))))
+        _echo_or_exit_2(go)
     except sweeps.RunsFailed as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None

@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hybridfl import cluster
 from hybridfl.job import prepare
 from hybridfl.processes import (
     ProcessGroup,
@@ -31,27 +32,45 @@ from hybridfl.processes import (
 CONNECTION = "hybridfl-sim"
 
 
-def client_gpus() -> float:
-    """Each simulated client's share of a GPU for Ray: as many clients at once as there are CPUs share one GPU
-    (every client's ``device`` is ``auto``, so it trains on the GPU); 0 where torch sees none."""
+def local_client_gpus() -> float:
+    """Each simulated client's share of a GPU for Ray on this machine: as many clients at once as there are CPUs
+    share one GPU (every client's ``device`` is ``auto``, so it trains on the GPU); 0 where torch sees none."""
     import torch
 
     return round(1 / max(1, os.cpu_count() or 1), 4) if torch.cuda.is_available() else 0.0
 
 
-def simulate(overrides: dict[str, Any], flwr_home: Path, app_dir: Path | None = None) -> Path:
+def simulate(overrides: dict[str, Any], flwr_home: Path, app_dir: Path | None = None, ray_address: str | None = None,
+             client_cpus: float = 1.0, client_gpus: float | None = None) -> Path:
     """Run the simulation of the Flower app in `app_dir` (default: hybridfl's own); return the run folder, or raise
-    with the reason it failed."""
+    with the reason it failed. `ray_address`: an existing Ray cluster (:func:`hybridfl.cluster.address`), which the
+    simulation joins instead of starting a Ray of its own; the ServerApp runs here, each client on a cluster node
+    with `client_cpus` CPUs and `client_gpus` GPUs (default: a share of this machine's GPU alone, 0 on a cluster)."""
+    import torch
+
     overrides, run_path, cfg = prepare(overrides, app_dir)
     env = flower_env(flwr_home)
+    cpus = max(2, os.cpu_count() or 2)  # the Ray of its own: at least 2, as Flower's own default
+    if ray_address:
+        with cluster.joined(ray_address) as ray:
+            resources, where = cluster.nodes(ray), f"the Ray cluster at {ray_address}"
+        gpus = 0.0 if client_gpus is None else client_gpus
+        env["RAY_ADDRESS"] = ray_address  # Flower's backend joins it: ray.init() reads it
+        init_args = ""  # Ray refuses num_cpus when it joins a cluster
+    else:
+        resources, where = [{"CPU": cpus, "GPU": torch.cuda.device_count()}], "this machine's Ray"
+        gpus = local_client_gpus() if client_gpus is None else client_gpus
+        env["RAY_ADDRESS"] = cluster.LOCAL  # never a cluster `ray start` left running on this machine
+        init_args = f" init-args-num-cpus={cpus}"
+    cluster.check_fits(resources, client_cpus, gpus, where)
     port = free_port()
     with ProcessGroup(run_path / "flower-logs", env) as procs:
         link = procs.start("superlink", ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
                                          "--host", "127.0.0.1", "--port", str(port)])
         wait_healthy(port, link)
         write_connection(flwr_home, CONNECTION, port)
-        federation = (f"num-supernodes={cfg.num_clients} client-resources-num-cpus=1 "
-                      f"client-resources-num-gpus={client_gpus()} init-args-num-cpus={max(2, os.cpu_count() or 2)}")
+        federation = (f"num-supernodes={cfg.num_clients} client-resources-num-cpus={client_cpus:g} "
+                      f"client-resources-num-gpus={gpus:g}{init_args}")
         run_id, status = flwr_run(env, CONNECTION, overrides, federation_config=federation, app_dir=app_dir)
     check_completed(run_id, status, run_path)
     return run_path

@@ -33,6 +33,7 @@ accuracy on its ``validation-size`` samples. Test scores are reported, never use
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -40,10 +41,11 @@ import itertools
 import json
 import math
 import multiprocessing
+import os
 import statistics
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,22 +202,63 @@ def plain(text: str, done: int = 0, total: int = 0) -> None:
     print(text, flush=True)
 
 
+Submit = Callable[[Callable[..., dict[str, Any]], str, dict[str, Any]], Future]
+
+
+@dataclass(frozen=True)
+class RayPlace:
+    """Where a sweep's runs go on a Ray cluster: its address and what each run holds (Ray's num_cpus, num_gpus)."""
+
+    address: str
+    cpus: float = 1.0
+    gpus: float = 0.0
+
+
+@contextlib.contextmanager
+def local_pool(workers: int) -> Iterator[Submit]:
+    """``submit(one, key, overrides)`` into `workers` processes on this machine."""
+    # spawned, not forked: a worker that trains on a GPU needs its own CUDA context
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool.submit
+
+
+def _in_folder(folder: str, one: Callable[..., dict[str, Any]], key: str, overrides: dict[str, Any]
+               ) -> dict[str, Any]:
+    """A Ray task: `one` run from the driver's folder (the spec's relative paths; a shared file system)."""
+    os.chdir(folder)
+    return one(key, overrides)
+
+
+@contextlib.contextmanager
+def ray_pool(place: RayPlace) -> Iterator[Submit]:
+    """``submit(one, key, overrides)`` as a task on the Ray cluster at `place`, holding its resources (a run whose
+    node dies is run again on another node, from its last checkpoint: Ray retries a task whose worker died)."""
+    from common.user_code import USER_DIR
+    from hybridfl import cluster
+
+    env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p), USER_DIR: os.getcwd(), "OMP_NUM_THREADS": "1"}
+    with cluster.joined(place.address, env) as ray:
+        cluster.check_fits(cluster.nodes(ray), place.cpus, place.gpus, f"the Ray cluster at {place.address}",
+                           ("--run-num-cpus", "--run-num-gpus"))
+        task = ray.remote(_in_folder).options(num_cpus=place.cpus, num_gpus=place.gpus, max_retries=3)
+        yield lambda one, key, overrides: task.remote(os.getcwd(), one, key, overrides).future()
+
+
 def run_all(jobs: Iterable[Job], path: Path, workers: int, one: Callable[..., dict[str, Any]],
-            progress: Progress = plain) -> Results:
-    """Run the jobs without a current result in `path` (`workers` processes), appending each result as it
-    finishes; ``one(key, overrides)`` runs a job in a worker (a module-level function, or a partial of one);
-    ``progress(text, done, total)`` hears of each. A run that raises is reported and the others go on (their
-    results are kept); then :class:`RunsFailed` names each failed run and its error. Returns every result in `path`
-    at the end, those another process appended meanwhile included."""
+            progress: Progress = plain, ray: RayPlace | None = None) -> Results:
+    """Run the jobs without a current result in `path` (`workers` processes, or tasks on the Ray cluster `ray`),
+    appending each result as it finishes; ``one(key, overrides)`` runs a job in a worker (a module-level function,
+    or a partial of one); ``progress(text, done, total)`` hears of each. A run that raises is reported and the
+    others go on (their results are kept); then :class:`RunsFailed` names each failed run and its error. Returns
+    every result in `path` at the end, those another process appended meanwhile included."""
     done = load_results(path)
     todo = pending(list(dict(jobs).items()), done)  # a job listed twice runs once
     path.parent.mkdir(parents=True, exist_ok=True)
     progress(f"{len(todo)} runs to do ({len(done)} already in {path})")
     if not todo:
         return done
-    # spawned, not forked: a worker that trains on a GPU needs its own CUDA context
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(one, k, o): k for k, o in todo}
+    with ray_pool(ray) if ray else local_pool(workers) as submit:
+        futures = {submit(one, k, o): k for k, o in todo}
         failed: dict[str, str] = {}
         for n, fut in enumerate(as_completed(futures), 1):
             try:
@@ -552,11 +595,11 @@ def report(sweep: Sweep, results: Results | None = None) -> str:
     return text
 
 
-def run(sweep: Sweep, workers: int = 1, progress: Progress = plain) -> str:
-    """Run the sweep's jobs that have no current result (`workers` in parallel), then :func:`report` (also when
-    some failed: then :class:`RunsFailed` follows)."""
+def run(sweep: Sweep, workers: int = 1, progress: Progress = plain, ray: RayPlace | None = None) -> str:
+    """Run the sweep's jobs that have no current result (`workers` in parallel, or on the Ray cluster `ray`), then
+    :func:`report` (also when some failed: then :class:`RunsFailed` follows)."""
     try:
-        results = run_all(sweep.jobs(), sweep.results, workers, sweep.worker(), progress)
+        results = run_all(sweep.jobs(), sweep.results, workers, sweep.worker(), progress, ray)
     except RunsFailed:
         report(sweep)
         raise

@@ -1,0 +1,145 @@
+"""hybridfl on a real Ray cluster of two nodes on this machine: a head and a worker raylet on 127.0.0.1
+(`ray.cluster_utils.Cluster`, stopped by the PIDs it started; no mocks). A simulation joins the cluster instead of
+starting a Ray of its own, its clients run on both nodes, and its model is the local simulation's. A sweep places
+its runs on both nodes as Ray tasks and survives the worker node's death."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import digest
+
+from hybridfl.cli import main as cli
+from server_app.checkpoint import CHECKPOINT
+
+HYBRIDFL = str(Path(sys.executable).parent / "hybridfl")
+# four clients on two rounds of FedAvg: each node's client actor trains more than once
+JOB = ["dataset=synthetic", "num-clients=4", "clients-per-round=4", "num-rounds=2", "local-epochs=1", "batch-size=16"]
+
+
+@pytest.fixture
+def two_nodes() -> Iterator[object]:
+    """A Ray cluster of two nodes of one CPU each on this machine, both raylets at the address Ray's drivers take for
+    it: Ray replaces 127.0.0.1 in an address by that one (ray-project/ray#59110), so raylets on 127.0.0.1 cannot be
+    joined where the machine has another (on a machine with no route out, it is 127.0.0.1 itself)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    here = ray.util.get_node_ip_address()
+    cluster = Cluster(initialize_head=True, shutdown_at_exit=False,
+                      head_node_args={"num_cpus": 1, "node_ip_address": here, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1, node_ip_address=here)
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+def _hybridfl(args: list[str], folder: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The command as a user runs it, from `folder`, without a RAY_ADDRESS of this machine's unless `env` says."""
+    base = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"FLWR_TELEMETRY_ENABLED": "0"}
+    return subprocess.run([HYBRIDFL, *args], cwd=folder, env=base | (env or {}), capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.e2e
+def test_a_simulation_on_a_two_node_cluster_trains_on_both_nodes_and_ends_at_the_local_model(tmp_path: Path,
+                                                                                             two_nodes) -> None:
+    on_cluster = _hybridfl(["run", *JOB, "run-name=cluster", "--mode", "simulation", "--ray", two_nodes.address],
+                           tmp_path)
+    assert on_cluster.returncode == 0, on_cluster.stdout[-3000:] + on_cluster.stderr[-3000:]
+    run = tmp_path / "outputs" / "cluster"
+    logs = on_cluster.stdout + "".join(p.read_text(errors="replace") for p in (run / "flower-logs").glob("*.log"))
+    used = set(re.findall(r'"ray-node": "([0-9a-f]+)"', logs))
+    assert used == {node.node_id for node in [two_nodes.head_node, *two_nodes.worker_nodes]}, used  # both nodes
+
+    local = _hybridfl(["run", *JOB, "run-name=local", "--mode", "simulation"], tmp_path)
+    assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
+    assert digest(run / "model.pt") == digest(tmp_path / "outputs" / "local" / "model.pt")
+    assert json.loads((run / "summary.json").read_text())["final-version"] == 2
+
+
+@pytest.mark.e2e
+def test_a_client_no_node_can_host_is_refused_before_anything_starts(tmp_path: Path, two_nodes) -> None:
+    """Through RAY_ADDRESS, as Ray reads it: two CPUs per client where every node has one would queue for ever."""
+    out = _hybridfl(["run", *JOB, "--mode", "simulation", "--client-num-cpus", "2"], tmp_path,
+                    {"RAY_ADDRESS": two_nodes.address})
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "'--client-num-cpus' = 2.0" in out.stderr and "at most 1" in out.stderr, out.stderr
+    assert not (tmp_path / ".flwr" / "processes").exists()  # no Flower process was started
+
+
+def test_an_address_where_no_cluster_answers_is_refused_at_once(tmp_path: Path, capsys, monkeypatch) -> None:
+    from hybridfl.processes import free_port
+
+    monkeypatch.chdir(tmp_path)
+    assert cli(["run", *JOB, "--mode", "simulation", "--ray", f"127.0.0.1:{free_port()}"]) == 2
+    err = capsys.readouterr().err
+    assert "'--ray'" in err and "did not answer" in err, err
+    assert not (tmp_path / ".flwr").exists()
+
+
+def test_the_cluster_flags_belong_to_the_simulation(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert cli(["run", *JOB, "--ray", "127.0.0.1:6379"]) == 2
+    assert "'--mode' = 'in-process'" in capsys.readouterr().err
+
+
+SWEEP = {"runs": [{"presets": "fedavg-digits", "grid": {"lr": [0.05, 0.1]}, "seeds": [0, 1]}],
+         "overrides": {"num-rounds": 8, "eval-every": 1, "checkpoint-every": 1, "validation-size": 100}}
+
+
+def _sweep_spec(tmp_path: Path, name: str) -> Path:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({**SWEEP, "results": f"{name}/runs.jsonl"}))  # relative: the driver's folder
+    return path
+
+
+def _scores(report: str) -> list[str]:
+    """The report's rows without their seconds column (the one thing two machines' runs may not share)."""
+    return [line.rsplit("|", 2)[0] for line in report.splitlines() if line.startswith("|")]
+
+
+@pytest.mark.e2e
+def test_a_sweep_on_the_cluster_survives_its_worker_node_and_reports_what_jobs_2_reports(tmp_path: Path,
+                                                                                          two_nodes) -> None:
+    """Four runs, one per node at a time; the worker node is killed once both nodes' runs have a checkpoint: its
+    run is run again on the head, resumed from that checkpoint (the only resumed run), every run is recorded once,
+    and the report is the local sweep's."""
+    spec = _sweep_spec(tmp_path, "cluster")
+    driver = subprocess.Popen([HYBRIDFL, "sweep", str(spec), "--ray", two_nodes.address], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"})
+    try:
+        deadline = time.monotonic() + 300
+        while len(list((tmp_path / "cluster").glob(f"*/{CHECKPOINT}"))) < 2 and driver.poll() is None:
+            assert time.monotonic() < deadline, "the sweep's runs did not start on both nodes"
+            time.sleep(0.2)
+        assert not list((tmp_path / "cluster").glob("*/summary.json"))  # both nodes mid-run
+        two_nodes.remove_node(next(iter(two_nodes.worker_nodes)), allow_graceful=False)
+        out, _ = driver.communicate(timeout=600)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert driver.returncode == 0, out[-4000:]
+    keys = [json.loads(line)["key"] for line in (tmp_path / "cluster" / "runs.jsonl").read_text().splitlines()]
+    assert sorted(keys) == sorted(set(keys)) and len(keys) == 4, keys
+    resumed = [json.loads(p.read_text())["resumed-after-round"] for p in (tmp_path / "cluster").glob("*/summary.json")]
+    assert len(resumed) == 4 and sum(after >= 1 for after in resumed) == 1, resumed  # the worker's run, alone
+
+    local = subprocess.run([HYBRIDFL, "sweep", str(_sweep_spec(tmp_path, "local")), "--jobs", "2"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=600)
+    assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
+    reports = [(tmp_path / name / "runs.md").read_text() for name in ("cluster", "local")]
+    assert _scores(reports[0]) == _scores(reports[1]) and len(_scores(reports[0])) == 4, reports
