@@ -4,7 +4,9 @@ show a restructuring changed no result.
     python -m hybridfl.model_digests > after.json                       # every preset (or name some), 3 rounds
     python -m hybridfl.model_digests --compare before.json after.json   # exit 1 if a digest differs
 
-A preset whose data this machine lacks (CelebA) is recorded as skipped, with why, not left out silently.
+A preset whose data this machine lacks (CelebA) is recorded as skipped, with why, and a run that fails (an
+asynchronous preset whose first reply is due after these few rounds has learned nothing) as failed, with what it
+said: neither is left out silently.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ def digests(presets: list[str], rounds: int) -> dict[str, str]:
                 out[preset] = hashlib.sha256((run / "model.pt").read_bytes()).hexdigest()
             except DatasetNotFound as err:  # data not on this machine
                 out[preset] = f"skipped: {err}".splitlines()[0]
+            except RuntimeError as err:  # the run failed (e.g. no update arrived in so few rounds): what it said
+                out[preset] = f"failed: {err}".splitlines()[0]
             print(json.dumps({preset: out[preset]}), file=sys.stderr, flush=True)
     return out
 

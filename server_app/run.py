@@ -120,12 +120,14 @@ class Run:
                                f"{self.runner.first_loss or 'not recorded (the run was resumed)'}")
 
     def check_learned(self) -> None:
-        """A run that ends without a single accepted update has learned nothing: it fails, saying why."""
+        """A run that ends having made no model from an accepted update or from the server's own training (Center
+        trains on the server's data alone) has learned nothing: it fails, saying why."""
         totals = self.recorder.totals()
-        if self.first_round <= self.cfg.num_rounds and totals["accepted"] == 0:
+        if self.first_round <= self.cfg.num_rounds and totals["accepted"] == 0 and self.strategy.version == 0:
             raise RuntimeError(f"the run accepted no update in {self.cfg.num_rounds} rounds ({totals['failures']} "
                                f"failed, {totals['rejected']} rejected, {totals['timeouts']} timed out after "
-                               f"reply-timeout-s = {self.cfg.reply_timeout_s:g}); the first: "
+                               f"reply-timeout-s = {self.cfg.reply_timeout_s:g}; any other dispatch was still on its "
+                               f"way at the end, delay-sigma = {self.cfg.delay_sigma:g}); the first: "
                                f"{self.runner.first_loss or 'none recorded'}")
 
     def checkpoint(self, rnd: int) -> None:

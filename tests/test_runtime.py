@@ -219,3 +219,13 @@ def test_a_rounds_line_keeps_every_strategy_step_it_held(small_run):
     several = [r for r in rows if len(r["steps"]) > 1]
     assert several and all(r["alpha-t"] == r["steps"][-1]["alpha-t"] for r in several)
     assert any(len({s["alpha-t"] for s in r["steps"]}) > 1 for r in several)  # per-update measures, not one copy
+
+
+def test_a_server_trained_run_learns_without_a_client_update(small_run):
+    """Center trains on the server's data alone: a run in which no client reply arrives (every dispatch still on
+    its way) has still made a model each round, and completes; the same run of FedBuff made none, and fails."""
+    job = {"num-rounds": 2, "delay-sigma": 50.0, "clients-per-round": 2, "central-size": 40}
+    _, summary = small_run("center", strategy="center", **job)
+    assert summary["final-version"] == 2 and summary["total-accepted"] == 0
+    with pytest.raises(RuntimeError, match=r"the run accepted no update in 2 rounds .*still on its way"):
+        small_run("fedbuff", strategy="fedbuff", **job)
