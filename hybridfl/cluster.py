@@ -33,17 +33,25 @@ def joined(ray_address: str, env_vars: dict[str, str] | None = None) -> Iterator
     with `env_vars`, disconnected after; a ConfigError naming ``--ray`` when nothing answers there."""
     import ray
 
-    _answers(ray_address)
+    previous = os.environ.get("RAY_ADDRESS")
+    os.environ["RAY_ADDRESS"] = ray_address  # Ray reads it before its `address` argument
     try:
-        ray.init(address=ray_address, logging_level=logging.WARNING, log_to_driver=False,
-                 runtime_env={"env_vars": env_vars} if env_vars else None)
-    except (ConnectionError, RuntimeError, ValueError) as err:
-        raise ConfigError("--ray", ray_address, "the address of a running Ray cluster (`ray start --head` prints it; "
-                          f"RAY_ADDRESS too): {str(err).splitlines()[0]}") from None
-    try:
-        yield ray
+        _answers(ray_address)
+        try:
+            ray.init(address=ray_address, logging_level=logging.WARNING, log_to_driver=False,
+                     runtime_env={"env_vars": env_vars} if env_vars else None)
+        except (ConnectionError, RuntimeError, ValueError) as err:
+            raise ConfigError("--ray", ray_address, "the address of a running Ray cluster (`ray start --head` prints "
+                              f"it; RAY_ADDRESS too): {str(err).splitlines()[0]}") from None
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
     finally:
-        ray.shutdown()
+        if previous is None:
+            os.environ.pop("RAY_ADDRESS", None)
+        else:
+            os.environ["RAY_ADDRESS"] = previous
 
 
 def _answers(ray_address: str, timeout: float = 10.0) -> None:

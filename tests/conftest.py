@@ -16,6 +16,9 @@ from flwr.common.logger import FLOWER_LOGGER
 # would contend for the same cores, and one thread gives every float comparison with a Flower run the same order of
 # summation on both sides.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every Ray a test starts is its own: without it, ray.init() (a plain `flwr run .` simulation's) joins the cluster that
+# tests/test_ray_cluster.py runs meanwhile on this machine; those tests name their cluster's address themselves
+os.environ["RAY_ADDRESS"] = "local"
 
 
 @pytest.fixture(autouse=True)
