@@ -96,7 +96,7 @@ def test_the_cluster_flags_belong_to_the_simulation(tmp_path: Path, capsys, monk
 
 
 SWEEP = {"runs": [{"presets": "fedavg-digits", "grid": {"lr": [0.05, 0.1]}, "seeds": [0, 1]}],
-         "overrides": {"num-rounds": 8, "eval-every": 1, "checkpoint-every": 1, "validation-size": 100}}
+         "overrides": {"num-rounds": 4, "eval-every": 1, "checkpoint-every": 1, "validation-size": 100}}
 
 
 def _sweep_spec(tmp_path: Path, name: str) -> Path:
