@@ -14,6 +14,10 @@ from typing import Any
 
 from common.errors import ConfigError
 
+# RAY_ADDRESS for a Ray of a process's own: without it, ray.init() joins the cluster `ray start` last started on
+# this machine, and then refuses the num_cpus that a local simulation passes
+LOCAL = "local"
+
 
 def address(flag: str | None) -> str | None:
     """The cluster to join: the flag's address, else ``RAY_ADDRESS`` (as Ray reads it), else None: a Ray of one's
@@ -21,10 +25,6 @@ def address(flag: str | None) -> str | None:
     found = flag or os.environ.get("RAY_ADDRESS")
     return None if found in (None, "", LOCAL) else found
 
-
-# RAY_ADDRESS for a Ray of a process's own: without it, ray.init() joins the cluster `ray start` last started on
-# this machine, and then refuses the num_cpus that a local simulation passes
-LOCAL = "local"
 
 
 @contextlib.contextmanager

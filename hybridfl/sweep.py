@@ -1,4 +1,5 @@
-"""Sweeps: many runs of presets over a grid of keys and seeds, in parallel, resumable, and chosen on validation.
+"""Sweeps: many runs of presets over a grid of keys and seeds, in parallel (``--jobs`` processes here, or tasks on a
+Ray cluster: docs/tutorials/ray.md), resumable, and chosen on validation.
 
 A sweep spec is a YAML file (docs/how-to/sweeps-and-tracking.md; paths are relative to the folder you run from):
 

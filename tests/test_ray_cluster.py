@@ -143,3 +143,31 @@ def test_a_sweep_on_the_cluster_survives_its_worker_node_and_reports_what_jobs_2
     assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
     reports = [(tmp_path / name / "runs.md").read_text() for name in ("cluster", "local")]
     assert _scores(reports[0]) == _scores(reports[1]) and len(_scores(reports[0])) == 4, reports
+
+
+@pytest.mark.parametrize(("cpus", "gpus", "key", "allowed"), [
+    (2, 0, "--client-num-cpus", "at most 1: no node of the cluster has more CPUs"),
+    (1, 0.5, "--client-num-gpus", "at most 0.25: no node of the cluster with 1 CPUs has more GPUs"),
+    (0, 0, "--client-num-cpus", "more than 0 CPUs or GPUs"),
+    (1, -1, "--client-num-gpus", "0 or more"),
+])
+def test_a_task_no_node_can_host_names_the_key_and_the_most_a_node_has(cpus, gpus, key, allowed) -> None:
+    from common.errors import ConfigError
+    from hybridfl.cluster import check_fits
+
+    nodes = [{"CPU": 1.0, "GPU": 0.25}, {"CPU": 1.0}]
+    check_fits(nodes, 1, 0.25, "the cluster")  # the first node hosts it
+    with pytest.raises(ConfigError) as err:
+        check_fits(nodes, cpus, gpus, "the cluster")
+    assert err.value.key == key and allowed in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(("flags", "key"), [(["--run-num-cpus", "2"], "'--ray'"),
+                                             (["--ray", "127.0.0.1:6379", "--jobs", "2"], "'--jobs'")])
+def test_the_sweeps_cluster_flags_are_checked_before_anything_runs(tmp_path: Path, capsys, monkeypatch, flags,
+                                                                   key) -> None:
+    monkeypatch.chdir(tmp_path)  # the spec's results are relative to the driver's folder
+    spec = _sweep_spec(tmp_path, "flags")
+    assert cli(["sweep", str(spec), *flags]) == 2
+    assert key in capsys.readouterr().err
+    assert not (tmp_path / "flags").exists()
