@@ -1,9 +1,10 @@
 """Scale: peak memory and wall time against the number of clients, in-process and under ``flwr run``.
 
     python -m benchmarks.scale [--clients 100,1000,5000] [--steps 60] [--methods fedavg,fedasync,feddle]
-                               [--engines inprocess,flwr] [--report]
+                               [--engines inprocess,flwr] [--dataset animal-mnist] [--report]
 
-The job is the issue's: Animal-MNIST split IID over ``--clients`` clients, the 1.67 M-parameter CNN
+The job is the issue's: Animal-MNIST (or, with ``--dataset fashion-mnist``, Fashion-MNIST: its 60 000
+client samples give 50 000 clients one each) split IID over ``--clients`` clients, the 1.67 M-parameter CNN
 (``cnn-width`` 32: 6.7 MB per model as float32), 10 clients per step, one local epoch with Adam, one
 torch thread; FedAvg synchronous (σ = 0), FedAsync and Feddle-ID with σ = 20 (the feddle-animal
 presets' method settings). The test split is evaluated at step 0 and at the end, then every client
@@ -42,15 +43,17 @@ from benchmarks.runs import pyplot
 from hybridfl.sweep import append, config_digest, load_results, pending
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scale"
-PRESET = {"fedavg": "feddle-animal/fedavg-dir0.1-n20", "fedasync": "feddle-animal/fedasync-dir0.1-n20",
-          "feddle": "feddle-animal/feddle-id-dir0.1-n20"}
+PRESET = {"fedavg": "fedavg-dir0.1-n20", "fedasync": "fedasync-dir0.1-n20", "feddle": "feddle-id-dir0.1-n20"}
+# The preset family of each dataset: Animal-MNIST's 7000 client samples cannot give 50 000 clients one each,
+# Fashion-MNIST's 60 000 can
+FAMILY = {"animal-mnist": "feddle-animal", "fashion-mnist": "feddle-fmnist"}
 SIGMA = {"fedavg": 0.0, "fedasync": 20.0, "feddle": 20.0}
 
 
-def overrides(method: str, clients: int, steps: int) -> dict[str, Any]:
+def overrides(method: str, clients: int, steps: int, dataset: str = "animal-mnist") -> dict[str, Any]:
     """The run configuration of one point of the table."""
-    return {"preset": PRESET[method], "partitioner": "iid", "num-clients": clients, "num-rounds": steps,
-            "delay-sigma": SIGMA[method], "cnn-width": 32, "local-epochs": 1, "eval-every": steps,
+    return {"preset": f"{FAMILY[dataset]}/{PRESET[method]}", "partitioner": "iid", "num-clients": clients,
+            "num-rounds": steps, "delay-sigma": SIGMA[method], "cnn-width": 32, "local-epochs": 1, "eval-every": steps,
             "checkpoint-every": 0, "seed": 0}
 
 
@@ -66,7 +69,7 @@ def tree_pss_mb(proc: psutil.Process) -> float:
     return total / 2**20
 
 
-def child(engine: str, method: str, clients: int, steps: int) -> dict[str, Any]:
+def child(engine: str, method: str, clients: int, steps: int, dataset: str) -> dict[str, Any]:
     """Run one point in this process; return its measurements."""
     import logging
 
@@ -75,7 +78,7 @@ def child(engine: str, method: str, clients: int, steps: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:
-        ov = {**overrides(method, clients, steps), "output-dir": tmp}
+        ov = {**overrides(method, clients, steps, dataset), "output-dir": tmp}
         t0 = time.perf_counter()
         if engine == "inprocess":
             from hybridfl.inprocess import run_inprocess
@@ -108,12 +111,16 @@ def child(engine: str, method: str, clients: int, steps: int) -> dict[str, Any]:
             "client-eval-replies": summary["client-eval"].get("replies", 0)}
 
 
-def run_point(engine: str, method: str, clients: int, steps: int, timeout: float) -> dict[str, Any]:
+def point_key(engine: str, method: str, clients: int, steps: int, dataset: str) -> str:
+    return f"{engine}/{method}/n{clients}/t{steps}" + ("" if dataset == "animal-mnist" else f"/{dataset}")
+
+
+def run_point(engine: str, method: str, clients: int, steps: int, dataset: str, timeout: float) -> dict[str, Any]:
     """One point in a fresh process; a failure (a crash, memory, the timeout) is recorded with its reason."""
-    key = f"{engine}/{method}/n{clients}/t{steps}"
-    cmd = [sys.executable, "-m", "benchmarks.scale", "--child", json.dumps([engine, method, clients, steps])]
-    result: dict[str, Any] = {"key": key, "engine": engine, "method": method, "clients": clients, "steps": steps,
-                              "config": config_digest(overrides(method, clients, steps))}
+    cmd = [sys.executable, "-m", "benchmarks.scale", "--child", json.dumps([engine, method, clients, steps, dataset])]
+    result: dict[str, Any] = {"key": point_key(engine, method, clients, steps, dataset), "engine": engine,
+                              "method": method, "clients": clients, "steps": steps, "dataset": dataset,
+                              "config": config_digest(overrides(method, clients, steps, dataset))}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).parents[1])
     except subprocess.TimeoutExpired:
@@ -124,21 +131,29 @@ def run_point(engine: str, method: str, clients: int, steps: int, timeout: float
     return {**result, **json.loads(lines[-1])}
 
 
+def dataset_of(r: dict[str, Any]) -> str:
+    return r.get("dataset", "animal-mnist")  # the first records predate the dataset flag
+
+
+def series_of(r: dict[str, Any]) -> tuple[str, str, str, int]:
+    """The points one line of the table's growth and of the plot join."""
+    return r["engine"], dataset_of(r), r["method"], r["steps"]
+
+
 def table(results: list[dict[str, Any]]) -> str:
-    rows = ["| engine | method | clients | steps | peak RSS MB | growth MB per added client | wall s | "
-            "accepted updates | clients evaluated |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    order = sorted(results, key=lambda r: (r["engine"], r["method"], r["steps"], r["clients"]))
+    rows = ["| engine | dataset | method | clients | steps | peak RSS MB | growth MB per added client | wall s | "
+            "accepted updates | clients evaluated |", "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    order = sorted(results, key=lambda r: (*series_of(r), r["clients"]))
     for i, r in enumerate(order):
+        head = f"| {r['engine']} | {dataset_of(r)} | {r['method']} | {r['clients']} | {r['steps']} |"
         if "error" in r:
-            rows.append(f"| {r['engine']} | {r['method']} | {r['clients']} | {r['steps']} | failed: {r['error']} "
-                        "| | | | |")
+            rows.append(f"{head} failed: {r['error']} | | | | |")
             continue
         prev = order[i - 1] if i else None
         growth = ""
-        if prev and "error" not in prev and (prev["engine"], prev["method"], prev["steps"]) == (
-                r["engine"], r["method"], r["steps"]):
+        if prev and "error" not in prev and series_of(prev) == series_of(r):
             growth = f"{(r['peak-mb'] - prev['peak-mb']) / (r['clients'] - prev['clients']):+.3f}"
-        rows.append(f"| {r['engine']} | {r['method']} | {r['clients']} | {r['steps']} | {r['peak-mb']:.0f} | "
+        rows.append(f"{head} {r['peak-mb']:.0f} | "
                     f"{growth} | {r['seconds']:.0f} | {r['accepted']:.0f} | {r['client-eval-replies']:.0f} |")
     return "\n".join(rows)
 
@@ -146,13 +161,13 @@ def table(results: list[dict[str, Any]]) -> str:
 def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    series: dict[tuple[str, str, int], list[tuple[int, float]]] = {}
+    series: dict[tuple[str, str, str, int], list[tuple[int, float]]] = {}
     for r in results:
         if "error" not in r:
-            series.setdefault((r["engine"], r["method"], r["steps"]), []).append((r["clients"], r["peak-mb"]))
-    for (engine, method, steps), pts in sorted(series.items()):
+            series.setdefault(series_of(r), []).append((r["clients"], r["peak-mb"]))
+    for (engine, dataset, method, steps), pts in sorted(series.items()):
         xs, ys = zip(*sorted(pts))
-        ax.plot(xs, ys, marker="o", label=f"{method}, {engine}, {steps} steps")
+        ax.plot(xs, ys, marker="o", label=f"{method}, {engine}, {dataset}, {steps} steps")
     ax.set(xscale="log", xlabel="clients", ylabel="peak MB (in-process: RSS; flwr run: PSS of its processes)",
            title="Memory against clients (1.67 M CNN)")
     ax.axhline(4096, color="grey", lw=0.8, ls="--")
@@ -238,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", default="60", help="comma-separated")
     ap.add_argument("--methods", default="fedavg,fedasync,feddle")
     ap.add_argument("--engines", default="inprocess")
+    ap.add_argument("--dataset", default="animal-mnist", choices=sorted(FAMILY))
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     ap.add_argument("--report", action="store_true", help="run nothing: tabulate the results so far")
     ap.add_argument("--results", type=Path, default=RESULTS)
@@ -255,9 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.results.mkdir(parents=True, exist_ok=True)
     path = args.results / "runs.jsonl"
-    points = [(e, m, int(n), int(t)) for e in args.engines.split(",") for m in args.methods.split(",")
+    points = [(e, m, int(n), int(t), args.dataset) for e in args.engines.split(",") for m in args.methods.split(",")
               for t in args.steps.split(",") for n in args.clients.split(",")]
-    jobs = [(f"{e}/{m}/n{n}/t{t}", overrides(m, n, t)) for e, m, n, t in points]
+    jobs = [(point_key(*p), overrides(*p[1:])) for p in points]
     todo = [] if args.report else {k for k, _ in pending(jobs, load_results(path))}
     for (key, _), point in zip(jobs, points):
         if key in todo:

@@ -38,6 +38,7 @@ from common.training import derive_seed
 from strategies.base import Payload, Update
 
 POLL_INTERVAL_S = 0.05
+LOGGED_NODES = 20  # partitions named in the "clients connected" line
 
 
 class RejectedReply(ValueError):
@@ -132,7 +133,10 @@ class NodeDirectory:
                                    f"(partitions {self.clients}); start more SuperNodes or raise wait-nodes-s")
             time.sleep(poll)
             self.poll()
-        log(INFO, "%d clients connected: partition -> node %s", len(self.node_of), self.node_of)
+        shown = dict(sorted(self.node_of.items())[:LOGGED_NODES])
+        rest = len(self.node_of) - len(shown)
+        log(INFO, "%d clients connected: partition -> node %s%s", len(self.node_of), shown,
+            f" and {rest} more" if rest else "")  # 50 000 clients would write a megabyte
 
 
 @dataclass

@@ -28,6 +28,18 @@ def _quiet_flower():
     FLOWER_LOGGER.setLevel(logging.INFO)
 
 
+@pytest.fixture
+def flower_log():
+    """The messages Flower's logger takes during the test, INFO and up."""
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    FLOWER_LOGGER.addHandler(handler)
+    FLOWER_LOGGER.setLevel(logging.INFO)
+    yield seen
+    FLOWER_LOGGER.removeHandler(handler)
+
+
 SMALL = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 4, "num-rounds": 3, "local-epochs": 1,
          "batch-size": 16, "eval-every": 1}
 

@@ -55,6 +55,16 @@ def test_the_client_evaluation_keeps_at_most_a_wave_of_models_in_the_air(tmp_pat
     assert results[3] == results[100]  # the same metrics for every client, whatever the wave
 
 
+def test_the_connected_line_names_a_few_partitions_not_every_one(tmp_path: Path, flower_log: list[str]) -> None:
+    cfg = load_config({"dataset": "synthetic", "num-clients": 50, "clients-per-round": 2, "num-rounds": 1,
+                       "output-dir": str(tmp_path)})
+    r = build_run(InProcessGrid(client_app, cfg.num_clients), cfg)
+    r.runner.directory.wait_for(cfg.num_clients, 10)
+    [line] = [m for m in flower_log if "clients connected" in m]
+    assert line.startswith("50 clients connected") and line.endswith(" and 30 more")
+    assert line.count(":") == 1 + 20  # the label's, then one per partition named
+
+
 def model_copies(numel: int) -> tuple[int, int]:
     """Model-sized buffers alive in this process: (torch storages of `numel` floats, views counted once; bytes of
     Flower ``Array`` s of that size in messages and replies, one bytes object shared by many messages counted once)."""

@@ -127,23 +127,12 @@ def test_the_example_projects_presets_learn_in_process(tmp_path, preset, floor):
     assert summary["total-failures"] == 0 and summary["best-test-accuracy"] >= floor
 
 
-def test_a_holdout_of_a_few_samples_per_client_is_flagged_at_start(tmp_path):
+def test_a_holdout_of_a_few_samples_per_client_is_flagged_at_start(tmp_path, flower_log):
     """The example's FedMerge protocol holds out 20 % of partitions of ~85 samples: 8 test samples for one client,
     whose personalised accuracy moves in steps of 12.5 points: said at start, before the plots."""
-    import logging
-
-    from flwr.common.logger import FLOWER_LOGGER
-
-    seen: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    FLOWER_LOGGER.addHandler(handler)
-    try:
-        run_inprocess({"preset": "tabular_task:presets/fedmerge", "num-rounds": 1, "output-dir": str(tmp_path)})
-    finally:
-        FLOWER_LOGGER.removeHandler(handler)
+    run_inprocess({"preset": "tabular_task:presets/fedmerge", "num-rounds": 1, "output-dir": str(tmp_path)})
     assert any("client-test-fraction 0.2 leaves a client 8 test samples" in m and "steps of 12 points" in m
-               for m in seen)
+               for m in flower_log)
 
 
 def test_a_users_own_serverapp_trains_with_a_hybridfl_strategy_through_flower_start():
