@@ -4,10 +4,13 @@ server sums the replies up, example-weighted (federated) or per client (personal
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
+from logging import INFO
 
 import numpy as np
 from flwr.app import Message, MessageType
+from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from common.protocol import METRICS, NUM_EXAMPLES, PARTITION_ID
@@ -29,6 +32,7 @@ def weighted_mean(values: Iterable[tuple[float, dict[str, float]]]) -> dict[str,
 # Evaluation messages in the air at once. Each carries a whole model, so a broadcast to every client at once
 # held one model per client (6.6 GB for 1000 clients of a 6.6 MB CNN); in waves memory is O(wave).
 EVAL_WAVE = 64
+PROGRESS_EVERY_S = 30.0  # a long evaluation (50 000 clients: minutes) says how far it is
 
 
 def client_evaluate(grid: Grid, directory: NodeDirectory, dispatcher: Dispatcher, strategy: Strategy,
@@ -40,10 +44,15 @@ def client_evaluate(grid: Grid, directory: NodeDirectory, dispatcher: Dispatcher
     connected = directory.poll()
     targets = [(client, node) for client, node in sorted(directory.node_of.items()) if node in connected]
     replies: list[Message] = []
+    said = time.monotonic()
     for start in range(0, len(targets), wave):
         msgs = [dispatcher.message(node, strategy.model_for(client), strategy.version, MessageType.EVALUATE)
                 for client, node in targets[start:start + wave]]
         replies += [m for m in collect(grid, grid.push_messages(msgs), timeout) if not m.has_error()]
+        if time.monotonic() - said >= PROGRESS_EVERY_S:
+            said = time.monotonic()
+            log(INFO, "client evaluation: %d of %d clients asked, %d replied", start + len(msgs), len(targets),
+                len(replies))
     return {int(m.content[METRICS][PARTITION_ID]): {k: float(v) for k, v in m.content[METRICS].items()
                                                    if k != PARTITION_ID} for m in replies}, len(targets)
 

@@ -65,6 +65,19 @@ def test_the_connected_line_names_a_few_partitions_not_every_one(tmp_path: Path,
     assert line.count(":") == 1 + 20  # the label's, then one per partition named
 
 
+def test_a_long_client_evaluation_says_how_far_it_is(tmp_path: Path, flower_log: list[str], monkeypatch) -> None:
+    from server_app import evaluation
+
+    monkeypatch.setattr(evaluation, "PROGRESS_EVERY_S", 0.0)  # a line after every wave
+    cfg = load_config({"dataset": "synthetic", "num-clients": 7, "clients-per-round": 2, "num-rounds": 1,
+                       "output-dir": str(tmp_path)})
+    r = build_run(InProcessGrid(client_app, cfg.num_clients), cfg)
+    r.runner.directory.wait_for(cfg.num_clients, 10)
+    client_evaluate(r.runner.grid, r.runner.directory, r.runner.dispatcher, r.strategy, 30.0, 3)
+    assert [m for m in flower_log if m.startswith("client evaluation:")] == [
+        f"client evaluation: {n} of 7 clients asked, {n} replied" for n in (3, 6, 7)]
+
+
 def model_copies(numel: int) -> tuple[int, int]:
     """Model-sized buffers alive in this process: (torch storages of `numel` floats, views counted once; bytes of
     Flower ``Array`` s of that size in messages and replies, one bytes object shared by many messages counted once)."""
