@@ -1,8 +1,10 @@
-"""Cohort training: the train messages the in-process engine pulls together, trained as one batched computation.
+"""Cohort training: the train messages in flight in the in-process engine, trained as one batched computation.
 
 A round of a simulation hands ~10 small local runs to the clients; one after another, a GPU spends them
-launching one client's small kernels after another (BENCHMARKS, "Cohort training"). Here the clients of a pull
-that run the same model train together: their trainable parameters are stacked into one (C, P) tensor, and every
+launching one client's small kernels after another (BENCHMARKS, "Cohort training"). When a pull needs a train
+reply, the engine hands this module that message with every other train message in flight (each update is a
+function of its message alone: its model version, the client's data and seed), and the clients that run the same
+model train together: their trainable parameters are stacked into one (C, P) tensor, and every
 local step is one ``torch.func.vmap`` over ``functional_call`` of the shared model — each client on its own batch
 (its own seeded shuffle, :func:`common.training.epoch_batches`), with its own optimizer state. Clients with fewer
 samples or steps are masked: padded rows carry no loss, and a client whose run is over keeps its parameters and

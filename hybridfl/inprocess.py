@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.serverapp import Grid, ServerApp
@@ -39,14 +39,21 @@ class InProcessGrid(Grid):
         override_config: what ``run.override_config`` reports (the user's run-config overrides).
         run_id: the run's id.
         node_config: more keys for every node's ``node_config`` (``latency-s``: a slow device).
-        cohort: trains the train messages of one pull together, replying to those it serves by message id
-            (:func:`hybridfl.cohort.train_cohort`); the rest go to `client_app` one by one.
+        cohort: trains train messages together, replying to those it serves by message id
+            (:func:`hybridfl.cohort.train_cohort`); the rest go to `client_app` one by one. When a pull asks for a
+            train message not yet trained, the cohort trains it with every other train message in flight not yet
+            offered to it (up to `cohort_size`), and keeps their replies until they are pulled: an asynchronous
+            run's pull asks for the few replies due at that step, while ten or more messages are in flight, each
+            update a function of its message alone.
+        cohort_size: at most this many messages in one cohort, besides those due (its memory: C copies of the
+            parameters, their gradients and optimizer state, and each client's data).
     """
 
     def __init__(self, client_app: ClientApp, num_nodes: int, override_config: Mapping[str, Any] | None = None,
-                 run_id: int = 1, node_config: Mapping[str, Any] | None = None, cohort: Cohort | None = None) -> None:
+                 run_id: int = 1, node_config: Mapping[str, Any] | None = None, cohort: Cohort | None = None,
+                 cohort_size: int = 32) -> None:
         self.client_app = client_app
-        self.cohort = cohort
+        self.cohort, self.cohort_size = cohort, cohort_size
         self._run = Run.create_empty(run_id)
         self._run.override_config = dict(override_config or {})
         # Messages take their sender from the process's task identity, as in Flower's ServerApp process.
@@ -62,6 +69,8 @@ class InProcessGrid(Grid):
             for i, node in enumerate(ids)
         }
         self._pending: dict[str, Message] = {}
+        self._offered: set[str] = set()  # pending messages the cohort has seen (those it serves: in _ahead)
+        self._ahead: dict[str, Message] = {}  # replies trained ahead, by the id of the message they answer
         self._count = 0
 
     def set_run(self, run: Run) -> None:
@@ -98,9 +107,30 @@ class InProcessGrid(Grid):
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         messages = [self._pending.pop(i) for i in message_ids if i in self._pending]
-        together = self.cohort(messages, self.contexts) if self.cohort is not None and len(messages) > 1 else {}
-        return [self._numbered(together[m.metadata.message_id]) if m.metadata.message_id in together
-                else self._execute(m) for m in messages]
+        if self.cohort is not None:
+            self._train_in_flight(messages)
+        return [self._reply(m) for m in messages]
+
+    def _train_in_flight(self, due: list[Message]) -> None:
+        """Train the due train messages the cohort has not seen with the in-flight ones it has not seen either."""
+        def unseen(m: Message) -> bool:
+            return m.metadata.message_type == MessageType.TRAIN and m.metadata.message_id not in self._offered
+
+        now = [m for m in due if unseen(m)]
+        if not now:
+            return
+        cohort = now + [m for m in self._pending.values() if unseen(m)][:max(0, self.cohort_size - len(now))]
+        if len(cohort) > 1:
+            self._offered.update(m.metadata.message_id for m in cohort)
+            self._ahead.update(self.cohort(cohort, self.contexts))
+
+    def _reply(self, msg: Message) -> Message:
+        msg_id = msg.metadata.message_id
+        self._offered.discard(msg_id)
+        reply = self._ahead.pop(msg_id, None)
+        if reply is None or msg.metadata.dst_node_id not in self.contexts:  # a node gone since: its error reply
+            return self._execute(msg)
+        return self._numbered(reply)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         return self.pull_messages(self.push_messages(messages))
@@ -141,7 +171,8 @@ def run_inprocess(overrides: Mapping[str, Any] | None = None, client_app: Client
     overrides = dict(overrides or {})
     cfg = load_config(overrides)
     cohort = None if client_app is not None or not cohort_training(cfg.cohort_training) else train_cohort
-    grid = grid or InProcessGrid(client_app or default_client_app, cfg.num_clients, cohort=cohort)
+    grid = grid or InProcessGrid(client_app or default_client_app, cfg.num_clients, cohort=cohort,
+                                 cohort_size=cfg.cohort_size)
     grid.run.override_config = overrides
     context = Context(run_id=grid.run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config={})
     try:

@@ -105,9 +105,11 @@ class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig, T
                          "where server-side training runs (`auto`: CUDA, else MPS, when there is one; the clients "
                          "choose their own with the node setting `device`)")
     cohort_training: str = option("auto", OneOf(("auto", "on", "off")),
-                                  "in-process runs: train the clients of a step together as one batched computation "
+                                  "in-process runs: train the clients in flight together as one batched computation "
                                   "where their method and model allow (`auto`: when the clients train on CUDA; "
                                   "see [GPU](../tutorials/gpu.md))")
+    cohort_size: int = option(32, COUNT, "with `cohort-training`: at most this many in-flight messages trained "
+                              "together, besides those due at the step")
     eval_every: int = option(1, COUNT, "evaluate on the server's test split every this many steps (and at the end)")
     checkpoint_every: int = option(10, Range(0), "write `checkpoint.pt` every this many steps and at the end "
                                    "(0 = never)")
@@ -198,7 +200,7 @@ def preset_file(name: str) -> tuple[list[str], dict[str, Any]]:
 # how, to float rounding).
 MAY_CHANGE_ON_RESUME = frozenset({"num-rounds", "checkpoint-every", "eval-every", "max-failed-fraction",
                                   "reply-timeout-s", "poll-interval-s", "wait-nodes-s", "data-root", "device",
-                                  "cohort-training", "resume", "output-dir", "run-name",
+                                  "cohort-training", "cohort-size", "resume", "output-dir", "run-name",
                                   *specs_of(TrackingConfig)})
 
 

@@ -11,7 +11,8 @@ import re
 import numpy as np
 import pytest
 import torch
-from flwr.app import RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
 from helpers import digest
 
 from client_app.app import app as client_app
@@ -101,31 +102,40 @@ def test_a_cohort_of_unequal_clients_trains_each_as_alone(optimizer, dtype):
     assert len({round(float(d.norm()), 6) for d in deltas}) == 4  # four different runs, not one repeated
 
 
-def _grid(use_cohort: bool, served: list[int], shadow: list[float] | None = None) -> InProcessGrid:
-    """The in-process nodes, with or without cohort training; `served` gets how many messages each pull's cohort
-    trained, and `shadow` (when given) the relative distance of each cohort update from the same message trained
+class Recorded(InProcessGrid):
+    """The in-process grid, recording each pull's train messages (``due``), the messages the cohort trained
+    (``trained``), and with ``shadow`` the relative distance of each cohort update from the same message trained
     alone by the ClientApp."""
-    def counting(messages, contexts):
+
+    def __init__(self, use_cohort: bool, shadow: list[float] | None = None, cohort_size: int = 32) -> None:
+        super().__init__(client_app, JOB["num-clients"], cohort=self.train if use_cohort else None,
+                         cohort_size=cohort_size)
+        self.shadow, self.served, self.trained, self.due = shadow, [], set(), []
+
+    def train(self, messages, contexts):
         replies = cohort.train_cohort(messages, contexts)
-        served.append(len(replies))
-        for msg in messages if shadow is not None else ():
+        self.served.append(len(replies))
+        self.trained.update(replies)
+        for msg in messages if self.shadow is not None else ():
             if msg.metadata.message_id in replies:
                 alone = client_app(msg, contexts[msg.metadata.dst_node_id])
-                shadow.append(rel(*(torch.from_numpy(r.content[ARRAYS][WIRE_KEY].numpy().copy())
-                                    for r in (replies[msg.metadata.message_id], alone))))
+                self.shadow.append(rel(*(torch.from_numpy(r.content[ARRAYS][WIRE_KEY].numpy().copy())
+                                         for r in (replies[msg.metadata.message_id], alone))))
         return replies
 
-    return InProcessGrid(client_app, JOB["num-clients"], cohort=counting if use_cohort else None)
+    def pull_messages(self, message_ids):
+        ids = list(message_ids)
+        self.due.append([i for i in ids if i in self._pending and self._pending[i].metadata.message_type == "train"])
+        return super().pull_messages(ids)
 
 
-def _run(tmp_path, name: str, overrides: dict, use_cohort: bool, shadow: list[float] | None = None
-         ) -> tuple[dict, list[int]]:
-    served: list[int] = []
-    out = run_inprocess({**JOB, **overrides, "output-dir": str(tmp_path), "run-name": name},
-                        grid=_grid(use_cohort, served, shadow))
+def _run(tmp_path, name: str, overrides: dict, use_cohort: bool, shadow: list[float] | None = None,
+         cohort_size: int = 32) -> tuple[dict, Recorded]:
+    grid = Recorded(use_cohort, shadow, cohort_size)
+    out = run_inprocess({**JOB, **overrides, "output-dir": str(tmp_path), "run-name": name}, grid=grid)
     return {"out": out, "summary": json.loads((out / "summary.json").read_text()),
             "events": [(e["client"], e["round"], e["outcome"]) for e in
-                       map(json.loads, (out / "events.jsonl").read_text().splitlines())]}, served
+                       map(json.loads, (out / "events.jsonl").read_text().splitlines())]}, grid
 
 
 def model_distance(a: dict, b: dict) -> float:
@@ -137,18 +147,60 @@ def model_distance(a: dict, b: dict) -> float:
 def test_every_served_method_gets_the_updates_of_one_client_at_a_time(tmp_path, strategy):
     """Every update the cohort trains, from the method's own payloads (FedMerge's per-client merges, Feddle's
     searched models), is within UPDATE_TOL of the ClientApp's for the same message; the cohort trained every
-    update; the runs have the same events in the same order and steps. Where the server's step is a fixed sum of
-    the updates, the final models agree within MODEL_TOL; a server that trains or searches on its own data
-    (Feddle, Fed+FT, FedDF) amplifies rounding over its many steps, so there the updates are the claim."""
+    accepted update (and ahead of time those still in flight at the end, which the run discards); the runs have the
+    same events in the same order and steps. Where the server's step is a fixed sum of the updates, the final models
+    agree within MODEL_TOL; a server that trains or searches on its own data (Feddle, Fed+FT, FedDF) amplifies
+    rounding over its many steps, so there the updates are the claim."""
     overrides, shadow = {"strategy": strategy, **SHORT.get(strategy, {})}, []
-    together, served = _run(tmp_path, "cohort", overrides, use_cohort=True, shadow=shadow)
+    together, grid = _run(tmp_path, "cohort", overrides, use_cohort=True, shadow=shadow)
     alone, _ = _run(tmp_path, "alone", overrides, use_cohort=False)
-    assert len(shadow) == sum(served) == together["summary"]["total-accepted"] > 0
+    pulled = {i for due in grid.due for i in due}
+    assert len(shadow) == sum(grid.served) == len(grid.trained) >= together["summary"]["total-accepted"] > 0
+    assert len(grid.trained & pulled) == together["summary"]["total-accepted"]
     assert max(shadow) < UPDATE_TOL
     assert together["events"] == alone["events"] and len(alone["events"]) >= 6
     assert together["summary"]["final-version"] == alone["summary"]["final-version"] > 0
     if strategy not in SERVER_TRAINS:
         assert model_distance(together, alone) < MODEL_TOL
+
+
+@pytest.mark.parametrize("strategy", ["fedasync", "fedbuff"])
+def test_the_cohort_is_every_message_in_flight_not_only_those_due(tmp_path, strategy):
+    """An asynchronous run's pull asks for the replies due at its step (one or two here) while more messages are in
+    flight (four dispatched a step, up to all six clients): the cohort trains every one in flight at the first pull
+    that needs one, and later pulls take the replies trained ahead (fewer cohorts than pulls of train replies);
+    `cohort-size` caps a cohort, beside the messages due."""
+    overrides = {"strategy": strategy, **SHORT[strategy], "delay-sigma": 3.0, "num-rounds": 4}
+    _, grid = _run(tmp_path, "in-flight", overrides, use_cohort=True)
+    pulls = [due for due in grid.due if due]
+    most_due = max(len(due) for due in pulls)
+    assert max(grid.served) >= JOB["clients-per-round"] > most_due
+    assert len(grid.served) < len(pulls)
+    _, capped = _run(tmp_path, "capped", overrides, use_cohort=True, cohort_size=2)
+    assert max(capped.served) == max(2, most_due) < max(grid.served)
+
+
+def test_a_node_gone_after_its_message_was_trained_ahead_gets_the_error_reply():
+    """The cohort trains the three messages in flight at the first pull; the node of the second then leaves: its
+    pull is NODE_UNAVAILABLE, as without the cohort, and the third's is the reply trained ahead."""
+    calls: list[list[str]] = []
+
+    def fake_cohort(messages, contexts):
+        calls.append([m.metadata.message_id for m in messages])
+        return {m.metadata.message_id: Message(RecordDict({"ahead": ConfigRecord({"of": m.metadata.message_id})}),
+                                               reply_to=m) for m in messages}
+
+    grid = InProcessGrid(client_app, 3, cohort=fake_cohort)
+    nodes = list(grid.get_node_ids())
+    ids = list(grid.push_messages([Message(RecordDict(), dst_node_id=n, message_type=MessageType.TRAIN)
+                                   for n in nodes]))
+    [first] = grid.pull_messages(ids[:1])
+    assert calls == [ids] and first.content["ahead"]["of"] == ids[0]
+    grid.disconnect(nodes[1])
+    [second] = grid.pull_messages(ids[1:2])
+    assert second.has_error() and second.error.code == ErrorCode.NODE_UNAVAILABLE
+    [third] = grid.pull_messages(ids[2:])
+    assert third.content["ahead"]["of"] == ids[2] and len(calls) == 1
 
 
 def test_models_whose_training_step_is_not_a_function_of_parameters_and_input_are_not_served():
@@ -170,9 +222,9 @@ def test_a_method_with_its_own_client_side_or_objective_runs_one_at_a_time(tmp_p
     """Its own client side (Ditto) or objective (SCAFFOLD, FedDUAL, FedProx): the cohort serves none of its
     messages, and the run is byte for byte the sequential one."""
     overrides = {**overrides, "num-rounds": 2, "local-epochs": 1}
-    together, served = _run(tmp_path, "cohort", overrides, use_cohort=True)
+    together, grid = _run(tmp_path, "cohort", overrides, use_cohort=True)
     alone, _ = _run(tmp_path, "alone", overrides, use_cohort=False)
-    assert served and sum(served) == 0
+    assert grid.served and sum(grid.served) == 0
     assert digest(together["out"] / "model.pt") == digest(alone["out"] / "model.pt")
 
 
@@ -183,8 +235,9 @@ def test_a_failing_batched_run_falls_back_to_one_message_at_a_time(tmp_path, mon
     logged: list[str] = []
     monkeypatch.setattr(cohort, "train_together", broken)
     monkeypatch.setattr(cohort, "log", lambda level, fmt, *args: logged.append(fmt % args))
-    together, served = _run(tmp_path, "cohort", {"num-rounds": 2}, use_cohort=True)
+    together, grid = _run(tmp_path, "cohort", {"num-rounds": 2}, use_cohort=True)
     alone, _ = _run(tmp_path, "alone", {"num-rounds": 2}, use_cohort=False)
+    served = grid.served
     assert served and sum(served) == 0 and together["summary"]["total-failures"] == 0
     assert digest(together["out"] / "model.pt") == digest(alone["out"] / "model.pt")
     # every pull failed: said once, with the reason, and what happens instead
@@ -209,9 +262,9 @@ def test_a_runs_cohort_steps_are_freed_when_it_ends(tmp_path):
     cohort.CohortStep.__init__ = tracked
     try:
         for seed in range(3):
-            _, served = _run(tmp_path, f"cohort-{seed}", {"num-rounds": 2, "seed": seed}, use_cohort=True)
+            _, grid = _run(tmp_path, f"cohort-{seed}", {"num-rounds": 2, "seed": seed}, use_cohort=True)
             gc.collect()
-            assert sum(served) > 0 and made and cohort._STEPS == {}
+            assert sum(grid.served) > 0 and made and cohort._STEPS == {}
             assert [ref for ref in made if ref() is not None] == []
     finally:
         cohort.CohortStep.__init__ = original
@@ -244,7 +297,7 @@ def full_fp32():
 @pytest.mark.parametrize("strategy", ["fedavg", "fedbuff", "feddle"])
 def test_on_cuda_the_cohort_gets_the_updates_of_one_client_at_a_time(tmp_path, strategy, full_fp32):
     shadow: list[float] = []
-    together, served = _run(tmp_path, "cohort", {"strategy": strategy, **SHORT.get(strategy, {})}, use_cohort=True,
-                            shadow=shadow)
-    assert len(shadow) == sum(served) == together["summary"]["total-accepted"] > 0
+    together, grid = _run(tmp_path, "cohort", {"strategy": strategy, **SHORT.get(strategy, {})}, use_cohort=True,
+                          shadow=shadow)
+    assert len(shadow) == sum(grid.served) >= together["summary"]["total-accepted"] > 0
     assert max(shadow) < UPDATE_TOL
