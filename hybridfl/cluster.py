@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,12 +39,20 @@ def joined(ray_address: str, env_vars: dict[str, str] | None = None) -> Iterator
     os.environ["RAY_ADDRESS"] = ray_address  # Ray reads it before its `address` argument
     try:
         _answers(ray_address)
+        # ray.init makes a driver's SIGTERM exit(15) (and its core worker logs a stack): the command's own handler,
+        # which stops what it started and exits 143, is put back
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             ray.init(address=ray_address, logging_level=logging.WARNING, log_to_driver=False,
                      runtime_env={"env_vars": env_vars} if env_vars else None)
         except (ConnectionError, RuntimeError, ValueError) as err:
             raise ConfigError("--ray", ray_address, "the address of a running Ray cluster (`ray start --head` prints "
                               f"it; RAY_ADDRESS too): {str(err).splitlines()[0]}") from None
+        finally:
+            if threading.current_thread() is threading.main_thread():  # where either can install one
+                for sig, handler in handlers.items():
+                    if handler is not None:
+                        signal.signal(sig, handler)
         try:
             yield ray
         finally:

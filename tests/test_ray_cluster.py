@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -143,6 +144,33 @@ def test_a_sweep_on_the_cluster_survives_its_worker_node_and_reports_what_jobs_2
     assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
     reports = [(tmp_path / name / "runs.md").read_text() for name in ("cluster", "local")]
     assert _scores(reports[0]) == _scores(reports[1]) and len(_scores(reports[0])) == 4, reports
+
+
+@pytest.mark.e2e
+def test_a_sweep_driver_stopped_mid_sweep_exits_143_and_a_new_one_finishes_it(tmp_path: Path, two_nodes) -> None:
+    """SIGTERM to the driver while both nodes run: it exits 143 at once (Ray's driver exits 15 unless the command's
+    handler is put back), its tasks are cancelled; a driver started again records every run once."""
+    spec = _sweep_spec(tmp_path, "cluster")
+    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+    driver = subprocess.Popen([HYBRIDFL, "sweep", str(spec), "--ray", two_nodes.address], cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 300
+        while not list((tmp_path / "cluster").glob(f"*/{CHECKPOINT}")) and driver.poll() is None:
+            assert time.monotonic() < deadline, "no run of the sweep started"
+            time.sleep(0.2)
+        driver.send_signal(signal.SIGTERM)
+        out, _ = driver.communicate(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert driver.returncode == 143, out[-4000:]
+    again = subprocess.run([HYBRIDFL, "sweep", str(spec), "--ray", two_nodes.address], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=600, env=env)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    keys = [json.loads(line)["key"] for line in (tmp_path / "cluster" / "runs.jsonl").read_text().splitlines()]
+    assert sorted(keys) == sorted(set(keys)) and len(keys) == 4, keys
 
 
 @pytest.mark.parametrize(("cpus", "gpus", "key", "allowed"), [
