@@ -13,10 +13,12 @@ not the gain of more machines.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
@@ -34,21 +36,29 @@ def sweep_seconds(folder: Path, flags: list[str], seeds: int, rounds: int) -> fl
     return time.perf_counter() - start
 
 
-def on_cluster(nodes: list[int], folder: Path, seeds: int, rounds: int) -> float:
-    """Seconds of the sweep on a cluster whose nodes have `nodes` CPUs each."""
+@contextlib.contextmanager
+def cluster(nodes: list[int], gpus: int = 0) -> Iterator[str]:
+    """A real Ray cluster on this machine whose nodes have `nodes` CPUs each (the head `gpus` GPUs); its address."""
     import ray
     from ray.cluster_utils import Cluster
 
     here = ray.util.get_node_ip_address()
-    cluster = Cluster(initialize_head=True, shutdown_at_exit=False,
-                      head_node_args={"num_cpus": nodes[0], "node_ip_address": here, "include_dashboard": False})
+    started = Cluster(initialize_head=True, shutdown_at_exit=False,
+                      head_node_args={"num_cpus": nodes[0], "num_gpus": gpus, "node_ip_address": here,
+                                      "include_dashboard": False})
     try:
         for cpus in nodes[1:]:
-            cluster.add_node(num_cpus=cpus, node_ip_address=here)
-        cluster.wait_for_nodes()
-        return sweep_seconds(folder, ["--ray", cluster.address], seeds, rounds)
+            started.add_node(num_cpus=cpus, node_ip_address=here)
+        started.wait_for_nodes()
+        yield started.address
     finally:
-        cluster.shutdown()
+        started.shutdown()
+
+
+def on_cluster(nodes: list[int], folder: Path, seeds: int, rounds: int) -> float:
+    """Seconds of the sweep on a cluster whose nodes have `nodes` CPUs each."""
+    with cluster(nodes) as address:
+        return sweep_seconds(folder, ["--ray", address], seeds, rounds)
 
 
 def main(argv: list[str] | None = None) -> int:
