@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# A GPU lease's checks (issue 51) in one call of about 9 minutes, each phase bounded so that the later ones run:
-#   1. cohort training against one client at a time on the Fashion-MNIST CNN protocol's synchronous rounds, side
-#      by side (benchmarks/cohort.py);
-#   2. the CUDA tests: tests/test_gpu.py, tests/test_devices.py and tests/test_cohort.py's CUDA test;
-#   3. issue 47's CUDA node: benchmarks/deploy_overhead.py (a local deployment, Flower's executor against the warm
-#      one; the node's device is `auto`, so CUDA there);
-#   4. a real sweep on the GPU, `--jobs 10` (lanes x cohort), until the call's end: issue 49's diagnosis sweep,
-#      whose finished runs come back in tuning.jsonl (append the lines the local file lacks);
-#   and, in env.txt, whether this machine can run containers (docker/compose.gpu.yml).
+# A GPU lease's checks (issue 60) in one call of under 8 minutes, each phase bounded so that the later ones run:
+#   1. the CUDA tests: tests/test_gpu.py, tests/test_devices.py and tests/test_cohort.py's CUDA tests (full FP32
+#      for the cohort's comparison: the TF32 pin);
+#   2. the in-flight cohort against one client at a time on the Fashion-MNIST CNN's asynchronous protocol (FedBuff,
+#      Dir(0.1)/N(20)), side by side: one run's updates/s (benchmarks/cohort.py);
+#   3. a sweep's runs per hour at 1, 4, 8 and 16 lanes sharing the GPU (benchmarks/lanes.py: --jobs N, each lane a
+#      process with its cohort, each lane count in a 45 s box), and on a one-node Ray cluster with fractional GPUs
+#      where the machine has Ray; GPU memory per lane;
+#   and, in env.txt, the GPU, torch, Flower and whether the machine can run containers.
 # Here first: `bash benchmarks/gpu_lease.sh prepare` puts the wheels the device image lacks (Flower 1.42 and its
 # needs, for its Python 3.12) in .whl/ and Fashion-MNIST's idx files in .gpudata/fashion-mnist/, both kept out of
 # git (.git/info/exclude). Then on the device, from the repository root, with both named in the tool's `carry`:
@@ -28,7 +28,7 @@ if [ "${1:-}" = prepare ]; then
   exit 0
 fi
 START=$SECONDS
-BUDGET=${BUDGET:-540}  # seconds for the whole script
+BUDGET=${BUDGET:-450}  # seconds for the whole script
 OUT=${OUT:-outputs/gpu-lease}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
@@ -56,27 +56,19 @@ left() { echo $((BUDGET - (SECONDS - START))); }
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 
-echo "== 1. cohort against one client at a time ($(left) s left)"
-# synchronous rounds (FedAvg: all 10 clients of a round in one cohort); the asynchronous protocol (3.4 clients per
-# pull) was measured on 2026-11-27: 1.82x (benchmarks/results/gpu-lease/)
-timeout 150 python3 -m benchmarks.cohort --preset feddle-fmnist/fedavg-dir0.1-n20 --steps 10 --repeats 2 \
-  --out "$OUT/cohort.jsonl" > "$OUT/cohort.log" 2>&1
-echo "exit $? after $((SECONDS - START)) s"; grep -h '"kind": "\(ratio\|lanes\)"' "$OUT/cohort.jsonl"
-
-echo "== 2. CUDA tests ($(left) s left)"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_devices.py \
+echo "== 1. CUDA tests ($(left) s left)"
+timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_devices.py \
   tests/test_cohort.py -k "cuda or gpu or devices" > "$OUT/pytest.log" 2>&1
 echo "exit $? after $((SECONDS - START)) s"; tail -3 "$OUT/pytest.log"
 
-echo "== 3. deploy overhead on a CUDA node, flower against warm ($(left) s left)"
-timeout 200 python3 -m benchmarks.deploy_overhead --rounds 3 --executors warm,flower > "$OUT/deploy_overhead.log" 2>&1
-echo "exit $? after $((SECONDS - START)) s"; tail -14 "$OUT/deploy_overhead.log"
+echo "== 2. the in-flight cohort against one client at a time ($(left) s left)"
+timeout 150 python3 -m benchmarks.cohort --preset feddle-fmnist/fedbuff-dir0.1-n20 --steps 10 --repeats 2 \
+  --out "$OUT/cohort.jsonl" > "$OUT/cohort.log" 2>&1
+echo "exit $? after $((SECONDS - START)) s"; grep -h '"kind": "ratio"' "$OUT/cohort.jsonl"
 
-echo "== 4. a sweep on the GPU, 10 lanes ($(left) s left)"
-RESULTS=benchmarks/results/feddle-fmnist/tuning.jsonl
-(while sleep 10; do cp "$RESULTS" "$OUT/tuning.jsonl"; done) &
-COPIER=$!
-timeout $(( $(left) > 30 ? $(left) - 10 : 20 )) python3 -m hybridfl.cli sweep benchmarks/sweeps/feddle-fmnist-async.yaml \
-  --jobs 10 > "$OUT/sweep.log" 2>&1
-echo "exit $? after $((SECONDS - START)) s"
-kill $COPIER; cp "$RESULTS" "$OUT/tuning.jsonl"; grep -c . "$OUT/tuning.jsonl"; grep '^\[' "$OUT/sweep.log" | tail -20
+echo "== 3. a sweep's lanes sharing the GPU ($(left) s left)"
+RAY=$(python3 -c "import ray" 2>/dev/null && echo "--ray-lanes 8")
+timeout $(( $(left) > 60 ? $(left) - 10 : 50 )) python3 -m benchmarks.lanes --lanes 1,4,8,16 $RAY --seconds 45 \
+  --rounds 10 --out "$OUT/lanes.jsonl" > "$OUT/lanes.log" 2>&1
+echo "exit $? after $((SECONDS - START)) s ${RAY:-(no Ray on this machine: --ray not measured)}"
+cat "$OUT/lanes.jsonl"
