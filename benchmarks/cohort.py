@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from hybridfl import cohort
+from hybridfl import cohort, inprocess
 from hybridfl.inprocess import run_inprocess
 
 # one client at a time; together, each step a CUDA graph where there is CUDA; together, eagerly
@@ -39,15 +39,30 @@ MODES = ("off", "on", "eager")
 def measure(preset: str, steps: int, mode: str, out_dir: str, name: str) -> dict[str, Any]:
     """One run of `preset` for `steps` steps in `mode` (:data:`MODES`): its updates and step seconds."""
     cohort.CUDA_GRAPHS = mode != "eager"
-    out = run_inprocess({"preset": preset, "num-rounds": steps, "eval-every": steps, "checkpoint-every": 0,
-                         "cohort-training": "off" if mode == "off" else "on", "output-dir": out_dir, "run-name": name})
+    trained: list[int] = []
+
+    def counted(messages, contexts):  # the cohort trains messages in flight ahead of their steps: count them
+        replies = cohort.train_cohort(messages, contexts)
+        trained.append(len(replies))
+        return replies
+
+    inprocess.train_cohort = counted
+    try:
+        out = run_inprocess({"preset": preset, "num-rounds": steps, "eval-every": steps, "checkpoint-every": 0,
+                             "cohort-training": "off" if mode == "off" else "on", "output-dir": out_dir,
+                             "run-name": name})
+    finally:
+        inprocess.train_cohort = cohort.train_cohort
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps_rows = [r for r in rows if r["round"] > 0]
     seconds = sum(r["seconds"] for r in steps_rows)
     accepted = sum(r["accepted"] for r in steps_rows)
     graphed = [s.graph is not None for s in cohort._STEPS.values()]
+    # trained ahead, a reply due after the last step is computed and never accepted: a short run charges the
+    # cohort for it, so `trained-by-cohort` says how many it computed
     return {"mode": mode, "steps": len(steps_rows), "accepted": accepted, "seconds": round(seconds, 3),
-            "updates-per-s": round(accepted / seconds, 2), "cohort-steps-graphed": f"{sum(graphed)}/{len(graphed)}"}
+            "updates-per-s": round(accepted / seconds, 2), "trained-by-cohort": sum(trained),
+            "cohort-steps-graphed": f"{sum(graphed)}/{len(graphed)}"}
 
 
 def emit(line: dict[str, Any], out: Path | None) -> None:
