@@ -81,7 +81,8 @@ def boxed_sweep(folder: Path, flags: list[str], args: argparse.Namespace) -> dic
         "results": str(folder / "runs.jsonl"), "run-dir": str(folder / "runs")}))
     log = (folder / "sweep.log").open("w")
     start = time.perf_counter()
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "hybridfl"), "sweep", str(spec), *flags],
+    # `-m hybridfl.cli`, not the console script: a GPU lease runs the checkout from PYTHONPATH, not installed
+    proc = subprocess.Popen([sys.executable, "-m", "hybridfl.cli", "sweep", str(spec), *flags],
                             cwd=folder, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     with peak_gpu_memory() as memory:
         try:
