@@ -28,7 +28,6 @@ def address(flag: str | None) -> str | None:
     return None if found in (None, "", LOCAL) else found
 
 
-
 @contextlib.contextmanager
 def joined(ray_address: str, env_vars: dict[str, str] | None = None) -> Iterator[Any]:
     """This process connected to the cluster at `ray_address` as a Ray driver (the ``ray`` module), its tasks run

@@ -125,7 +125,8 @@ class Recorded(InProcessGrid):
 
     def pull_messages(self, message_ids):
         ids = list(message_ids)
-        self.due.append([i for i in ids if i in self._pending and self._pending[i].metadata.message_type == "train"])
+        self.due.append([i for i in ids
+                         if i in self._pending and self._pending[i].metadata.message_type == MessageType.TRAIN])
         return super().pull_messages(ids)
 
 

@@ -5,6 +5,7 @@ its runs on both nodes as Ray tasks and survives the worker node's death."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -106,6 +107,33 @@ def _sweep_spec(tmp_path: Path, name: str) -> Path:
     return path
 
 
+DRIVER_ENV = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
+
+
+@contextlib.contextmanager
+def _driver(tmp_path: Path, address: str, checkpoints: int) -> Iterator[subprocess.Popen]:
+    """`hybridfl sweep` of the "cluster" spec on the cluster at `address`, handed over once `checkpoints` of its runs
+    have a checkpoint (or it ended); killed on the way out if it is still running."""
+    driver = subprocess.Popen([HYBRIDFL, "sweep", str(_sweep_spec(tmp_path, "cluster")), "--ray", address],
+                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=DRIVER_ENV)
+    try:
+        deadline = time.monotonic() + 300
+        while len(list((tmp_path / "cluster").glob(f"*/{CHECKPOINT}"))) < checkpoints and driver.poll() is None:
+            assert time.monotonic() < deadline, f"{checkpoints} runs of the sweep did not start"
+            time.sleep(0.2)
+        yield driver
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+
+
+def _recorded(tmp_path: Path) -> list[str]:
+    """The keys of the "cluster" sweep's results, in the order they were appended."""
+    return [json.loads(line)["key"] for line in (tmp_path / "cluster" / "runs.jsonl").read_text().splitlines()]
+
+
 def _scores(report: str) -> list[str]:
     """The report's rows without their seconds column (the one thing two machines' runs may not share)."""
     return [line.rsplit("|", 2)[0] for line in report.splitlines() if line.startswith("|")]
@@ -117,24 +145,12 @@ def test_a_sweep_on_the_cluster_survives_its_worker_node_and_reports_what_jobs_2
     """Four runs, one per node at a time; the worker node is killed once both nodes' runs have a checkpoint: its
     run is run again on the head, resumed from that checkpoint (the only resumed run), every run is recorded once,
     and the report is the local sweep's."""
-    spec = _sweep_spec(tmp_path, "cluster")
-    driver = subprocess.Popen([HYBRIDFL, "sweep", str(spec), "--ray", two_nodes.address], cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"})
-    try:
-        deadline = time.monotonic() + 300
-        while len(list((tmp_path / "cluster").glob(f"*/{CHECKPOINT}"))) < 2 and driver.poll() is None:
-            assert time.monotonic() < deadline, "the sweep's runs did not start on both nodes"
-            time.sleep(0.2)
+    with _driver(tmp_path, two_nodes.address, checkpoints=2) as driver:  # both nodes' runs started
         assert not list((tmp_path / "cluster").glob("*/summary.json"))  # both nodes mid-run
         two_nodes.remove_node(next(iter(two_nodes.worker_nodes)), allow_graceful=False)
         out, _ = driver.communicate(timeout=600)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
     assert driver.returncode == 0, out[-4000:]
-    keys = [json.loads(line)["key"] for line in (tmp_path / "cluster" / "runs.jsonl").read_text().splitlines()]
+    keys = _recorded(tmp_path)
     assert sorted(keys) == sorted(set(keys)) and len(keys) == 4, keys
     resumed = [json.loads(p.read_text())["resumed-after-round"] for p in (tmp_path / "cluster").glob("*/summary.json")]
     assert len(resumed) == 4 and sum(after >= 1 for after in resumed) == 1, resumed  # the worker's run, alone
@@ -150,26 +166,14 @@ def test_a_sweep_on_the_cluster_survives_its_worker_node_and_reports_what_jobs_2
 def test_a_sweep_driver_stopped_mid_sweep_exits_143_and_a_new_one_finishes_it(tmp_path: Path, two_nodes) -> None:
     """SIGTERM to the driver while both nodes run: it exits 143 at once (Ray's driver exits 15 unless the command's
     handler is put back), its tasks are cancelled; a driver started again records every run once."""
-    spec = _sweep_spec(tmp_path, "cluster")
-    env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
-    driver = subprocess.Popen([HYBRIDFL, "sweep", str(spec), "--ray", two_nodes.address], cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        deadline = time.monotonic() + 300
-        while not list((tmp_path / "cluster").glob(f"*/{CHECKPOINT}")) and driver.poll() is None:
-            assert time.monotonic() < deadline, "no run of the sweep started"
-            time.sleep(0.2)
+    with _driver(tmp_path, two_nodes.address, checkpoints=1) as driver:
         driver.send_signal(signal.SIGTERM)
         out, _ = driver.communicate(timeout=60)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
     assert driver.returncode == 143, out[-4000:]
-    again = subprocess.run([HYBRIDFL, "sweep", str(spec), "--ray", two_nodes.address], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=600, env=env)
+    again = subprocess.run([HYBRIDFL, "sweep", str(tmp_path / "cluster.yaml"), "--ray", two_nodes.address],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=600, env=DRIVER_ENV)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    keys = [json.loads(line)["key"] for line in (tmp_path / "cluster" / "runs.jsonl").read_text().splitlines()]
+    keys = _recorded(tmp_path)
     assert sorted(keys) == sorted(set(keys)) and len(keys) == 4, keys
 
 
