@@ -31,14 +31,15 @@ demo: $(STAMP)
 	$(VENV)/bin/hybridfl run --mode simulation $(ARGS)
 
 # (2) the whole test suite (unit + end-to-end), on TEST_WORKERS processes (pytest-xdist; one torch thread each:
-# tests/conftest.py); PYTEST_ARGS='-m "not e2e"' for the fast part only, TEST_WORKERS=0 for one process
+# tests/conftest.py; the tests of one xdist_group on one worker); PYTEST_ARGS='-m "not e2e"' for the fast part
+# only, TEST_WORKERS=0 for one process
 TEST_WORKERS ?= 3
 # ruff, configured in pyproject.toml ([tool.ruff]); CI runs it before the tests.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 test: $(STAMP) browser nginx
-	$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # Debian's Chromium, for the test that opens the documentation site in a real browser (tests/test_site.py): installed
 # as root where apt is; elsewhere that test skips (CI sets HYBRIDFL_REQUIRE_BROWSER=1: it fails instead)
