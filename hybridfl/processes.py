@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -292,10 +293,11 @@ def register_supernode(env: dict[str, str], connection: str, public_key: Path) -
 
 
 def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
-             federation_config: str | None = None, timeout: float = 3600.0,
+             federation_config: str | None = None, timeout: float | None = None,
              app_dir: Path | None = None) -> tuple[int, str]:
     """``flwr run . <connection> --stream`` in `app_dir` (None: hybridfl's own app, :func:`hybridfl.bundle.flower_app`;
     or a user's Flower app that runs hybridfl's apps: examples/tabular); returns (run id, its final status text).
+    `timeout`: seconds before the run is given up on (a check's bound); None, a user's run: as long as it takes.
 
     Output is streamed to this process's stdout as it comes.
     """
@@ -308,15 +310,17 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
     proc: subprocess.Popen | None = None
     run_id = None
     with flower_app(app_dir) as folder:
-        # the output loop below blocks; a watchdog bounds it. A daemon: a launcher interrupted (SIGTERM, Ctrl-C) must
-        # not wait for it at exit (a live Timer kept one hanging for its whole timeout)
-        watchdog = threading.Timer(timeout, lambda: proc.kill())
-        watchdog.daemon = True
+        # the output loop below blocks; a watchdog bounds it where a timeout is given. A daemon: a launcher interrupted
+        # (SIGTERM, Ctrl-C) must not wait for it at exit (a live Timer kept one hanging for its whole timeout)
+        watchdog = threading.Timer(timeout, lambda: proc.kill()) if timeout is not None else None
+        if watchdog is not None:
+            watchdog.daemon = True
         try:
             with interrupts_held():
                 proc = subprocess.Popen(cmd, env=env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True)
-                watchdog.start()
+                if watchdog is not None:
+                    watchdog.start()
             assert proc.stdout is not None
             for line in proc.stdout:
                 sys.stdout.write(line)
@@ -325,8 +329,9 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
                     run_id = int(m.group(1))
             proc.wait()
         finally:
-            timed_out = watchdog.ident is not None and not watchdog.is_alive()
-            watchdog.cancel()
+            timed_out = watchdog is not None and watchdog.ident is not None and not watchdog.is_alive()
+            if watchdog is not None:
+                watchdog.cancel()
             if proc is not None and proc.poll() is None:  # interrupted: the flwr CLI goes too, reaped, not a zombie
                 proc.kill()
                 proc.wait()
@@ -348,12 +353,13 @@ def run_status(env: dict[str, str], connection: str, run_id: int) -> str:
     return str(runs[0]["status"])
 
 
-def final_status(env: dict[str, str], connection: str, run_id: int, timeout: float = 3600.0,
+def final_status(env: dict[str, str], connection: str, run_id: int, timeout: float | None = None,
                  unreachable_s: float = 30.0) -> str:
     """The run's status once it is ``finished:*``. ``flwr run --stream`` also returns when its connection
-    drops (a SuperLink restarting with ``--database`` keeps the run going), so poll until the run ended, or
-    until the SuperLink has not answered for `unreachable_s` (it is gone, not restarting)."""
-    deadline, status, since = time.monotonic() + timeout, "unknown", None
+    drops (a SuperLink restarting with ``--database`` keeps the run going), so poll until the run ended, until
+    `timeout` seconds (None: no bound), or until the SuperLink has not answered for `unreachable_s` (it is gone, not
+    restarting)."""
+    deadline, status, since = time.monotonic() + (math.inf if timeout is None else timeout), "unknown", None
     while True:
         try:
             status, since = run_status(env, connection, run_id), None

@@ -382,6 +382,7 @@ class FakeLink:
     (["running", None, None, None, "running", "finished:completed"], "finished:completed"),  # a restart
     (["running", None], "unknown: the SuperLink has not answered for 30s (last status: running)"),  # gone
     (["finished:failed"], "finished:failed"),
+    (["running"] * 3000 + ["finished:completed"], "finished:completed"),  # a user's run of 100 minutes: no cap
 ])
 def test_the_final_status_outlives_a_superlink_restart_but_not_its_end(monkeypatch, replies, expected) -> None:
     link = FakeLink(replies)
