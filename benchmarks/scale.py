@@ -19,15 +19,16 @@ Each run is a fresh process (``--child``), so its peak is its own:
   ServerApp, simulation runtime, Ray), sampled every 0.5 s.
 
 Results are appended per run to ``benchmarks/results/scale/runs.jsonl`` (a run already there is not
-run again); the table (with the growth per added client, MB, between consecutive client counts) goes to
-``table.md`` and the plot to ``scale.png``. ``--ingest`` instead measures the server's update ingest:
-see :func:`ingest`.
+run again; one that failed, its reason recorded, is); the table (with the growth per added client, MB,
+between consecutive client counts) goes to ``table.md`` and the plot to ``scale.png``. ``--ingest``
+instead measures the server's update ingest: see :func:`ingest`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import resource
 import subprocess
 import sys
@@ -48,6 +49,12 @@ PRESET = {"fedavg": "fedavg-dir0.1-n20", "fedasync": "fedasync-dir0.1-n20", "fed
 # Fashion-MNIST's 60 000 can
 FAMILY = {"animal-mnist": "feddle-animal", "fashion-mnist": "feddle-fmnist"}
 SIGMA = {"fedavg": 0.0, "fedasync": 20.0, "feddle": 20.0}
+# Flower's simulation asks its SuperNodes which partition they hold in a time that grows with their square (BENCHMARKS
+# "Scale"): a run's 120 s for them to answer would end the point, which --timeout bounds instead. Not in the job's
+# digest: how long the server waits changes no result.
+FLWR_WAIT_NODES_S = 24 * 3600
+# The last exception a failed point's output names (the ServerApp's, as `flwr run --stream` prints it)
+REASON = re.compile(r"^\s*(?:\w+\.)*(\w*(?:Error|Exception): .*)$", re.MULTILINE)
 
 
 def overrides(method: str, clients: int, steps: int, dataset: str = "animal-mnist") -> dict[str, Any]:
@@ -88,6 +95,7 @@ def child(engine: str, method: str, clients: int, steps: int, dataset: str) -> d
         else:
             from hybridfl.simulate import simulate
 
+            ov["wait-nodes-s"] = FLWR_WAIT_NODES_S
             samples: list[float] = []
             done = threading.Event()
             me = psutil.Process()
@@ -127,7 +135,8 @@ def run_point(engine: str, method: str, clients: int, steps: int, dataset: str, 
         return {**result, "error": f"did not finish within {timeout:.0f} s"}
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        return {**result, "error": f"exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"}
+        reasons = REASON.findall(proc.stdout + proc.stderr) or proc.stderr.strip().splitlines()[-1:]
+        return {**result, "error": f"exit {proc.returncode}: {reasons[-1] if reasons else 'no output'}"}
     return {**result, **json.loads(lines[-1])}
 
 
@@ -274,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     points = [(e, m, int(n), int(t), args.dataset) for e in args.engines.split(",") for m in args.methods.split(",")
               for t in args.steps.split(",") for n in args.clients.split(",")]
     jobs = [(point_key(*p), overrides(*p[1:])) for p in points]
-    todo = [] if args.report else {k for k, _ in pending(jobs, load_results(path))}
+    done = {k: r for k, r in load_results(path).items() if "error" not in r}
+    todo = [] if args.report else {k for k, _ in pending(jobs, done)}
     for (key, _), point in zip(jobs, points):
         if key in todo:
             result = run_point(*point, args.timeout)

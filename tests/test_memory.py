@@ -5,6 +5,7 @@ sends every client a model in waves, so at most a wave of model-carrying message
 from __future__ import annotations
 
 import gc
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -113,3 +114,29 @@ def test_models_held_during_training_are_bounded_by_the_versions_in_flight(tmp_p
         assert storages <= versions + accepted + own + 4, (flights, versions, accepted, storages)
         assert arrays <= versions + 1, (flights, versions, arrays)  # the dispatcher's last record may be unsent
     assert r.runner.flights == {} and model_copies(r.pspec.numel)[0] <= own + 4  # nothing kept of the discarded
+
+
+def test_a_failed_scale_point_records_the_runs_reason_and_runs_again(tmp_path: Path, monkeypatch) -> None:
+    """benchmarks/scale.py: a point whose run failed keeps the ServerApp's exception, not the launcher's last line,
+    and the next invocation runs it again (a point that ran is not)."""
+    import subprocess
+
+    from benchmarks import scale
+
+    streamed = ("Traceback (most recent call last):\n  File \"wire.py\", line 132, in wait_for\n"
+                "RuntimeError: only 3 of 4 clients connected within 120s (partitions [0, 1, 2])\n")
+    monkeypatch.setattr(scale.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 1, streamed, "error: run 7 ended as 'finished:failed'; logs in /tmp/x\n"))
+    failed = scale.run_point("flwr", "fedasync", 10, 2, "fashion-mnist", 60)
+    assert failed["error"] == "exit 1: RuntimeError: only 3 of 4 clients connected within 120s (partitions [0, 1, 2])"
+
+    ran = []
+    measured = {k: v for k, v in failed.items() if k != "error"} | {"peak-mb": 1.0, "seconds": 1.0, "accepted": 1,
+                                                                   "client-eval-replies": 10}
+    monkeypatch.setattr(scale, "run_point", lambda *point: ran.append(point[:4]) or measured)
+    monkeypatch.setattr(scale, "plot", lambda results, path: None)
+    (tmp_path / "runs.jsonl").write_text(json.dumps(failed) + "\n")  # with its job's digest: current, but failed
+    args = ["--engines", "flwr", "--methods", "fedasync", "--clients", "10", "--steps", "2", "--dataset",
+            "fashion-mnist", "--results", str(tmp_path)]
+    assert scale.main(args) == 0 and ran == [("flwr", "fedasync", 10, 2)]  # the failed point, again
+    assert scale.main(args) == 0 and len(ran) == 1  # now it ran: not again
