@@ -308,18 +308,18 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
         cmd += ["--federation-config", federation_config]
     print("$", shlex.join(cmd), flush=True)
     proc: subprocess.Popen | None = None
+    watchdog: threading.Timer | None = None
     run_id = None
     with flower_app(app_dir) as folder:
-        # the output loop below blocks; a watchdog bounds it where a timeout is given. A daemon: a launcher interrupted
-        # (SIGTERM, Ctrl-C) must not wait for it at exit (a live Timer kept one hanging for its whole timeout)
-        watchdog = threading.Timer(timeout, lambda: proc.kill()) if timeout is not None else None
-        if watchdog is not None:
-            watchdog.daemon = True
         try:
             with interrupts_held():
                 proc = subprocess.Popen(cmd, env=env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True)
-                if watchdog is not None:
+                if timeout is not None:
+                    # the output loop below blocks; the watchdog bounds it. A daemon: a launcher interrupted (SIGTERM,
+                    # Ctrl-C) must not wait for it at exit (a live Timer kept one hanging for its whole timeout)
+                    watchdog = threading.Timer(timeout, proc.kill)
+                    watchdog.daemon = True
                     watchdog.start()
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -329,7 +329,7 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
                     run_id = int(m.group(1))
             proc.wait()
         finally:
-            timed_out = watchdog is not None and watchdog.ident is not None and not watchdog.is_alive()
+            timed_out = watchdog is not None and not watchdog.is_alive()
             if watchdog is not None:
                 watchdog.cancel()
             if proc is not None and proc.poll() is None:  # interrupted: the flwr CLI goes too, reaped, not a zombie

@@ -392,6 +392,19 @@ def test_the_final_status_outlives_a_superlink_restart_but_not_its_end(monkeypat
     assert processes.final_status({}, "c", 1) == expected
 
 
+def test_flwr_run_gives_a_run_up_only_where_a_timeout_is_given(tmp_path) -> None:
+    """A check's bound ends a run that outlasts it; a user's run (no timeout) is waited for to its end."""
+    (tmp_path / "bin").mkdir()
+    flwr = tmp_path / "bin" / "flwr"  # `flwr run` starts run 7 and streams for 3 s; `flwr ls` says it completed
+    flwr.write_text('#!/bin/sh\nif [ "$1" = run ]; then echo "Successfully started run 7"; exec sleep 3; fi\n'
+                    'echo \'{"runs": [{"status": "finished:completed"}]}\'\n')
+    flwr.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
+    with pytest.raises(RuntimeError, match="flwr run did not finish within 1s"):
+        processes.flwr_run(env, "c", {}, timeout=1, app_dir=tmp_path)
+    assert processes.flwr_run(env, "c", {}, app_dir=tmp_path) == (7, "finished:completed")
+
+
 def test_the_engine_test_skips_where_no_engine_can_start_and_fails_so_under_require(monkeypatch, tmp_path,
                                                                                    capsys) -> None:
     """`make compose-test` on a machine that cannot run dockerd says why and skips; CI's --require fails."""
