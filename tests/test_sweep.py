@@ -179,7 +179,8 @@ def test_the_cli_refuses_a_bad_spec_with_exit_2(tmp_path: Path, capsys):
     ("feddle-fmnist", "feddle-fmnist/table.md"), ("feddle-animal", "feddle-animal/table.md"),
     ("feddle-animal-ablation", "feddle-animal/ablation.md"), ("feddle-fmnist-analysis", "feddle-fmnist/analysis.md"),
     ("fedmerge-fmnist", "fedmerge-fmnist/table.md"), ("feddual-fmnist", "feddual-fmnist/table.md"),
-    ("mixing-fmnist", "mixing-fmnist/table.md")])
+    ("mixing-fmnist", "mixing-fmnist/table.md"),
+    ("feddle-fmnist-async-corrected", "feddle-fmnist/async-corrected.md")])
 def test_the_reproduction_sweeps_regenerate_their_committed_tables_running_nothing(tmp_path: Path, spec, table):
     """Each family's spec reads its committed results (the digests of the runs as they were made: nothing is
     pending but what never ran) and writes its table as BENCHMARKS.md has it."""
@@ -201,3 +202,55 @@ def test_the_report_says_where_each_candidates_runs_ran():
                k2: run(k2, {}, 30.0), k4: run(k4, {}, 50.0)}
     rows = sweeps.table(results, sweep).splitlines()[4:]
     assert [r.split("|")[-2].strip() for r in rows] == ["60 (NVIDIA H200, cpu)", "40"]
+
+
+def _md_tables(text: str, heading: str | None = None) -> list[list[list[str]]]:
+    """The Markdown tables of `text` (of its section under `heading` where given) as rows of cell texts, without
+    their bold marks."""
+    if heading is not None:
+        text = text.split(f"\n{heading}\n", 1)[1].split("\n" + heading.split(" ")[0] + " ", 1)[0]
+    tables, rows = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            if not set(line) <= set("|-: "):
+                rows.append([c.strip().strip("*") for c in line.strip().strip("|").split("|")])
+        elif rows:
+            tables, rows = [*tables, rows], []
+    return tables
+
+
+# The headline's rows: the one recipe's (preset, candidate) in the corrected sweep's report, and where the original
+# recipe's number comes from (table.md's Dir(0.1),N(20) column, or a candidate of the corrected sweep).
+ONE_RECIPE = "lr 0.003, local-epochs 5"
+STEP = "buffer-size 1, staleness-weight polynomial, server-lr 0.8, staleness-exponent 0.5"
+HEADLINE = {
+    "FedAvg": ("fedavg", ONE_RECIPE, "FedAvg"), "Fed+FT": ("fedft", ONE_RECIPE, "Fed+FT"),
+    "HFCL": ("hfcl", ONE_RECIPE, "HFCL"), "FedDF-ID": ("feddf-id", ONE_RECIPE, "FedDF-ID"),
+    "Feddle-ID": ("feddle-id", ONE_RECIPE, "Feddle-ID"), "FedDF-OOD": ("feddf-ood", ONE_RECIPE, "FedDF-OOD"),
+    "Feddle-OOD": ("feddle-ood", ONE_RECIPE, "Feddle-OOD"), "FedBuff": ("fedbuff", ONE_RECIPE, "FedBuff"),
+    "FedAsync": ("fedbuff", f"{STEP}, {ONE_RECIPE}", ("fedbuff", STEP)), "CA2FL": ("ca2fl", ONE_RECIPE, "CA2FL"),
+}
+
+
+@pytest.mark.parametrize("page", ["BENCHMARKS.md", "docs/results.md"])
+def test_the_headline_is_the_reports_of_its_sweeps(tmp_path: Path, page):
+    """Every number of the headline's one-recipe column is the corrected sweep's report (which regenerates from its
+    committed results, above), and the original recipe's column is the table's: a number copied by hand that differs
+    from its report fails here."""
+    root = Path(__file__).resolve().parents[1]
+    sweep = sweeps.load(root / "benchmarks" / "sweeps" / "feddle-fmnist-async-corrected.yaml")
+    sweep = dataclasses.replace(sweep, results=root / sweep.results, report=tmp_path / "report.md")
+    report, preset = {}, ""
+    for row in _md_tables(sweeps.report(sweep))[0][1:]:
+        preset = row[0] or preset
+        report[preset.split("/")[1].removesuffix("-dir0.1-n20"), row[1]] = row[4]
+    table_md = (root / "benchmarks" / "results" / "feddle-fmnist" / "table.md").read_text()
+    table = {row[0]: row[2] for row in _md_tables(table_md)[0][1:]}  # its Dir(0.1),N(20) column
+    headline = _md_tables("\n" + (root / page).read_text(), "## Headline")[0]
+    assert headline[0] == ["method", "hybridfl, one recipe", "original recipe", "paper"]
+    rows = {row[0].split(" (")[0]: row for row in headline[1:]}
+    assert sorted(rows) == sorted([*HEADLINE, "Center"])
+    assert rows["Center"][1] == rows["Center"][2] == table["Center"]  # no client training: one number for both
+    for method, (name, candidate, original) in HEADLINE.items():
+        assert rows[method][1] == report[name, candidate], method
+        assert rows[method][2] == (report[original] if isinstance(original, tuple) else table[original]), method
