@@ -96,9 +96,6 @@ class NodeDirectory:
     def clients(self) -> list[int]:
         return sorted(self.node_of)
 
-    def client_of(self, node: int) -> int | None:
-        return next((c for c, n in self.node_of.items() if n == node), None)
-
     def poll(self) -> set[int]:
         """Ask connected nodes not yet known which partition they hold, record the answers that are in
         (without waiting), and return the ids of the nodes connected now."""
