@@ -180,7 +180,8 @@ def test_the_cli_refuses_a_bad_spec_with_exit_2(tmp_path: Path, capsys):
     ("feddle-animal-ablation", "feddle-animal/ablation.md"), ("feddle-fmnist-analysis", "feddle-fmnist/analysis.md"),
     ("fedmerge-fmnist", "fedmerge-fmnist/table.md"), ("feddual-fmnist", "feddual-fmnist/table.md"),
     ("mixing-fmnist", "mixing-fmnist/table.md"),
-    ("feddle-fmnist-async-corrected", "feddle-fmnist/async-corrected.md")])
+    ("feddle-fmnist-async-corrected", "feddle-fmnist/async-corrected.md"),
+    ("feddle-fmnist-retune-corrected", "feddle-fmnist/retune-corrected.md")])
 def test_the_reproduction_sweeps_regenerate_their_committed_tables_running_nothing(tmp_path: Path, spec, table):
     """Each family's spec reads its committed results (the digests of the runs as they were made: nothing is
     pending but what never ran) and writes its table as BENCHMARKS.md has it."""
@@ -224,7 +225,7 @@ def _md_tables(text: str, heading: str | None = None) -> list[list[list[str]]]:
 ONE_RECIPE = "lr 0.003, local-epochs 5"
 STEP = "buffer-size 1, staleness-weight polynomial, server-lr 0.8, staleness-exponent 0.5"
 HEADLINE = {
-    "FedAvg": ("fedavg", ONE_RECIPE, "FedAvg"), "Fed+FT": ("fedft", ONE_RECIPE, "Fed+FT"),
+    "FedAvg": ("fedavg", ONE_RECIPE, "FedAvg"), "Fed+FT": ("fedft", f"{ONE_RECIPE}, server-train-lr 0.001", "Fed+FT"),
     "HFCL": ("hfcl", ONE_RECIPE, "HFCL"), "FedDF-ID": ("feddf-id", ONE_RECIPE, "FedDF-ID"),
     "Feddle-ID": ("feddle-id", ONE_RECIPE, "Feddle-ID"), "FedDF-OOD": ("feddf-ood", ONE_RECIPE, "FedDF-OOD"),
     "Feddle-OOD": ("feddle-ood", ONE_RECIPE, "Feddle-OOD"), "FedBuff": ("fedbuff", ONE_RECIPE, "FedBuff"),
