@@ -224,10 +224,11 @@ def _md_tables(text: str, heading: str | None = None) -> list[list[list[str]]]:
 # recipe's number comes from (table.md's Dir(0.1),N(20) column, or a candidate of the corrected sweep).
 ONE_RECIPE = "lr 0.003, local-epochs 5"
 STEP = "buffer-size 1, staleness-weight polynomial, server-lr 0.8, staleness-exponent 0.5"
+RETUNED = f"{ONE_RECIPE}, server-train-lr 0.001"  # the server pass re-tuned on the one recipe
 HEADLINE = {
-    "FedAvg": ("fedavg", ONE_RECIPE, "FedAvg"), "Fed+FT": ("fedft", f"{ONE_RECIPE}, server-train-lr 0.001", "Fed+FT"),
-    "HFCL": ("hfcl", ONE_RECIPE, "HFCL"), "FedDF-ID": ("feddf-id", ONE_RECIPE, "FedDF-ID"),
-    "Feddle-ID": ("feddle-id", ONE_RECIPE, "Feddle-ID"), "FedDF-OOD": ("feddf-ood", ONE_RECIPE, "FedDF-OOD"),
+    "FedAvg": ("fedavg", ONE_RECIPE, "FedAvg"), "Fed+FT": ("fedft", RETUNED, "Fed+FT"),
+    "HFCL": ("hfcl", ONE_RECIPE, "HFCL"), "FedDF-ID": ("feddf-id", RETUNED, "FedDF-ID"),
+    "Feddle-ID": ("feddle-id", ONE_RECIPE, "Feddle-ID"), "FedDF-OOD": ("feddf-ood", RETUNED, "FedDF-OOD"),
     "Feddle-OOD": ("feddle-ood", ONE_RECIPE, "Feddle-OOD"), "FedBuff": ("fedbuff", ONE_RECIPE, "FedBuff"),
     "FedAsync": ("fedbuff", f"{STEP}, {ONE_RECIPE}", ("fedbuff", STEP)), "CA2FL": ("ca2fl", ONE_RECIPE, "CA2FL"),
 }
