@@ -18,7 +18,8 @@ grids on Dir(0.1)/σ=20 at seed 100, ranked by the VALIDATION split; Fashion-MNI
 FedAvg's client lr and epochs first, then each method's grid), ``feddle-animal-ablation.yaml`` (004 Table 3's
 cumulative components, :func:`ablation`), ``feddle-fmnist-analysis.yaml`` (Feddle-ID's gap to Fed+FT taken
 apart, :func:`analysis`) and ``feddle-fmnist-select.yaml`` (issue 36: Feddle's candidates chosen on validation by
-the one-standard-error rule).
+the one-standard-error rule); ``feddle-fmnist-async-corrected.yaml`` runs the headline's rows on one recipe
+(:data:`HEADLINE`, :func:`headline`, with ``headline.png``).
 
     hybridfl sweep benchmarks/sweeps/feddle-fmnist-tune.yaml --jobs 2
     hybridfl sweep benchmarks/sweeps/feddle-fmnist.yaml --jobs 2          # the table
@@ -39,7 +40,8 @@ from typing import Any
 import yaml
 
 from benchmarks.runs import pyplot
-from hybridfl.sweep import Results, Sweep, candidates, mean_std
+from hybridfl.sweep import Results, Sweep, candidates, load_results, mean_std
+from hybridfl.sweep import table as sweep_table
 
 SETTINGS: list[tuple[float, int]] = [(0.1, 20), (0.1, 5), (0.3, 20), (0.3, 5)]
 MAIN = (0.1, 20)
@@ -57,6 +59,16 @@ VALIDATED: list[tuple[str, str, bool]] = [
     ("feddle-step-ood", "Feddle-OOD at FedBuff's step length ‡", False)]
 # what a ‡ row's papers' column says where it is not "not in the papers"
 NOT_IN_PAPERS = {"feddle-pull-ood": "the papers' method at λ 0.01: the Feddle-OOD row"}
+# The headline (issue 61): each row's candidate in benchmarks/sweeps/feddle-fmnist-async-corrected.yaml, every
+# method's clients on one recipe (FedAvg's best on validation), the server pass re-tuned on it where a method has one
+ONE_RECIPE: dict[str, Any] = {"lr": 0.003, "local-epochs": 5}
+RETUNED = {**ONE_RECIPE, "server-train-lr": 0.001}  # benchmarks/sweeps/feddle-fmnist-retune-corrected.yaml
+STEP = {"buffer-size": 1, "staleness-weight": "polynomial", "server-lr": 0.8, "staleness-exponent": 0.5}  # FedAsync
+HEADLINE: dict[str, tuple[str, dict[str, Any]]] = {  # label: (preset method, point)
+    "Fed+FT": ("fedft", RETUNED), "HFCL": ("hfcl", ONE_RECIPE), "FedDF-ID": ("feddf-id", RETUNED),
+    "Feddle-ID": ("feddle-id", ONE_RECIPE), "FedAvg": ("fedavg", ONE_RECIPE),
+    "FedAsync": ("fedbuff", {**STEP, **ONE_RECIPE}), "FedBuff": ("fedbuff", ONE_RECIPE), "CA2FL": ("ca2fl", ONE_RECIPE),
+    "FedDF-OOD": ("feddf-ood", RETUNED), "Feddle-OOD": ("feddle-ood", ONE_RECIPE)}
 SETTING_FREE = {"center"}  # no clients: the same number in every column, and no client updates
 PAPER = Path(__file__).resolve().parent / "sweeps" / "feddle.paper.yaml"
 CHECKPOINTS = (10, 20, 50, 100, 150, 200)  # steps at which the analysis tabulates the accuracy curves
@@ -140,6 +152,21 @@ def table(results: Results, sweep: Sweep) -> str:
     return "\n".join(lines)
 
 
+def headline(results: Results, sweep: Sweep) -> str:
+    """The corrected sweep's report (:func:`hybridfl.sweep.table`), and ``headline.png`` beside it: the headline's
+    rows (:data:`HEADLINE`) per step, with and without in-domain data, and Center from the table's runs beside."""
+    family = sweep.blocks[0].presets[0].split("/")[0]
+    table_runs = sweep.results.parent / "runs.jsonl"  # the table's, beside: Center trains no client
+    curves = {"Center": cell(load_results(table_runs), family, "center", MAIN, "curve") if table_runs.exists() else []}
+    found = {(c.preset, c.label): c for c in candidates(sweep, results)}
+    for label, (method, point) in HEADLINE.items():
+        candidate = found[preset(family, method, MAIN), ", ".join(f"{k} {v}" for k, v in point.items())]
+        curves[label] = [r["curve"] for r in candidate.runs]
+    plot_groups({label: c for label, c in curves.items() if c}, {label: flag for _, label, flag in METHODS}, family,
+                sweep.report.parent / "headline.png", "every method's clients at lr 3e-3 x 5 epochs")
+    return sweep_table(results, sweep)
+
+
 def draw_curves(ax: Any, curves: dict[str, list[list[list[float]]]], title: str, bold: str = "Feddle") -> None:
     """Test accuracy per step on `ax`, the mean over a label's runs (seeds); labels starting with `bold` thick."""
     import numpy as np
@@ -155,16 +182,25 @@ def draw_curves(ax: Any, curves: dict[str, list[list[list[float]]]], title: str,
 
 
 def plot(results: Results, family: str, path: Path) -> None:
+    """The table's Dir(0.1)/N(20) curves of every row, with and without in-domain data."""
+    rows = methods(family)
+    curves = {label: cell(results, family, method, MAIN, "curve") for method, label, _ in rows}
+    plot_groups({k: v for k, v in curves.items() if v}, {label: flag for _, label, flag in rows}, family, path)
+
+
+def plot_groups(curves: dict[str, list[list[list[float]]]], in_domain: dict[str, bool], family: str, path: Path,
+                note: str = "") -> None:
+    """Two panels of test accuracy per step: the labels with in-domain server data, and those without; FedAvg, the
+    reference without server data, in both."""
     from server_app.config import load_config
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     ood = load_config({"preset": preset(family, "feddle-ood", MAIN)}).server_dataset
     for ax, group in zip(axes, (True, False)):
-        curves = {label: cell(results, family, method, MAIN, "curve") for method, label, in_domain in methods(family)
-                  if in_domain == group or method == "fedavg"}
-        draw_curves(ax, {k: v for k, v in curves.items() if v},
-                    ("with ID server data" if group else f"without ID data (OOD: {ood})") + ", Dir(0.1), N(20)")
+        draw_curves(ax, {k: v for k, v in curves.items() if in_domain[k] == group or k == "FedAvg"},
+                    ("with ID server data" if group else f"without ID data (OOD: {ood})") + ", Dir(0.1), N(20)"
+                    + (f"\n{note}" if note else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from benchmarks.reproduce_feddle import HEADLINE, RETUNED
 from common.errors import ConfigError
 from hybridfl import sweep as sweeps
 from hybridfl.cli import main
@@ -220,18 +221,9 @@ def _md_tables(text: str, heading: str | None = None) -> list[list[list[str]]]:
     return tables
 
 
-# The headline's rows: the one recipe's (preset, candidate) in the corrected sweep's report, and where the original
-# recipe's number comes from (table.md's Dir(0.1),N(20) column, or a candidate of the corrected sweep).
-ONE_RECIPE = "lr 0.003, local-epochs 5"
-STEP = "buffer-size 1, staleness-weight polynomial, server-lr 0.8, staleness-exponent 0.5"
-RETUNED = f"{ONE_RECIPE}, server-train-lr 0.001"  # the server pass re-tuned on the one recipe
-HEADLINE = {
-    "FedAvg": ("fedavg", ONE_RECIPE, "FedAvg"), "Fed+FT": ("fedft", RETUNED, "Fed+FT"),
-    "HFCL": ("hfcl", ONE_RECIPE, "HFCL"), "FedDF-ID": ("feddf-id", RETUNED, "FedDF-ID"),
-    "Feddle-ID": ("feddle-id", ONE_RECIPE, "Feddle-ID"), "FedDF-OOD": ("feddf-ood", RETUNED, "FedDF-OOD"),
-    "Feddle-OOD": ("feddle-ood", ONE_RECIPE, "Feddle-OOD"), "FedBuff": ("fedbuff", ONE_RECIPE, "FedBuff"),
-    "FedAsync": ("fedbuff", f"{STEP}, {ONE_RECIPE}", ("fedbuff", STEP)), "CA2FL": ("ca2fl", ONE_RECIPE, "CA2FL"),
-}
+def _label(point: dict) -> str:
+    """A candidate's label in a report."""
+    return ", ".join(f"{k} {v}" for k, v in point.items())
 
 
 @pytest.mark.parametrize("page", ["BENCHMARKS.md", "docs/results.md"])
@@ -250,6 +242,9 @@ def test_the_headline_is_the_reports_of_its_sweeps(page):
     rows = {row[0].split(" (")[0]: row for row in headline[1:]}
     assert sorted(rows) == sorted([*HEADLINE, "Center"])
     assert rows["Center"][1] == rows["Center"][2] == table["Center"]  # no client training: one number for both
-    for method, (name, candidate, original) in HEADLINE.items():
-        assert rows[method][1] == report[name, candidate], method
-        assert rows[method][2] == (report[original] if isinstance(original, tuple) else table[original]), method
+    for label, (method, point) in HEADLINE.items():
+        assert rows[label][1] == report[method, _label(point)], label
+        # the original recipe: the table's row, or (FedAsync as a step along the update) its candidate without the
+        # one recipe
+        original = {k: v for k, v in point.items() if k not in RETUNED}
+        assert rows[label][2] == (report[method, _label(original)] if original else table[label]), label
