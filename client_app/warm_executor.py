@@ -18,7 +18,8 @@ pushes the reply, as ``flwr-clientapp`` does, then exits. So:
   memory stays bounded because every child exits. A child that dies mid-message (SIGKILL, out of memory) loses only
   its message: once its task's heartbeat expires (Flower's 30 s x patience 2) the SuperNode answers it with Flower's
   error "ClientApp stopped responding", as for a dead ``flwr-clientapp`` (tested).
-- A FAB that a child installed whole is not unzipped and re-verified by the next children (marked by its SHA-256).
+- A FAB that a child installed whole is not unzipped and re-verified by the next children (marked by its SHA-256);
+  one that a killed child left half installed is installed again (Flower would take its folder for installed).
 - Not kept across messages: the node's data and model (read from the node's partition cache, ~0.5 s) and a CUDA
   context (CUDA cannot cross a fork: each child makes its own).
 
@@ -50,7 +51,40 @@ PRELOAD = ("torch", "numpy", "flwr.supernode.runtime.run_clientapp", "flwr.clien
 # arguments; the reply its pid.
 # Flower unzips the FAB and checks every file's hash on every message, although an installed FAB is then used as it
 # is (0.4 s per message for this project's 2.3 MB FAB); a child marks a FAB whose install it completed, by its
-# SHA-256, and later children use the install without unzipping it again.
+# SHA-256, and later children use the install without unzipping it again. Flower also takes an app folder that
+# exists for installed, even one that a process killed mid-install left half-moved (no pyproject.toml: every later
+# message of the node fails to load the app): a child installs into a folder of its own and renames it into place,
+# one child at a time, and a folder without a mark is installed again. `install_from_fab` and `marks` are the
+# fork server's (tests/test_warm_executor.py runs this part alone).
+_INSTALL = r"""
+import fcntl, glob, hashlib, os, shutil, tempfile
+from pathlib import Path
+from flwr.supercore.utils import get_flwr_home
+def install_once(content, install_dir=None, skip_prompt=False):
+    mark = os.path.join(marks, hashlib.sha256(content).hexdigest())
+    with open(os.path.join(marks, "install.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released also when a child is killed holding it
+        if os.path.exists(mark):
+            return Path(open(mark).read())
+        base = Path(install_dir or get_flwr_home()).expanduser()
+        base.mkdir(parents=True, exist_ok=True)
+        for left in glob.glob(str(base / ".install-*")):  # a killed child's
+            shutil.rmtree(left, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(prefix=".install-", dir=base))
+        try:
+            built = install_from_fab(content, staging, skip_prompt)
+            path = base / built.relative_to(staging)
+            if path.exists():
+                shutil.rmtree(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(built, path)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        with open(mark + ".tmp", "w") as out:
+            out.write(str(path))
+        os.replace(mark + ".tmp", mark)
+        return path
+"""
 _SERVER = r"""
 import hashlib, importlib, json, os, signal, sys, traceback
 tasks, replies = os.fdopen(int(sys.argv[1]), "r"), os.fdopen(int(sys.argv[2]), "w")
@@ -60,15 +94,7 @@ for module in sys.argv[4:]:
 from flwr.supernode.runtime import run_clientapp as runtime
 from flwr.supernode.runtime.run_clientapp import run_clientapp
 install_from_fab = runtime.install_from_fab
-def install_once(content, *args, **kwargs):
-    mark = os.path.join(marks, hashlib.sha256(content).hexdigest())
-    if os.path.exists(mark):
-        return open(mark).read()
-    path = install_from_fab(content, *args, **kwargs)
-    with open(mark + ".tmp", "w") as out:
-        out.write(str(path))
-    os.replace(mark + ".tmp", mark)
-    return path
+""" + _INSTALL + r"""
 runtime.install_from_fab = install_once
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
 print("ready", file=replies, flush=True)

@@ -209,6 +209,54 @@ def test_a_child_whose_app_raises_prints_its_traceback_in_the_nodes_log():
     assert "Traceback (most recent call last)" in err and "TypeError" in err and "not_an_argument" in err
 
 
+def _fab(folder: Path) -> bytes:
+    """A FAB of a two-file app, built by Flower."""
+    from flwr.cli.build import build_fab_from_disk
+
+    (folder / "tiny").mkdir(parents=True)
+    (folder / "tiny" / "__init__.py").write_text("")
+    (folder / "tiny" / "apps.py").write_text("app = None\n")
+    (folder / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["hatchling"]\nbuild-backend = "hatchling.build"\n'
+        '[project]\nname = "tiny"\nversion = "1.0.0"\ndependencies = []\n'
+        '[tool.flwr.app]\npublisher = "hybridfl-tests"\n'
+        '[tool.flwr.app.components]\nserverapp = "tiny.apps:app"\nclientapp = "tiny.apps:app"\n'
+        '[tool.flwr.app.config]\nkey = 1\n')
+    return build_fab_from_disk(folder)
+
+
+def test_a_fab_install_that_a_killed_child_left_half_done_is_installed_again(tmp_path: Path, monkeypatch):
+    """Flower takes an app folder that exists for installed: one left without its pyproject.toml by a child killed
+    mid-install failed every later message of that node (seen in CI). The fork server's install puts it back whole,
+    and a whole install is used as it is."""
+    from flwr.cli.install import install_from_fab
+
+    from client_app.warm_executor import _INSTALL
+
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "home"))
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    fab = _fab(tmp_path / "app")
+    fork_server = {"install_from_fab": install_from_fab, "marks": str(marks)}
+    exec(_INSTALL, fork_server)
+    install_once = fork_server["install_once"]
+    path = install_once(fab, skip_prompt=True)
+    assert path.parent == tmp_path / "home" / "apps" and (path / "pyproject.toml").is_file()
+    whole = sorted(str(f.relative_to(path)) for f in path.rglob("*"))
+    assert "tiny/apps.py" in whole and not list((tmp_path / "home").glob(".install-*"))
+    # killed between Flower's moves: the folder is there, its pyproject.toml is not, and no mark
+    (path / "pyproject.toml").unlink()
+    assert not (install_from_fab(fab, skip_prompt=True) / "pyproject.toml").exists()  # Flower's own: taken as is
+    again = install_once(fab, skip_prompt=True)  # the mark of the first install: used as it is
+    assert again == path and not (path / "pyproject.toml").exists()
+    for mark in marks.iterdir():
+        mark.unlink()
+    (tmp_path / "home" / ".install-left-by-a-killed-child").mkdir()
+    again = install_once(fab, skip_prompt=True)
+    assert again == path and sorted(str(f.relative_to(path)) for f in path.rglob("*")) == whole
+    assert not list((tmp_path / "home").glob(".install-*"))
+
+
 def test_close_waits_for_a_fork_server_it_had_to_kill():
     """A fork server that does not end at the end of its input (stopped here) is killed and reaped: no zombie."""
     executor = WarmExecutor()
