@@ -158,12 +158,13 @@ def headline(results: Results, sweep: Sweep) -> str:
     family = sweep.blocks[0].presets[0].split("/")[0]
     table_runs = sweep.results.parent / "runs.jsonl"  # the table's, beside: Center trains no client
     curves = {"Center": cell(load_results(table_runs), family, "center", MAIN, "curve") if table_runs.exists() else []}
-    found = {(c.preset, c.label): c for c in candidates(sweep, results)}
+    found = candidates(sweep, results)
     for label, (method, point) in HEADLINE.items():
-        candidate = found[preset(family, method, MAIN), ", ".join(f"{k} {v}" for k, v in point.items())]
+        candidate = next(c for c in found if c.preset == preset(family, method, MAIN) and c.point == point)
         curves[label] = [r["curve"] for r in candidate.runs]
     plot_groups({label: c for label, c in curves.items() if c}, {label: flag for _, label, flag in METHODS}, family,
-                sweep.report.parent / "headline.png", "every method's clients at lr 3e-3 x 5 epochs")
+                sweep.report.parent / "headline.png",
+                "every method's clients at lr {lr:g} x {local-epochs} local epochs".format_map(ONE_RECIPE))
     return sweep_table(results, sweep)
 
 

@@ -65,7 +65,7 @@ def install_once(content, install_dir=None, skip_prompt=False):
     with open(os.path.join(marks, "install.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released also when a child is killed holding it
         if os.path.exists(mark):
-            return Path(open(mark).read())
+            return Path(Path(mark).read_text())
         base = Path(install_dir or get_flwr_home()).expanduser()
         base.mkdir(parents=True, exist_ok=True)
         for left in glob.glob(str(base / ".install-*")):  # a killed child's

@@ -223,7 +223,7 @@ def _md_tables(text: str, heading: str | None = None) -> list[list[list[str]]]:
 
 def _label(point: dict) -> str:
     """A candidate's label in a report."""
-    return ", ".join(f"{k} {v}" for k, v in point.items())
+    return sweeps.Candidate(preset="", point=point, runs=[], seeds=0).label
 
 
 @pytest.mark.parametrize("page", ["BENCHMARKS.md", "docs/results.md"])
