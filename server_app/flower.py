@@ -122,6 +122,7 @@ class FlowerStrategy(FlowerBase):
 
         runner.run(num_rounds, on_round)
         result.evaluate_metrics_clientapp[num_rounds] = MetricRecord(
-            federated_evaluate(grid, runner.directory, runner.dispatcher, self.strategy, timeout))
+            federated_evaluate(grid, runner.directory, runner.dispatcher, self.strategy, timeout,
+                               runner.evaluated_examples))
         result.arrays = self._headline()
         return result

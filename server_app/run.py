@@ -19,7 +19,7 @@ from flwr.serverapp import Grid
 from torch import nn
 
 from common.config import part_of
-from common.data import Splits, check_partitions, data_spec, make_splits, task_data
+from common.data import Splits, check_partitions, client_sizes, data_spec, make_splits, task_data
 from common.models import build_from_config, check_on_data
 from common.params import ParamSpec
 from common.server_data import ServerData, build_server_data
@@ -78,7 +78,7 @@ class Run:
                     into.update({prefix + k: v for k, v in evaluate(self.model, split, seed=self.cfg.seed).items()})
         if self.cfg.client_test_fraction > 0:  # personalised: each client's model on its own held-out split
             per_client, _ = client_evaluate(self.grid, self.runner.directory, self.runner.dispatcher, self.strategy,
-                                            self.cfg.reply_timeout_s)
+                                            self.cfg.reply_timeout_s, max_examples=self.runner.evaluated_examples)
             entry.personal = personal_summary(per_client)
             clients = sorted(per_client)
             self.recorder.clients({"round": entry.round, "clients": clients,
@@ -163,7 +163,7 @@ class Run:
         train_seconds = time.perf_counter() - t_train
         self.check_learned()
         client_eval = federated_evaluate(self.grid, self.runner.directory, self.runner.dispatcher, self.strategy,
-                                         cfg.reply_timeout_s)
+                                         cfg.reply_timeout_s, self.runner.evaluated_examples)
         models = {}
         for name, params in self.strategy.central_models().items():
             self.pspec.load_into(self.model, params)
@@ -216,7 +216,7 @@ def build_run(grid: Grid, cfg: RunConfig) -> Run:
     if cfg.checkpoint_every:  # a state a checkpoint could not load back is refused now, not at the resume
         pack_state(strategy.state_dict(), type(strategy))
     runner = Runner(grid, strategy, client_config(cfg), part_of(RuntimeConfig, cfg), seed=cfg.seed,
-                    server_data=server_data)
+                    server_data=server_data, client_sizes=client_sizes(spec))
     # The run's folder once every check at start passed: a run refused at start leaves none
     out = Path(cfg.resume) if cfg.resume else run_dir(cfg)
     if resumed is None:  # a named folder may hold an older run's checkpoint: it must not be resumed into this run

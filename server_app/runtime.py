@@ -31,12 +31,13 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
+import torch
 from flwr.app import Message, MessageType
 from flwr.common import log
 from flwr.serverapp import Grid
@@ -44,7 +45,7 @@ from flwr.serverapp import Grid
 from common.config import COUNT, POSITIVE, OneOf, Range, check_options, option
 from common.protocol import STRATEGY
 from server_app.evaluation import weighted_mean
-from server_app.wire import Dispatcher, NodeDirectory, RejectedReply, parse_reply
+from server_app.wire import MAX_COUNT, Dispatcher, NodeDirectory, RejectedReply, parse_reply
 from strategies.base import Payload, Strategy, Unusable, Update
 
 CLOCKS = ("virtual", "wall")
@@ -65,6 +66,12 @@ class RuntimeConfig:
     poll_interval_s: float = option(0.05, Range(0, 1, low_open=True), "seconds between pulls for replies")
     wait_nodes_s: float = option(120.0, POSITIVE,
                                  "seconds to wait for `num-clients` nodes at start, or for any node later")
+    max_num_examples: int = option(0, Range(0), "the most `num-examples` a client's reply may claim; 0 = its "
+                                   "partition's training size as the server cuts it (a reply claiming more is "
+                                   "rejected: a device's lie would set its weight in every example-weighted mean)")
+    max_update_ratio: float = option(100.0, Range(0), "an update whose ℓ2 norm exceeds this multiple of the model it "
+                                     "started from (of 1, for a model of smaller norm) is rejected: a finite but huge "
+                                     "update would leave a model every later client fails on (0 = no bound)")
 
 
 @dataclass
@@ -112,6 +119,7 @@ class RoundLog:
     accepted: int = 0
     failures: int = 0  # error replies: exception on the device, node unavailable
     rejected: int = 0  # replies that arrived but could not be used (shape, NaN, missing keys, wrong version)
+    refused_steps: int = 0  # strategy steps whose model was not finite: undone, the run went on from the last good one
     timeouts: int = 0  # no reply within reply-timeout-s
     bytes_down: int = 0  # models and arrays sent in this round's dispatches (float32)
     bytes_up: int = 0  # ... and received in its accepted updates
@@ -154,15 +162,19 @@ class Runner:
         seed: seeds client sampling and delays.
         server_data: attached to the strategy (its one hand-over: ``strategy.server``).
         on_event: called with a dict for every update handed over or lost (events.jsonl).
+        client_sizes: each client's parts' sizes as the server cuts them (``train``, ``test``): the most
+            ``num-examples`` its replies may claim unless ``max-num-examples`` says otherwise.
     """
 
     def __init__(self, grid: Grid, strategy: Strategy, run_config: dict[str, Any],
                  runtime: RuntimeConfig | None = None, *, seed: int = 0, server_data: Any = None,
-                 on_event: Callable[[dict[str, Any]], None] | None = None) -> None:
+                 on_event: Callable[[dict[str, Any]], None] | None = None,
+                 client_sizes: Mapping[int, Mapping[str, int]] | None = None) -> None:
         self.runtime = runtime if runtime is not None else RuntimeConfig()
         check_options(self.runtime)
         self.grid, self.strategy = grid, strategy
-        self.directory = NodeDirectory(grid)
+        self.directory = NodeDirectory(grid, strategy.num_clients or MAX_COUNT)
+        self.client_sizes = dict(client_sizes or {})
         self.dispatcher = Dispatcher(strategy.spec, {**run_config, STRATEGY: strategy.reference(),
                                                      **strategy.client_options()}, seed)
         strategy.attach(server_data)
@@ -183,6 +195,7 @@ class Runner:
         self.reply_parts: dict[str, list[float]] = {"hand-over": [], "push": []}
         self.first_loss = ""  # why the run's first lost update (failed, rejected, timed out) was lost
         self._pushed_in = 0.0
+        self._good: dict[str, Any] | None = None  # the strategy's state after its last step with a finite model
 
     # -- checkpointing ------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -293,11 +306,12 @@ class Runner:
             entry.timeouts += 1
         else:
             try:
-                update = parse_reply(reply, self.dispatcher.spec)
+                update = parse_reply(reply, self.dispatcher.spec, self._max_examples(flight.client))
                 if (update.client, update.base_version) != (flight.client, flight.version):
                     raise RejectedReply(f"reply is for client {update.client} at version {update.base_version}, "
                                         f"but client {flight.client} was sent version {flight.version}")
                 update.sent = flight.payload
+                self._check_size(update)
                 self.strategy.check(update)
             except (RejectedReply, Unusable) as err:
                 outcome, reason = ("failure" if reply.has_error() else "rejected"), str(err)
@@ -312,18 +326,57 @@ class Runner:
             self.on_event({**event, "outcome": outcome, "reason": reason})
             return False
         staleness = update.staleness(self.strategy.version)
+        if self._good is None:  # the state every update of the run is received into: the first good one
+            self._good = self.strategy.state_dict()
         self.strategy.receive(update)
         accepted.append(update)
         entry.accepted += 1
         entry.bytes_up += update.nbytes
         entry.staleness.append(staleness)
         if self.strategy.ready():
-            self._strategy_step()
+            self._strategy_step(entry)
         self.on_event({**event, "outcome": "accepted", "staleness": staleness, "version": self.strategy.version})
         return True
 
-    def _strategy_step(self) -> None:
+    def _check_size(self, update: Update) -> None:
+        """Reject `update` if ‖Δ‖ > ``max-update-ratio`` · max(‖ω^τ‖, 1) (norms in float64: a finite float32
+        update's norm cannot overflow there)."""
+        ratio = self.runtime.max_update_ratio
+        if not ratio:
+            return
+        size, start = (float(torch.linalg.vector_norm(t, dtype=torch.float64)) for t in (update.delta, update.start))
+        if size > ratio * max(start, 1.0):
+            raise RejectedReply(f"update norm {size:.3g} is over max-update-ratio {ratio:g} x the norm of the model "
+                                f"it started from ({start:.3g})")
+
+    def _max_examples(self, client: int) -> int:
+        """The most ``num-examples`` `client`'s train reply may claim (``max-num-examples``, else its training
+        size)."""
+        return self.runtime.max_num_examples or self.client_sizes.get(client, {}).get("train", MAX_COUNT)
+
+    def evaluated_examples(self, client: int) -> int:
+        """The most ``num-examples`` `client`'s evaluate reply may claim: its held-out test part, or its training
+        part where it holds none out (``max-num-examples`` where set)."""
+        sizes = self.client_sizes.get(client, {})
+        return self.runtime.max_num_examples or max(sizes.get("train", MAX_COUNT), sizes.get("test", 0))
+
+    def _strategy_step(self, entry: RoundLog) -> None:
+        """The strategy's step; one that leaves a central model non-finite is refused: the strategy goes back to
+        its state after its last good step (the updates received since are dropped with it) and the run goes on."""
         measured = self.strategy.step()
+        bad = sorted(name for name, model in self.strategy.central_models().items() if not torch.isfinite(model).all())
+        if bad:
+            lost = self.strategy.version
+            if self._good is not None:
+                self.strategy.load_state_dict(self._good)
+            entry.refused_steps += 1
+            log(WARNING, "round %d: the step to version %d made a non-finite model (%s): refused, back to version %d",
+                entry.round, lost, ", ".join(bad), self.strategy.version)
+            self.on_event({"round": entry.round, "outcome": "refused-step", "version": lost,
+                           "reason": f"non-finite model: {', '.join(bad)}",
+                           "t": round(time.perf_counter() - self._t0, 4)})
+            return
+        self._good = self.strategy.state_dict()
         self._strategy_steps.append({"version": self.strategy.version, **measured})
 
     def _open_round(self, rnd: int) -> tuple[RoundLog, list[Update]]:
@@ -333,7 +386,7 @@ class Runner:
     def _close_round(self, entry: RoundLog, accepted: list[Update], started: float) -> RoundLog:
         self.strategy.close_round()
         if self.strategy.ready():
-            self._strategy_step()
+            self._strategy_step(entry)
         entry.version = self.strategy.version
         entry.bytes_down, entry.bytes_extra_down = self._bytes_down, self._bytes_extra
         entry.steps = list(self._strategy_steps)
@@ -404,7 +457,8 @@ class Runner:
         loop(first_round, num_rounds, on_round)
         if self.flights:
             log(INFO, "%d dispatched updates still in flight at the end are discarded", len(self.flights))
-        self.flights, self._replies = {}, {}  # their models and replies are not kept through the final evaluation
+        # their models and replies are not kept through the final evaluation, nor the copy of the last good state
+        self.flights, self._replies, self._good = {}, {}, None
 
     def _run_virtual(self, first_round: int, num_rounds: int, on_round: Callable[[RoundLog], None]) -> None:
         for rnd in range(first_round, num_rounds + 1):

@@ -10,11 +10,13 @@ it cannot be used.
 
 from __future__ import annotations
 
+import functools
+import math
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
@@ -38,6 +40,7 @@ from common.training import derive_seed
 from strategies.base import Payload, Update
 
 POLL_INTERVAL_S = 0.05
+T = TypeVar("T")
 LOGGED_NODES = 20  # partitions named in the "clients connected" line
 
 
@@ -45,8 +48,49 @@ class RejectedReply(ValueError):
     """A reply that cannot enter a strategy; the reason is logged and counted by the runner."""
 
 
-def parse_reply(msg: Message, spec: ParamSpec) -> Update:
-    """The :class:`Update` in a train reply (``sent`` left for the caller), or :class:`RejectedReply`."""
+# The largest count or id a reply may carry when nothing tighter is known: float64 holds every integer up to 2^53,
+# and no partition, version or dataset of a run comes near it
+MAX_COUNT = 2**53
+
+
+def reply_number(metrics: Mapping[str, Any], key: str, low: float = -math.inf, high: float = math.inf,
+                 integral: bool = False) -> float:
+    """``metrics[key]`` as a float, or :class:`RejectedReply` saying why not: a finite number (not a list, not NaN
+    or ±inf) in [`low`, `high`], a whole one where `integral`."""
+    value = metrics[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RejectedReply(f"'{key}' is a {type(value).__name__}, not a number")
+    if not math.isfinite(value) or not low <= value <= high or (integral and value != int(value)):
+        span = f"a whole number in [{low:g}, {high:g}]" if integral else f"a finite number in [{low:g}, {high:g}]"
+        raise RejectedReply(f"'{key}' = {value!r} is not {span}")
+    return float(value)
+
+
+def rejecting(parse: Callable[..., T]) -> Callable[..., T]:
+    """`parse` with anything it raises turned into a :class:`RejectedReply`: no value a hostile or broken device
+    sends reaches the runner as another exception."""
+
+    @functools.wraps(parse)
+    def guarded(*args: Any, **kwargs: Any) -> T:
+        try:
+            return parse(*args, **kwargs)
+        except RejectedReply:
+            raise
+        except Exception as err:  # a reply is data: whatever it breaks while being read, it is rejected
+            raise RejectedReply(f"malformed reply ({type(err).__name__}: {err})") from err
+
+    return guarded
+
+
+@rejecting
+def parse_reply(msg: Message, spec: ParamSpec, max_examples: int = MAX_COUNT) -> Update:
+    """The :class:`Update` in a train reply (``sent`` left for the caller), or :class:`RejectedReply`.
+
+    Every value is checked before anything uses it: ``num-examples`` a whole number in [1, `max_examples`] (a
+    device's lie about its size would otherwise set its weight in every example-weighted mean), ``partition-id``
+    and ``base-version`` whole numbers (the runner compares them with what it dispatched), every other metric a
+    finite number, the arrays finite float32 of the model's layout; whatever else a reply breaks while being read
+    rejects it too (:func:`rejecting`)."""
     if msg.has_error():
         raise RejectedReply(f"error reply (code {msg.error.code}): {msg.error.reason}")
     content = msg.content
@@ -56,16 +100,30 @@ def parse_reply(msg: Message, spec: ParamSpec) -> Update:
     for key in REPLY_KEYS:
         if key not in metrics:
             raise RejectedReply(f"reply metrics lack '{key}'")
-    if metrics[NUM_EXAMPLES] <= 0:
-        raise RejectedReply(f"num-examples = {metrics[NUM_EXAMPLES]} is not positive")
+    examples = reply_number(metrics, NUM_EXAMPLES, 1, max_examples, integral=True)
+    client = reply_number(metrics, PARTITION_ID, 0, MAX_COUNT, integral=True)
+    base = reply_number(metrics, BASE_VERSION, 0, MAX_COUNT, integral=True)
+    rest = {k: reply_number(metrics, k) for k in metrics if k not in REPLY_KEYS}
     try:
         delta = spec.from_record(content[ARRAYS])
         extras = extras_from_record(content[EXTRAS]) if EXTRAS in content.array_records else {}
     except BadArrays as err:
         raise RejectedReply(str(err)) from err
-    rest = {k: float(v) for k, v in metrics.items() if k not in REPLY_KEYS and isinstance(v, (int, float))}
-    return Update(int(metrics[PARTITION_ID]), int(metrics[BASE_VERSION]), delta, int(metrics[NUM_EXAMPLES]),
-                  extras, rest)
+    return Update(int(client), int(base), delta, int(examples), extras, rest)
+
+
+@rejecting
+def parse_metrics(msg: Message) -> tuple[int, dict[str, float]]:
+    """(partition id, metrics) of a query or an evaluate reply, every value checked as :func:`parse_reply` checks
+    a train reply's, or :class:`RejectedReply`."""
+    if msg.has_error():
+        raise RejectedReply(f"error reply (code {msg.error.code}): {msg.error.reason}")
+    if METRICS not in msg.content.metric_records or PARTITION_ID not in msg.content[METRICS]:
+        raise RejectedReply(f"reply lacks its '{METRICS}' record or its '{PARTITION_ID}'")
+    metrics = msg.content[METRICS]
+    values = {k: reply_number(metrics, k) for k in metrics}
+    client = reply_number(values, PARTITION_ID, 0, MAX_COUNT, integral=True)
+    return int(client), {k: v for k, v in values.items() if k != PARTITION_ID}
 
 
 def collect(grid: Grid, message_ids: Iterable[str], timeout: float, poll: float = POLL_INTERVAL_S) -> list[Message]:
@@ -87,8 +145,8 @@ def collect(grid: Grid, message_ids: Iterable[str], timeout: float, poll: float 
 class NodeDirectory:
     """Which node holds which client partition, learned by a ``query`` message to each new node."""
 
-    def __init__(self, grid: Grid) -> None:
-        self.grid = grid
+    def __init__(self, grid: Grid, num_clients: int = MAX_COUNT) -> None:
+        self.grid, self.num_clients = grid, num_clients  # a node naming a partition outside [0, num_clients) is ignored
         self.node_of: dict[int, int] = {}  # client (partition id) -> node id
         self._asked: dict[str, int] = {}  # query message id -> node id
 
@@ -108,10 +166,15 @@ class NodeDirectory:
             self._asked.update(zip(self.grid.push_messages(msgs), new))
         for reply in collect(self.grid, list(self._asked), timeout=0.0):
             node = self._asked.pop(reply.metadata.reply_to_message_id)
-            if reply.has_error():
-                log(WARNING, "node %d did not describe itself: %s", node, reply.error.reason)
+            try:
+                client, _ = parse_metrics(reply)
+            except RejectedReply as err:
+                log(WARNING, "node %d did not describe itself: %s", node, err)
                 continue
-            client = int(reply.content[METRICS][PARTITION_ID])
+            if not 0 <= client < self.num_clients:
+                log(WARNING, "node %d says it holds partition %d, not one of this run's [0, %d)", node, client,
+                    self.num_clients)
+                continue
             if client in self.node_of and self.node_of[client] != node and self.node_of[client] in nodes:
                 log(WARNING, "nodes %d and %d both hold partition %d; using %d", self.node_of[client], node,
                     client, self.node_of[client])

@@ -195,6 +195,7 @@ class Strategy(ABC):
         self.params: torch.Tensor | None = None  # ω
         self.version = 0
         self.server: ServerData | None = None  # the server's own data, attached by the runner
+        self.recent_norms: list[float] = []  # update norms of late, for a relative norm bound (strategies/robust.py)
 
     def initialize(self, params: torch.Tensor, spec: ParamSpec, model: nn.Module | None = None) -> None:
         """Start from global parameters `params` (version 0). `model` is the architecture (its trainable

@@ -20,10 +20,11 @@ import torch
 from common.params import ParamSpec
 from strategies.base import Strategy, Update
 from strategies.options import BUFFER_SIZE, SERVER_LR
+from strategies.robust import NormBoundConfig, clip
 
 
 @dataclass(frozen=True)
-class CA2FLConfig:
+class CA2FLConfig(NormBoundConfig):
     buffer_size: int = BUFFER_SIZE.field()
     server_lr: float = SERVER_LR.field()
 
@@ -50,9 +51,11 @@ class CA2FL(Strategy):
         self.calibrated = torch.zeros_like(params)
 
     def receive(self, update: Update) -> None:
+        # clipped as it arrives: it is cached, and the cache's mean enters every later step
+        delta = clip([update.delta], self.config, self.recent_norms)[0]
         old = self.cache.get(update.client)
-        self.calibrated += update.delta if old is None else update.delta - old
-        self.next_cache[update.client] = update.delta
+        self.calibrated += delta if old is None else delta - old
+        self.next_cache[update.client] = delta
         self.count += 1
 
     def ready(self) -> bool:

@@ -17,10 +17,11 @@ from common.config import Range, option
 from strategies.aggregation import polynomial_staleness
 from strategies.base import Strategy, Update
 from strategies.options import STALENESS_EXPONENT
+from strategies.robust import NormBoundConfig, clip
 
 
 @dataclass(frozen=True)
-class FedAsyncConfig:
+class FedAsyncConfig(NormBoundConfig):
     mixing_alpha: float = option(0.4, Range(0, 1, low_open=True), "mixing weight α (grid 0.2, 0.4, 0.8)")
     staleness_exponent: float = STALENESS_EXPONENT.field()
 
@@ -45,6 +46,7 @@ class FedAsync(Strategy):
         u, self.pending = self.pending, None
         alpha_t = self.config.mixing_alpha * polynomial_staleness(u.staleness(self.version),
                                                                   self.config.staleness_exponent)
-        self.params = (1.0 - alpha_t) * self.params + alpha_t * (u.start + u.delta)
+        delta = clip([u.delta], self.config, self.recent_norms)[0]  # one update a step: a norm bound, nothing to trim
+        self.params = (1.0 - alpha_t) * self.params + alpha_t * (u.start + delta)
         self.version += 1
         return {"alpha-t": alpha_t}

@@ -12,16 +12,19 @@ from typing import Any
 
 from strategies.aggregation import fedavg_step
 from strategies.base import Strategy, Update
+from strategies.robust import RobustConfig
 
 
 class FedAvg(Strategy):
-    """FedAvg: when the runner closes a round, merge every update that arrived in it. No options.
+    """FedAvg: when the runner closes a round, merge every update that arrived in it (options: the defences of
+    strategies/robust.py, off by default).
 
     Under asynchrony (σ > 0) the round's updates are those that arrived in the step, whatever version
     they started from; a step with none leaves ω as it is.
     """
 
     name = "fedavg"
+    Config = RobustConfig
 
     def __init__(self, config: Any = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
@@ -38,7 +41,7 @@ class FedAvg(Strategy):
         return self.closed
 
     def step(self) -> dict[str, float]:
-        self.params = fedavg_step(self.params, self.updates)
+        self.params = fedavg_step(self.params, self.updates, self.config, self.recent_norms)
         self.version += 1
         self.updates, self.closed = [], False
         return {}

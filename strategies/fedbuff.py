@@ -21,6 +21,7 @@ from common.config import OneOf, Option
 from strategies.aggregation import example_weights, polynomial_staleness, weighted_sum
 from strategies.base import Strategy, Update
 from strategies.options import BUFFER_SIZE, SERVER_LR, STALENESS_EXPONENT
+from strategies.robust import RobustConfig
 
 # Keys several buffered methods share (CA2FL, FedAsync, Feddle's fallback), defined once.
 STALENESS_WEIGHT = Option("none", OneOf(("none", "polynomial")), "weight updates by (1+τ)^−a (`polynomial`) or not")
@@ -29,7 +30,7 @@ WEIGHTING = Option("uniform", OneOf(("uniform", "examples")), "buffer weights 1/
 
 
 @dataclass(frozen=True)
-class FedBuffConfig:
+class FedBuffConfig(RobustConfig):
     buffer_size: int = BUFFER_SIZE.field()
     server_lr: float = SERVER_LR.field()
     staleness_weight: str = STALENESS_WEIGHT.field()
@@ -46,10 +47,12 @@ def buffer_weights(config: Any, examples: list[int], staleness: list[int]) -> li
     return base
 
 
-def buffered_step(config: Any, params: torch.Tensor, updates: list[tuple[Update, int]]) -> torch.Tensor:
-    """η_g · Σ b_i s(τ_i) Δ_i for buffered (update, staleness) pairs."""
+def buffered_step(config: Any, params: torch.Tensor, updates: list[tuple[Update, int]],
+                  recent: list[float] | None = None) -> torch.Tensor:
+    """η_g · Σ b_i s(τ_i) Δ_i for buffered (update, staleness) pairs, with the defences `config` asks for
+    (strategies/robust.py; `recent`: the update norms of late)."""
     weights = buffer_weights(config, [u.num_examples for u, _ in updates], [tau for _, tau in updates])
-    return config.server_lr * weighted_sum((u.delta for u, _ in updates), weights, params)
+    return config.server_lr * weighted_sum((u.delta for u, _ in updates), weights, params, config, recent)
 
 
 class FedBuff(Strategy):
@@ -69,7 +72,7 @@ class FedBuff(Strategy):
         return len(self.buffer) >= self.config.buffer_size
 
     def step(self) -> dict[str, float]:
-        self.params = self.params + buffered_step(self.config, self.params, self.buffer)
+        self.params = self.params + buffered_step(self.config, self.params, self.buffer, self.recent_norms)
         self.buffer = []
         self.version += 1
         return {}

@@ -42,6 +42,7 @@ from common.training import derive_seed, run_epochs, server_seed, train_on_serve
 from strategies.base import Strategy, Update
 from strategies.fedbuff import FedBuffConfig, buffer_weights
 from strategies.options import SERVER_TRAIN_LR
+from strategies.robust import clip
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,10 @@ class FeddleConfig(FedBuffConfig):
         if self.buffer_size > self.atlas_size:
             raise ConfigError("buffer-size", self.buffer_size, f"at most atlas-size ({self.atlas_size}): Feddle's "
                               "fallback is FedBuff's step over its last buffer-size updates, all of them anchors")
+        if self.aggregation != "mean":
+            raise ConfigError("aggregation", self.aggregation, "'mean' with Feddle: its search merges whole anchors, "
+                              "which a per-coordinate trimmed mean or median is not; bound the anchors' norm instead "
+                              "(update-norm-bound, update-norm-multiple)")
 
 
 def median_normalize(anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,11 +137,13 @@ class Feddle(Strategy):
 
     # -- atlas ------------------------------------------------------------------------------
     def receive(self, update: Update) -> None:
-        """Every update becomes an anchor; a full atlas replaces its least important one (Alg. 1, l. 14–19)."""
+        """Every update becomes an anchor, clipped to the norm bound when one is set (strategies/robust.py); a full
+        atlas replaces its least important one (Alg. 1, l. 14–19)."""
         self.arrivals += 1
         buffered = (update.num_examples, update.staleness(self.version))
+        delta = clip([update.delta], self.config, self.recent_norms)[0]
         if len(self.anchors) < self.config.atlas_size:
-            self.anchors.append(update.delta)
+            self.anchors.append(delta)
             self.scores.append(float("inf"))
             self.fresh.append(buffered)
             self.order.append(self.arrivals)
@@ -144,8 +151,7 @@ class Feddle(Strategy):
         # Buffered anchors score +inf and are never evicted: the search runs once K <= M of them are in.
         key = self.scores if self.config.importance_score else self.order
         m = min(range(len(self.anchors)), key=lambda i: (key[i], self.order[i]))
-        self.anchors[m], self.scores[m], self.fresh[m], self.order[m] = (update.delta, float("inf"), buffered,
-                                                                         self.arrivals)
+        self.anchors[m], self.scores[m], self.fresh[m], self.order[m] = (delta, float("inf"), buffered, self.arrivals)
 
     def close_round(self) -> None:
         self.closed = any(f is not None for f in self.fresh)

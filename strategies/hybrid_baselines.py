@@ -29,6 +29,7 @@ from strategies.aggregation import fedavg_step
 from strategies.base import Update
 from strategies.fedavg import FedAvg
 from strategies.options import SERVER_TRAIN_EPOCHS, SERVER_TRAIN_LR
+from strategies.robust import RobustConfig
 
 SERVER_CLIENT = -1  # the client id HFCL gives the server's own update (sorts first in FedAvg's sum)
 
@@ -87,15 +88,20 @@ class Center(_ServerTrained):
         return metrics
 
 
+@dataclass(frozen=True)
+class FedFTConfig(ServerScheduleConfig, RobustConfig):
+    """Fed+FT's server schedule, and FedAvg's defences for its aggregate (strategies/robust.py)."""
+
+
 class FedFT(_ServerTrained):
     """Fed+FT: FedAvg's aggregate of the step's updates, then E_s epochs of fine-tuning at lr_s on the
-    server's data (options: ServerScheduleConfig)."""
+    server's data (options: FedFTConfig)."""
 
     name = "fedft"
-    Config = ServerScheduleConfig
+    Config = FedFTConfig
 
     def step(self) -> dict[str, float]:
-        merged, count = fedavg_step(self.params, self.updates), len(self.updates)
+        merged, count = fedavg_step(self.params, self.updates, self.config, self.recent_norms), len(self.updates)
         self.params, stats = self.server_train(merged, self.server, self.version, self.config.server_train_epochs,
                                                self.config.server_train_lr)
         self.version += 1
@@ -105,7 +111,8 @@ class FedFT(_ServerTrained):
 
 class HFCL(_ServerTrained):
     """HFCL: the server trains like one more client (the clients' recipe) from ω on its data, and its
-    update Δ_S joins the step's client updates in FedAvg's mean with weight |𝒟_S|. No options."""
+    update Δ_S joins the step's client updates in FedAvg's mean with weight |𝒟_S| (options: FedAvg's defences,
+    strategies/robust.py, the server's update among the rest)."""
 
     name = "hfcl"
 
@@ -113,7 +120,7 @@ class HFCL(_ServerTrained):
         trained, stats = self.server_train(self.params, self.server, self.version)
         server_update = Update(SERVER_CLIENT, self.version, trained - self.params, len(self.server))
         count = len(self.updates)
-        self.params = fedavg_step(self.params, [*self.updates, server_update])
+        self.params = fedavg_step(self.params, [*self.updates, server_update], self.config, self.recent_norms)
         self.version += 1
         self.updates, self.closed = [], False
         return {**stats, "updates": float(count)}

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from common.config import NoOptions
 from strategies.base import Payload, Update
 from strategies.fedavg import FedAvg
 
@@ -20,6 +21,7 @@ class Local(FedAvg):
     """Every client's own model, trained only on its own data. No options."""
 
     name = "local"
+    Config = NoOptions  # nothing is averaged
 
     def __init__(self, config: Any = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)

@@ -152,4 +152,5 @@ def test_built_from_a_run_config(name, cls):
         assert (s.config.server_train_lr, s.config.server_train_epochs) == (1e-4, 10)
         assert s.describe()["server-train-epochs"] == 10
     else:
-        assert s.describe() == {"strategy": "hfcl"}
+        assert s.describe() == {"strategy": "hfcl", "aggregation": "mean", "trim-fraction": 0.1,  # FedAvg's defences
+                                "update-norm-bound": 0.0, "update-norm-multiple": 0.0}
