@@ -7,6 +7,8 @@ writes into DIR:
   server.crt, server.key          the SuperLink's certificate, signed by the CA, with a SAN per --name
                                   (DNS names, or IP addresses), and always localhost and 127.0.0.1: the
                                   edge proxy and the operator reach the SuperLink on the server's loopback
+  edge.crt, edge.key              the edge proxy's own certificate (the devices' port), for the same names,
+                                  with a key of its own: the edge never holds the SuperLink's key
   supernode-I, supernode-I.pub    for I < N: SuperNode I's authentication key pair (ECDSA P-384, OpenSSH
                                   format, as ``ssh-keygen -t ecdsa -b 384 -N ""`` writes it)
 
@@ -86,8 +88,8 @@ def _certificate(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Nam
 
 
 def make_pki(directory: Path, names: tuple[str, ...] = DEFAULT_NAMES, nodes: int = 0) -> Path:
-    """Create (or complete) the CA, the server certificate for `names` (and :data:`LOOPBACK`) and `nodes`
-    SuperNode key pairs."""
+    """Create (or complete) the CA, the SuperLink's and the edge's certificates for `names` (and :data:`LOOPBACK`)
+    and `nodes` SuperNode key pairs."""
     names = (*names, *(n for n in LOOPBACK if n not in names))
     directory.mkdir(parents=True, exist_ok=True)
     ca_crt, ca_key = directory / "ca.crt", directory / "ca.key"
@@ -97,11 +99,12 @@ def make_pki(directory: Path, names: tuple[str, ...] = DEFAULT_NAMES, nodes: int
         ca_crt.write_bytes(_certificate("hybridfl CA", key, None, key).public_bytes(serialization.Encoding.PEM))
     issuer_key = _load_key(ca_key)
     issuer = x509.load_pem_x509_certificate(ca_crt.read_bytes()).subject
-    if not (directory / "server.crt").exists():
-        key = ec.generate_private_key(ec.SECP384R1())
-        _write_key(directory / "server.key", key, serialization.PrivateFormat.TraditionalOpenSSL)
-        cert = _certificate(names[0], key, issuer, issuer_key, names)
-        (directory / "server.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    for stem in ("server", "edge"):  # one key each: the edge's host never holds the SuperLink's
+        if not (directory / f"{stem}.crt").exists():
+            key = ec.generate_private_key(ec.SECP384R1())
+            _write_key(directory / f"{stem}.key", key, serialization.PrivateFormat.TraditionalOpenSSL)
+            cert = _certificate(names[0], key, issuer, issuer_key, names)
+            (directory / f"{stem}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     for i in range(nodes):
         node_key(directory, f"supernode-{i}")
     make_secrets(directory, nodes)

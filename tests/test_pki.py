@@ -66,8 +66,8 @@ def test_no_private_file_is_readable_by_others_at_any_moment_under_a_permissive_
         make_pki(tmp_path, nodes=2)
     finally:
         os.umask(old)
-    private = {"ca.key", "server.key", "supernode-0", "supernode-1", "superlink.secret", "supernode-0.secret",
-               "supernode-1.secret"}
+    private = {"ca.key", "server.key", "edge.key", "supernode-0", "supernode-1", "superlink.secret",
+               "supernode-0.secret", "supernode-1.secret"}
     modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
     assert {name: modes[name] for name in private} == dict.fromkeys(private, 0o600)
     assert all(modes[name] & 0o044 for name in set(modes) - private)  # certificates and public keys stay public

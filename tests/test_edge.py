@@ -1,0 +1,142 @@
+"""The edge (hybridfl/edge, real nginx) in front of a real SuperLink started with the compose file's security flags,
+on loopback, against a stranger holding only ca.crt (tools/hostile_client.py): oversized uploads are refused at the
+edge and the SuperLink's memory stays where it was; stalled uploads from one address are capped per client and
+timed out, while a registered device behind the edge trains through a run; the edge's TLS and banner."""
+
+from __future__ import annotations
+
+import json
+import ssl
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from cryptography import x509
+from helpers import needs_nginx
+
+from hybridfl import edge
+from hybridfl.cli import main
+from hybridfl.deploy_local import EXECUTORS, runtime_api, superexec
+from hybridfl.pki import make_pki
+from hybridfl.processes import flower_env, flwr_run, free_port, register_supernode, write_connection
+from tools import hostile_client as attacker
+
+FLEET = 4  # devices per address the test's edge is sized for: its per-client cap is 3 x 4 connections
+CAP = edge.CONNS_PER_DEVICE * FLEET
+STALLS = 60  # stalled uploads the attacker opens at once, five times the cap
+RUN = {"dataset": "synthetic", "num-clients": 1, "clients-per-round": 1, "num-rounds": 2, "local-epochs": 1,
+       "batch-size": 16, "eval-every": 1, "run-name": "edge"}
+
+
+def test_the_rendered_limits_follow_the_fleet_and_the_body_limit_and_the_shipped_copy_is_the_default(tmp_path: Path
+                                                                                                   ) -> None:
+    shipped = (Path(edge.__file__).parent / "nginx.conf").read_text()
+    default = edge.write(tmp_path / "default", Path("/app/certs"), edge.SUPERLINK).read_text()
+    assert default == shipped  # the compose file's copy holds `hybridfl edge`'s defaults
+    text = edge.write(tmp_path / "sized", tmp_path, fleet_size=50, max_body_mib=20).read_text()
+    for line in ("worker_connections 1024;", "worker_rlimit_nofile 2048;", "rate=100r/s;",
+                 "limit_conn per_client_conns 150;", "burst=3200 nodelay;", "client_max_body_size 20m;",
+                 "client_max_body_size 1m;", "server_tokens off;", "proxy_request_buffering on;"):
+        assert line in text, line
+    for bad, says in (({"fleet_size": 0}, "--fleet-size 0"), ({"max_body_mib": 5}, "--max-body-mib 5")):
+        with pytest.raises(ValueError, match=says):
+            edge.write(tmp_path / "bad", tmp_path, **bad)
+
+
+def test_the_edge_has_a_certificate_and_key_of_its_own_from_the_same_ca(tmp_path: Path) -> None:
+    """Devices verify the edge against ca.crt with the name they dial; the edge's host never holds the SuperLink's
+    key. `hybridfl edge` asks for the edge's files, not the SuperLink's."""
+    make_pki(tmp_path / "certs", ("edge", "devices.example"))
+    ca = x509.load_pem_x509_certificate((tmp_path / "certs" / "ca.crt").read_bytes())
+    own = x509.load_pem_x509_certificate((tmp_path / "certs" / "edge.crt").read_bytes())
+    own.verify_directly_issued_by(ca)
+    san = own.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert san.get_values_for_type(x509.DNSName) == ["edge", "devices.example", "localhost"]
+    assert [str(ip) for ip in san.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    assert (tmp_path / "certs" / "edge.key").read_bytes() != (tmp_path / "certs" / "server.key").read_bytes()
+    assert (tmp_path / "certs" / "edge.key").stat().st_mode & 0o077 == 0
+    (tmp_path / "certs" / "edge.key").unlink()
+    assert main(["edge", str(tmp_path / "edge"), "--certs", str(tmp_path / "certs")]) == 2
+    assert not (tmp_path / "edge" / "nginx.conf").exists()
+
+
+@pytest.mark.e2e
+def test_the_edge_refuses_oversized_and_stalled_uploads_while_a_registered_device_trains(tmp_path: Path) -> None:
+    needs_nginx()
+    started = time.monotonic()
+    with attacker.server(tmp_path, nodes=1, fleet_size=FLEET) as server:
+        # (a) unauthenticated uploads far over the limit, announced or chunked, on both routes that take bodies
+        before = attacker.rss_mib(server.link_pid)
+        got = {(route, mib, chunked): attacker.upload(server.edge_port, server.ca, f"/v1/fleet/{route}", mib, chunked)
+               for route in ("push-messages", "push-object") for mib in (64, 256) for chunked in (False, True)}
+        after = attacker.rss_mib(server.link_pid)
+        print(f"SuperLink RSS before/after 8 oversized uploads through the edge: {before} -> {after} MiB; {got}")
+        assert set(got.values()) <= {"413", "closed"}, got
+        assert after["VmHWM"] - before["VmHWM"] < 64 and after["VmRSS"] - before["VmRSS"] < 64
+        # ... while a device's largest request (one 5 MiB array chunk) passes the edge: the SuperLink answers it
+        assert attacker.upload(server.edge_port, server.ca, "/v1/fleet/push-object", 5, False) == "401"
+
+        # the edge speaks TLS 1.3 (1.2 allowed) with its own certificate, and names no version
+        with attacker.connect(server.edge_port, server.ca, source="127.0.0.1") as sock:
+            assert sock.version() == "TLSv1.3"
+            assert sock.getpeercert(binary_form=True) == ssl.PEM_cert_to_DER_cert(
+                (server.certs / "edge.crt").read_text())
+        tls = ssl.create_default_context(cafile=str(server.ca))
+        health = httpx.get(f"https://127.0.0.1:{server.edge_port}/health", verify=tls, timeout=10)
+        assert health.headers["server"] == "nginx"
+
+        print(f"{time.monotonic() - started:.0f} s in: the device starts")
+        # (b) a registered device trains through the edge while one address keeps opening stalled uploads
+        env = flower_env(tmp_path / "home")
+        write_connection(tmp_path / "home", "operator", server.link_port, server.ca)
+        register_supernode(env, "operator", server.certs / "supernode-0.pub")
+        procs, certs = server.procs, server.certs
+        procs.start("superexec-serverapp", superexec(["--root-certificates", str(server.ca)],
+                                                     f"127.0.0.1:{server.link_port}", certs / "superlink.secret"))
+        node, executor = EXECUTORS["warm"]
+        node_port = free_port()
+        procs.start("supernode-0", [*node, "--root-certificates", str(server.ca), "--auth-supernode-private-key",
+                                    str(certs / "supernode-0"), "--superlink", f"127.0.0.1:{server.edge_port}",
+                                    *runtime_api(certs / "supernode-0.secret"), "--host", "127.0.0.1",
+                                    "--port", str(node_port), "--node-config", "partition-id=0 num-partitions=1"])
+        procs.start("superexec-clientapp-0", superexec(["--insecure"], f"127.0.0.1:{node_port}",
+                                                       certs / "supernode-0.secret", executor))
+        slow_headers = attacker.stall(server.edge_port, server.ca, 50, headers=False)
+        rounds: list[dict[str, int]] = []
+        legit: list[int | str] = []
+        done = threading.Event()
+
+        def attack() -> None:
+            deadline = time.monotonic() + 300
+            while not done.is_set() and time.monotonic() < deadline:
+                socks = attacker.stall(server.edge_port, server.ca, STALLS)
+                rounds.append(attacker.fates(socks, 2.0))
+                try:
+                    legit.append(httpx.get(f"https://127.0.0.1:{server.edge_port}/health", verify=tls,
+                                           timeout=10).status_code)
+                except httpx.HTTPError as err:  # a device refused: recorded, asserted below
+                    legit.append(type(err).__name__)
+                attacker.close(socks)
+                done.wait(1.0)  # the test's machine is small: the run needs its cores too
+
+        thread = threading.Thread(target=attack, daemon=True)
+        thread.start()
+        try:
+            _, status = flwr_run(env, "operator", {**RUN, "output-dir": str(tmp_path / "out")}, timeout=300)
+        finally:
+            done.set()
+            thread.join(60)
+        print(f"{time.monotonic() - started:.0f} s in; stalled uploads per round of {STALLS} from "
+              f"{attacker.ATTACKER}: {rounds}; /health from a device: {legit}")
+        assert status == "finished:completed", status
+        summary = json.loads(next((tmp_path / "out").glob("*/summary.json")).read_text())
+        assert summary["final-version"] == RUN["num-rounds"] and summary["total-failures"] == 0
+        assert rounds and legit and set(legit) == {200}
+        for fates in rounds:  # at most the per-client cap held, the others refused with 503 (which Flower retries)
+            assert set(fates) <= {"held", "503", "closed"} and fates.get("held", 0) <= CAP < fates["503"], fates
+        # the slow headers were cut by client_header_timeout (10 s): the run and the attack took longer
+        closed = attacker.fates(slow_headers, 15.0)
+        attacker.close(slow_headers)
+        assert closed.get("held", 0) == 0, closed
