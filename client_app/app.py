@@ -4,7 +4,8 @@ The node's partition comes from ``node_config`` (``partition-id``, ``num-partiti
 the simulation engine, by ``flower-supernode --node-config`` in deployment, or by the in-process
 engine. An optional ``latency-s`` in ``node_config`` delays every train reply (a slow device);
 an optional ``data-root`` says where this node keeps the datasets' files, ``cache-dir`` where it keeps its
-partition for the run (client_app/node_cache.py).
+partition for the run (client_app/node_cache.py), ``allow-code`` the user code it runs besides what its runs
+declare (client_app/declared.py).
 Everything else (data spec, model, local recipe, seed) travels in the message config, so a node
 needs no run configuration of its own.
 
@@ -34,7 +35,9 @@ from flwr.clientapp import ClientApp
 from flwr.common import log
 from flwr.common.constant import ErrorCode
 
+from client_app.declared import guard
 from common.protocol import METRICS, PARTITION_ID
+from common.user_code import UndeclaredCode
 
 # When Flower's process handed over to this module (the imports above are Flower's own, already loaded), whether
 # torch was imported before it (a warm device's fork server imports it once), and whether this process has handled
@@ -47,16 +50,21 @@ Handler = Callable[[Message, Context], Message]
 
 
 def error_replies(handler: Handler) -> Handler:
-    """Turn an exception inside `handler` into an error reply, logged with its traceback."""
+    """Run `handler` importing only the code its run declared (client_app/declared.py ``guard``), and turn an
+    exception inside it into an error reply, logged with its traceback (a refused name: with the reason alone)."""
 
     @functools.wraps(handler)
     def guarded(msg: Message, context: Context) -> Message:
         try:
-            return handler(msg, context)
+            with guard(context):
+                return handler(msg, context)
+        except UndeclaredCode as err:
+            log(ERROR, "ClientApp %s refused: %s", msg.metadata.message_type, err)
+            reason = f"{type(err).__name__}: {err}"
         except Exception as err:  # noqa: BLE001 - any failure on the device becomes an error reply
             log(ERROR, "ClientApp %s failed: %s", msg.metadata.message_type, traceback.format_exc())
             reason = f"{type(err).__name__}: {err}"
-            return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
+        return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
 
     return guarded
 

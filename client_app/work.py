@@ -16,6 +16,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from torch import nn
 
 import strategies  # noqa: F401 - registers every method's client side and client objectives
+from client_app.declared import check_message
 from client_app.node_cache import cache_dir, client_parts
 from common.config import from_keys
 from common.data import DataSpec
@@ -34,9 +35,11 @@ def node_device(context: Context) -> torch.device:
 
 def load_task(msg: Message, context: Context, pid: int, num_partitions: int, timings: dict[str, float]) -> LocalTask:
     """The run's data spec, this node's data parts, and the model with the message's parameters loaded, on the
-    node's device, with the payload's arrays; the seconds each took in `timings` (``data-s``, ``model-s``)."""
+    node's device, with the payload's arrays; the seconds each took in `timings` (``data-s``, ``model-s``). A message
+    that names code its run did not declare is refused first (client_app/declared.py)."""
     started = time.time()
     config = msg.content[CONFIG]
+    check_message(config, context)  # before anything the message names is used: no undeclared code is imported
     spec = from_keys(DataSpec, config)
     if "data-root" in context.node_config:  # the node keeps its data where its operator put it
         spec = dataclasses.replace(spec, data_root=str(context.node_config["data-root"]))

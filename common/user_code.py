@@ -17,6 +17,9 @@ installed wherever the run's ServerApp and ClientApps run):
   ``pathlib.Path``), ``x`` one float array of all the samples (any shape per sample), ``y`` integer labels
   ``0..K-1``. The whole dataset: the server's test, validation and central splits and the client partitions
   are cut from it by the run's seed, exactly as for the built-in datasets.
+
+A device runs only the code its run declared at its start (client_app/declared.py): while the ClientApp handles a
+message, :func:`resolve` imports nothing but what :func:`declared_only`'s check lets through.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import importlib
 import os
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -45,6 +50,11 @@ INSTALL = "installed where the run's ServerApp and ClientApps run (`pip install`
 def is_import_path(value: str) -> bool:
     """``module.path:attribute``."""
     return bool(IMPORT_PATH.match(value))
+
+
+def import_paths(values: Mapping[str, Any]) -> dict[str, str]:
+    """The keys of `values` whose value is an import path (the code a run's configuration names)."""
+    return {key: value for key, value in values.items() if isinstance(value, str) and is_import_path(value)}
 
 
 # hybridfl's top-level packages: a user's own package of one of these names is never imported (ours come first)
@@ -69,9 +79,36 @@ def import_user_module(name: str) -> ModuleType:
         return importlib.import_module(name)
 
 
+# The node setting (``flower-supernode --node-config``) that lists the code a device runs besides what its runs declare
+ALLOW_CODE = "allow-code"
+
+
+class UndeclaredCode(ConfigError):
+    """A message names code (an import path) that neither its run's configuration at the run's start nor the node's
+    :data:`ALLOW_CODE` declares: the device imports nothing and answers with an error."""
+
+
+# Set while a device handles a message: check(key, value) raises UndeclaredCode for a name it may not import
+_DEVICE_CHECK: ContextVar[Callable[[str, str], None] | None] = ContextVar("hybridfl_device_check", default=None)
+
+
+@contextmanager
+def declared_only(check: Callable[[str, str], None]) -> Iterator[None]:
+    """Inside the block (a device's handling of one message), :func:`resolve` first calls ``check(key, value)``,
+    which raises :class:`UndeclaredCode` for a name the run did not declare: whatever path of the device's code
+    resolves a name, nothing undeclared is imported."""
+    token = _DEVICE_CHECK.set(check)
+    try:
+        yield
+    finally:
+        _DEVICE_CHECK.reset(token)
+
+
 def resolve(key: str, value: str, what: str) -> Callable[..., Any]:
     """The callable `value` names, or a :class:`ConfigError` naming `key`, `value`, `what` was expected and why
-    the import failed."""
+    the import failed. On a device (:func:`declared_only`) an undeclared `value` is refused before any import."""
+    if (check := _DEVICE_CHECK.get()) is not None:
+        check(key, value)
     module, _, attr = value.partition(":")
     top, folder = module.split(".")[0], Path(os.environ.get(USER_DIR) or ".")
     if top in OWN_PACKAGES and ((folder / top).is_dir() or (folder / f"{top}.py").is_file()):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import ConfigError
+from common.user_code import import_paths
 from hybridfl.bundle import app_config
 from server_app.app import user_keys
 from server_app.config import RunConfig, load_config
@@ -43,10 +44,12 @@ def prepare(overrides: dict[str, Any], app_dir: Path | None = None) -> tuple[dic
     """Validate `overrides` as the ServerApp of the Flower app in `app_dir` will read them (with that app's own
     config table: a user's project names its preset there), pin an absolute output-dir (a relative one is under the
     folder this runs in, as in-process) and a run-name (or, with ``resume``, the absolute folder of the run to
-    continue); return them, the run folder and the run's configuration."""
+    continue, with the checkpoint's code keys given again: a device runs only the code its run's configuration names
+    at the start, and it cannot read the checkpoint; equal values, which a resumed run accepts); return them, the run
+    folder and the run's configuration."""
     cfg = app_run_config(overrides, app_dir)
     if cfg.resume:
-        return {**overrides, "resume": cfg.resume}, Path(cfg.resume), cfg
+        return {**import_paths(cfg.to_dict()), **overrides, "resume": cfg.resume}, Path(cfg.resume), cfg
     out_root = Path(cfg.output_dir).resolve()
     name = run_dir(cfg, out_root).name  # created now, so a parallel run cannot take it
     return {**overrides, "output-dir": str(out_root), "run-name": name}, out_root / name, cfg
