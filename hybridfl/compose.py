@@ -3,6 +3,7 @@ checked) for the demo, its native twin (tools/compose_twin.py) and the real-engi
 
     python -m hybridfl.compose demo [--plain-http] [--gpu] [--host-network] [--no-build] [KEY=VALUE ...]  # Docker
     python -m hybridfl.compose check [--plain-http] [--gpu] [--host-network]                # the files' structure
+    python -m hybridfl.compose flwr [--plain-http] FLWR-ARGS ...          # the operator's flwr, e.g. `flwr ls`
 
 The deployment is secure by default (docker/compose.yml: TLS, SuperNode authentication, a SuperExec secret per
 Runtime API); ``--plain-http`` adds ``plain-http.yml`` and warns. The demo makes the certificates, keys and secrets,
@@ -10,6 +11,10 @@ starts the SuperLink, registers the SuperNodes' keys, starts the rest, runs the 
 compose file's SuperNodes with ``flwr run``, checks that it finished:completed and copies its outputs from the
 ``outputs`` volume; the deployment stays up for more runs. Ctrl-C or SIGTERM at any point takes it down (volumes
 kept) and exits 130 or 143. It needs this checkout's docker/ folder: an installed wheel has no compose files.
+
+No port of the SuperLink exists outside the server's network namespace (docker/compose.yml's `link`): the
+operator's ``flwr`` runs inside it, in the on-demand ``operator`` service, with the folder it is called from mounted
+(``flwr`` mode: e.g. ``python -m hybridfl.compose flwr run . hybridfl-compose --stream`` from this checkout).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from hybridfl.bundle import PROJECT_DIR
 from hybridfl.job import MAIN_JOB, parse_overrides
 from hybridfl.pki import make_pki
 from hybridfl.processes import (
+    Flwr,
     check_completed,
     flower_env,
     flwr_run,
@@ -39,7 +45,6 @@ from hybridfl.processes import (
     register_supernode,
     run_and_report,
     terminated,
-    write_connection,
 )
 from server_app.config import load_config, used_keys
 
@@ -50,6 +55,7 @@ ENTRYPOINTS = {"flwr/superlink": "flower-superlink", "flwr/supernode": "flower-s
                "flwr/superexec": "flower-superexec", "hybridfl/app": "flower-superexec", "nginx": "nginx"}
 SUPERLINK, SERVERAPP, OUTPUTS = "superlink", "superexec-serverapp", "outputs"
 CERTS = COMPOSE_DIR / "certs"
+OPERATOR = "operator"  # the operator's `flwr`, in the server's network namespace
 IMAGE_UID = 49999  # the user `app` of Flower's images
 
 
@@ -128,7 +134,12 @@ def load(files: list[Path]) -> dict[str, Any]:
 def is_setup(service: dict[str, Any]) -> bool:
     """A one-shot setup step (its own ``entrypoint``, never restarted), such as handing the volumes to the
     images' user. The twin skips it: its folders already belong to the user who runs it."""
-    return "entrypoint" in service and service.get("restart") == "no"
+    return "entrypoint" in service and service.get("restart") == "no" and not on_demand(service)
+
+
+def on_demand(service: dict[str, Any]) -> bool:
+    """A service that `up` never starts (it has ``profiles``): the operator's `flwr`, run when asked."""
+    return bool(service.get("profiles"))
 
 
 def volume_spec(spec: str) -> tuple[str, str, bool]:
@@ -167,7 +178,7 @@ def validate(compose: dict[str, Any]) -> None:
             continue
         if repository.startswith("flwr/"):
             tags[name] = svc["image"].rsplit(":", 1)[1]
-        cmd = svc.get("entrypoint" if is_setup(svc) else "command")
+        cmd = svc.get("entrypoint" if is_setup(svc) or on_demand(svc) else "command")
         if not (isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd)):
             problems.append(f"service {name}: command must be a non-empty list of strings, got {cmd!r}")
         for port in svc.get("ports") or []:
@@ -226,6 +237,12 @@ def start_order(services: dict[str, Any]) -> list[str]:
     return order
 
 
+def missing_modules(conf: str) -> list[str]:
+    """The nginx modules an nginx configuration loads (``load_module``) that this machine lacks (docker/link.conf's
+    stream module: Debian's libnginx-mod-stream)."""
+    return [m for m in re.findall(r"^load_module (\S+);", conf, re.MULTILINE) if not Path(m).exists()]
+
+
 def auth_key(command: list[str]) -> str | None:
     """The private key a SuperNode command authenticates with (``--auth-supernode-private-key``), if any: its
     public half must be registered before the SuperNode starts."""
@@ -279,28 +296,41 @@ def certificates(compose: dict[str, Any], directory: Path) -> Path | None:
     return None if "--insecure" in compose["services"][SUPERLINK]["command"] else directory / "ca.crt"
 
 
+def compose_argv(files: list[Path]) -> list[str]:
+    """``docker compose`` on `files`."""
+    return ["docker", "compose", *(a for f in files for a in ("-f", str(f)))]
+
+
+def operator(dc: list[str]) -> Flwr:
+    """The operator's `flwr` as a command line: ``docker compose run`` (`dc`, e.g. :func:`compose_argv`) of the
+    `operator` service (in the server's network namespace, the deployment's CA trusted, the connection
+    :data:`CONNECTION`), the app folder mounted at its working directory."""
+    return lambda folder: [*dc, "run", "--rm", "-T", "--no-deps",
+                           *(["-v", f"{folder.resolve()}:/project:ro"] if folder else []), OPERATOR]
+
+
 def demo(files: list[Path], overrides: dict[str, Any], build: bool = True) -> Path:
     """``docker compose up`` the files (building the app image unless `build` is False: the images there are
     used): the certificates, keys and secrets made, the SuperLink alone first to register the SuperNodes' keys; run
-    the job; copy its outputs to ./outputs/compose. The deployment stays up for more runs; interrupted (Ctrl-C,
-    SIGTERM) at any point, it is taken down (its volumes kept) before the interrupt goes on. Needs a Docker engine."""
+    the job; copy its outputs to ./outputs/compose. The operator's `flwr` runs in the server's namespace
+    (:func:`operator`). The deployment stays up for more runs; interrupted (Ctrl-C, SIGTERM) at any point, it is
+    taken down (its volumes kept) before the interrupt goes on. Needs a Docker engine."""
     compose = load(files)
-    flwr_home = PROJECT_DIR / ".flwr-compose"
-    env = flower_env(flwr_home)
-    dc = ["docker", "compose", *(a for f in files for a in ("-f", str(f)))]
+    env = flower_env(PROJECT_DIR / ".flwr-compose")
+    dc = compose_argv(files)
+    flwr = operator(dc)
     up = [*dc, "up", "-d", "--wait", *(["--build"] if build else ["--no-build", "--pull", "never"])]
-    ca = certificates(compose, CERTS)
+    certificates(compose, CERTS)
     if os.geteuid() == 0:  # the images run as app (UID 49999): let them read their keys and secrets
         hand_to_images(compose, CERTS)
-    write_connection(flwr_home, CONNECTION, superlink_port(compose), ca)  # published on the host's loopback
     try:
         _sh([*up, SUPERLINK], env)
         for node in supernodes(compose):
             if key := auth_key(compose["services"][node]["command"]):
-                register_supernode(env, CONNECTION, CERTS / f"{Path(key).name}.pub")
+                register_supernode(env, CONNECTION, Path(f"{key}.pub"), flwr)
         _sh(up, env)
         run_config = demo_run_config(compose, overrides)
-        run_id, status = flwr_run(env, CONNECTION, run_config)
+        run_id, status = flwr_run(env, CONNECTION, run_config, flwr=flwr)
     except (KeyboardInterrupt, SystemExit):
         print("interrupted: taking the deployment down (docker compose down; its volumes are kept)",
               file=sys.stderr, flush=True)
@@ -311,8 +341,9 @@ def demo(files: list[Path], overrides: dict[str, Any], build: bool = True) -> Pa
     local.mkdir(parents=True, exist_ok=True)
     _sh(dc + ["cp", f"{SERVERAPP}:{run_config['output-dir']}/{run_config['run-name']}", str(local)], env)
     check_completed(run_id, status, local / run_config["run-name"])
-    print(f"the deployment stays up for more runs (`flwr run . {CONNECTION}` with FLWR_HOME={flwr_home}); "
-          f"`{shlex.join([*dc, 'down'])}` stops it", flush=True)
+    plain = "--plain-http " if COMPOSE_DIR / "plain-http.yml" in files else ""  # the operator's connection
+    print(f"the deployment stays up for more runs (`python -m hybridfl.compose flwr {plain}run . {CONNECTION} "
+          f"--stream`: the operator's flwr); `{shlex.join([*dc, 'down'])}` stops it", flush=True)
     return local / run_config["run-name"]
 
 
@@ -350,9 +381,23 @@ def read_command_line(parser: argparse.ArgumentParser, argv: list[str] | None
         return None
 
 
+def operator_command(argv: list[str]) -> int:
+    """``flwr ARGS`` as the operator (:func:`operator`) on the current folder; the compose flags among `argv`
+    choose the files (``--plain-http``: the operator's plain-HTTP connection). Returns flwr's exit code."""
+    parser = argparse.ArgumentParser(prog="python -m hybridfl.compose flwr", add_help=False)
+    file_flags(parser)
+    flags, args = parser.parse_known_args(argv)
+    files = compose_files(flags.plain_http, flags.gpu, flags.host_network, flags.flower_devices)
+    return subprocess.run([*operator(compose_argv(files))(Path.cwd()), *args], check=False).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    mode = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if mode is not None and argv[mode] == "flwr":  # flwr's own arguments are not this parser's
+        return operator_command(argv[:mode] + argv[mode + 1:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["demo", "check"])
+    parser.add_argument("mode", choices=["demo", "check"], help="or flwr: see above")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     parser.add_argument("--no-build", action="store_true", help="demo: run the images the engine has (no build)")
     if (read := read_command_line(parser, argv)) is None:

@@ -277,10 +277,21 @@ def write_connection(flwr_home: Path, name: str, port: int, ca: Path | None = No
         {"superlink": {"default": name, name: {"address": f"127.0.0.1:{port}", **security}}}))
 
 
-def register_supernode(env: dict[str, str], connection: str, public_key: Path) -> int:
-    """``flwr supernode register``: allow the SuperNode holding `public_key`'s private key on a SuperLink
-    started with ``--enable-supernode-auth``; returns its node id (fixed by the key, across restarts)."""
-    out = subprocess.run(["flwr", "supernode", "register", str(public_key),
+# How this process runs Flower's `flwr` CLI: the command line before flwr's own arguments, given the folder the
+# command works in (the app that `flwr run .` sends; None: no app). Here, `flwr` on this machine in that folder;
+# compose's operator runs it in the server's network namespace instead (hybridfl/compose.py `operator`).
+Flwr = Callable[[Path | None], list[str]]
+
+
+def local_flwr(folder: Path | None) -> list[str]:
+    """`flwr` on this machine (the caller runs it in `folder`)."""
+    return ["flwr"]
+
+
+def register_supernode(env: dict[str, str], connection: str, public_key: Path, flwr: Flwr = local_flwr) -> int:
+    """``flwr supernode register``: allow the SuperNode holding `public_key`'s private key (a path as `flwr` sees it)
+    on a SuperLink started with ``--enable-supernode-auth``; returns its node id (fixed by the key, across restarts)."""
+    out = subprocess.run([*flwr(None), "supernode", "register", str(public_key),
                           connection, "--format", "json"], env=env, capture_output=True,
                          text=True, timeout=120)
     try:
@@ -294,23 +305,24 @@ def register_supernode(env: dict[str, str], connection: str, public_key: Path) -
 
 def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
              federation_config: str | None = None, timeout: float | None = None,
-             app_dir: Path | None = None) -> tuple[int, str]:
+             app_dir: Path | None = None, flwr: Flwr = local_flwr) -> tuple[int, str]:
     """``flwr run . <connection> --stream`` in `app_dir` (None: hybridfl's own app, :func:`hybridfl.bundle.flower_app`;
     or a user's Flower app that runs hybridfl's apps: examples/tabular); returns (run id, its final status text).
     `timeout`: seconds before the run is given up on (a check's bound); None, a user's run: as long as it takes.
 
     Output is streamed to this process's stdout as it comes.
     """
-    cmd = ["flwr", "run", ".", connection, "--stream"]
+    cmd = ["run", ".", connection, "--stream"]
     if overrides:
         cmd += ["--run-config", run_config_arg(overrides, app_dir)]
     if federation_config:
         cmd += ["--federation-config", federation_config]
-    print("$", shlex.join(cmd), flush=True)
     proc: subprocess.Popen | None = None
     watchdog: threading.Timer | None = None
     run_id = None
     with flower_app(app_dir) as folder:
+        cmd = [*flwr(folder), *cmd]
+        print("$", shlex.join(cmd), flush=True)
         try:
             with interrupts_held():
                 proc = subprocess.Popen(cmd, env=env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -339,12 +351,12 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
         raise RuntimeError(f"flwr run did not finish within {timeout:.0f}s")
     if run_id is None:
         raise RuntimeError(f"flwr run did not start a run (exit code {proc.returncode})")
-    return run_id, final_status(env, connection, run_id, timeout)
+    return run_id, final_status(env, connection, run_id, timeout, flwr=flwr)
 
 
-def run_status(env: dict[str, str], connection: str, run_id: int) -> str:
+def run_status(env: dict[str, str], connection: str, run_id: int, flwr: Flwr = local_flwr) -> str:
     """A run's status text, e.g. ``finished:completed`` (from ``flwr ls --format json``)."""
-    out = subprocess.run(["flwr", "ls", connection, "--run-id", str(run_id),
+    out = subprocess.run([*flwr(None), "ls", connection, "--run-id", str(run_id),
                           "--format", "json"], env=env, capture_output=True, text=True, timeout=120)
     try:
         runs = json.loads(out.stdout)["runs"]
@@ -354,7 +366,7 @@ def run_status(env: dict[str, str], connection: str, run_id: int) -> str:
 
 
 def final_status(env: dict[str, str], connection: str, run_id: int, timeout: float | None = None,
-                 unreachable_s: float = 30.0) -> str:
+                 unreachable_s: float = 30.0, flwr: Flwr = local_flwr) -> str:
     """The run's status once it is ``finished:*``. ``flwr run --stream`` also returns when its connection
     drops (a SuperLink restarting with ``--database`` keeps the run going), so poll until the run ended, until
     `timeout` seconds (None: no bound), or until the SuperLink has not answered for `unreachable_s` (it is gone, not
@@ -362,7 +374,7 @@ def final_status(env: dict[str, str], connection: str, run_id: int, timeout: flo
     deadline, status, since = time.monotonic() + (math.inf if timeout is None else timeout), "unknown", None
     while True:
         try:
-            status, since = run_status(env, connection, run_id), None
+            status, since = run_status(env, connection, run_id, flwr), None
         except (RuntimeError, subprocess.TimeoutExpired):
             since = since or time.monotonic()
         now = time.monotonic()

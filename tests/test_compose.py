@@ -31,7 +31,9 @@ from hybridfl.compose import (
     is_setup,
     load,
     main,
+    on_demand,
     start_order,
+    superlink_port,
     supernodes,
     validate,
 )
@@ -54,23 +56,34 @@ def secret_of(command: list[str]) -> str:
 
 def test_the_compose_files_are_secure_by_default_and_plain_http_only_when_asked() -> None:
     secure, plain = load(compose_files()), load(compose_files(plain_http=True))
-    assert start_order(secure["services"])[:2] == ["volume-owner", "superlink"]
+    assert start_order(secure["services"])[:3] == ["volume-owner", "link", "superlink"]
     assert supernodes(secure) == ["supernode-0", "supernode-1"]
     services = secure["services"]
     link, link_plain = services["superlink"], plain["services"]["superlink"]
     assert "--insecure" not in link["command"] and "--insecure" in link_plain["command"]
     assert {"--enable-supernode-auth", "--database", "--ssl-certfile"} <= set(link["command"])
-    assert "https://superlink:9093/health" in link["healthcheck"]["test"][-1]
-    # the devices' port is the edge's, Fleet only; the SuperLink's own is on the server network and host loopback
+    assert "https://localhost:9093/health" in link["healthcheck"]["test"][-1]
+    # no port of the SuperLink outside the server's namespace (loopback only), which the ServerApp's SuperExec and
+    # the operator's `flwr` share; the edge reaches it by a socket on a volume only the two of them mount; the
+    # devices' port is the edge's, Fleet only
     for compose in (secure, plain):
         s = compose["services"]
-        assert s["superlink"]["ports"] == ["127.0.0.1:9093:9093"] and s["edge"]["ports"] == ["8000:8000"]
-        assert s["superlink"]["command"][s["superlink"]["command"].index("--host") + 1] == "superlink"
-        assert set(s["superlink"]["networks"]) == set(s["superexec-serverapp"]["networks"]) == {"server"}
-        assert set(s["edge"]["networks"]) == {"server", "devices"}
+        assert {n: svc["ports"] for n, svc in s.items() if svc.get("ports")} == {"edge": ["8000:8000"]}
+        assert s["link"]["network_mode"] == "none"
+        assert {n for n, svc in s.items() if svc.get("network_mode") == "service:link"} == {
+            "superlink", "superexec-serverapp", "operator"}
+        assert s["superlink"]["command"][s["superlink"]["command"].index("--host") + 1] == "127.0.0.1"
+        assert s["operator"]["profiles"] == ["operator"]  # never started by `up`
+        assert {n for n, svc in s.items() if any(v.startswith("socket:") for v in svc.get("volumes", []))
+                } == {"link", "edge"}
+        assert set(s["edge"]["networks"]) == {"devices"}
         for node in supernodes(compose):
             assert set(s[node]["networks"]) == {"devices"}  # no route to the SuperLink but through the edge
             assert s[node]["command"][s[node]["command"].index("--superlink") + 1] == "edge:8000"
+    assert "./operator-plain-http.toml:/etc/hybridfl/operator.toml:ro" in plain["services"]["operator"]["volumes"]
+    host = load(compose_files(host=True))["services"]
+    assert {n for n, svc in host.items() if svc.get("network_mode") == "host"} == {
+        "edge", *(f"{k}-{i}" for k in ("supernode", "superexec-clientapp") for i in range(2))}
     assert [v.split(":")[1] for v in services["edge"]["volumes"] if "hybridfl/edge" in v] == [
         "/etc/hybridfl/edge/nginx.conf", "/etc/hybridfl/edge/listen.conf"]
     assert "../hybridfl/edge/tls.conf:/etc/hybridfl/edge/listen.conf:ro" in services["edge"]["volumes"]
@@ -131,8 +144,9 @@ def test_a_broken_compose_file_is_refused_naming_the_service(edit, says) -> None
         validate(_broken(edit))
 
 
-def test_the_twin_maps_addresses_ports_and_paths(tmp_path: Path) -> None:
+def test_the_twin_maps_addresses_ports_and_paths(tmp_path: Path, request) -> None:
     t = Twin(load(compose_files()), tmp_path)
+    request.addfinalizer(t.close)
     node = t.command("supernode-1")
     link_port, node_port = t.port("edge", 8000), t.port("supernode-1", 9095)  # the devices reach the edge
     assert node[:2] == [sys.executable, str(PROJECT_DIR / "client_app" / "supernode.py")]  # warm: the mounted file
@@ -161,9 +175,15 @@ def test_the_twin_maps_addresses_ports_and_paths(tmp_path: Path) -> None:
         edge = t.command("edge")
         conf = Path(edge[edge.index("-c") + 1])
         assert conf == tmp_path / "files" / "edge" / "etc" / "hybridfl" / "edge" / "nginx.conf"
-        assert f"server 127.0.0.1:{t.port('superlink', 9093)};" in conf.read_text()
+        socket = t.runtime / "socket" / "link.sock"
+        assert f"server unix:{socket};" in conf.read_text()
+        t.render("link")
+        link_conf = tmp_path / "files" / "link" / "etc" / "hybridfl" / "link.conf"
+        assert f"listen unix:{socket};" in link_conf.read_text()
+        assert f"proxy_pass 127.0.0.1:{t.port('superlink', 9093)};" in link_conf.read_text()
+        assert t.port("superlink", 9093) == t.port("link", 9093)  # one namespace, one loopback
         listen = (conf.parent / "listen.conf").read_text()
-        assert f"listen 127.0.0.1:{link_port} ssl;" in listen and str(tmp_path / "certs" / "server.key") in listen
+        assert f"listen 127.0.0.1:{link_port} ssl;" in listen and str(tmp_path / "certs" / "edge.key") in listen
         assert edge[edge.index("-p") + 1] == f"{tmp_path / 'volumes' / 'edge-state'}/"
 
 
@@ -191,9 +211,10 @@ def test_the_volumes_are_handed_to_the_images_user_before_the_superlink_starts()
     setup = [n for n, s in services.items() if is_setup(s)]
     assert setup == ["volume-owner"]
     owner = services["volume-owner"]
-    assert owner["user"] == "root" and owner["entrypoint"][:2] == ["chown", "49999:49999"]
+    assert owner["user"] == "root" and owner["entrypoint"][:2] == ["sh", "-c"]
     mounted = {v.split(":")[1]: v.split(":")[0] for v in owner["volumes"]}
-    assert set(owner["entrypoint"][2:]) == set(mounted) == {"/app/state", "/app/outputs"}
+    assert "chown 49999:49999 /app/state /app/outputs " in owner["entrypoint"][2]  # its mode: tests/test_linkdb.py
+    assert set(mounted) == {"/app/state", "/app/outputs"}
     assert services["superlink"]["depends_on"]["volume-owner"] == {"condition": "service_completed_successfully"}
     for name, volume in (("superlink", "superlink-state"), ("superexec-serverapp", "outputs")):
         assert any(v.startswith(f"{volume}:") and v.split(":")[1] in mounted for v in services[name]["volumes"])
@@ -216,7 +237,8 @@ def test_the_twin_reads_the_files_as_compose_itself_does(plain, gpu, host, stock
     """`docker compose config` (compose's own parser and merge, no engine needed) against the twin's load: the
     same services, images, commands, entrypoints, container paths, dependencies and healthchecks."""
     files = compose_files(plain, gpu, host, flower_devices=stock)
-    out = subprocess.run([*_compose_cli(), *(a for f in files for a in ("-f", str(f))), "config", "--format", "json"],
+    out = subprocess.run([*_compose_cli(), *(a for f in files for a in ("-f", str(f))), "--profile", "operator",
+                          "config", "--format", "json"],
                          capture_output=True, text=True, check=True, env={**os.environ, "FLWR_VERSION": "1.42.0"})
     theirs = json.loads(out.stdout)["services"]
     ours = load(files)["services"]
@@ -231,13 +253,11 @@ def test_the_twin_reads_the_files_as_compose_itself_does(plain, gpu, host, stock
         assert set(their.get("depends_on", {})) == set(svc.get("depends_on") or {}), name
         assert (their.get("healthcheck") or {}).get("test") == (svc.get("healthcheck") or {}).get("test"), name
         assert len(their.get("ports") or []) == len(svc.get("ports") or []), name  # host-network.yml's !reset
-        if host:
-            assert their["network_mode"] == "host" and not their.get("ports"), name
-            assert {"superlink=127.0.0.1", "edge=127.0.0.1", "supernode-0=127.0.0.1", "supernode-1=127.0.0.1"} <= set(
+        assert their.get("network_mode") == svc.get("network_mode"), name
+        if host and svc.get("network_mode") == "host":
+            assert not their.get("ports") and not their.get("networks"), name
+            assert {"edge=127.0.0.1", "supernode-0=127.0.0.1", "supernode-1=127.0.0.1"} <= set(
                 their["extra_hosts"]), name
-            assert not their.get("networks"), name
-        else:
-            assert their.get("network_mode") == svc.get("network_mode"), name
 
 
 def test_a_bad_run_config_fails_before_any_service_starts(tmp_path: Path, capsys) -> None:
@@ -275,7 +295,7 @@ def test_the_compose_twin_runs_fedavg_through_a_superlink_restart_then_an_asynch
     first evaluated round and started again with the same command (its state in SQLite on the volume): the
     SuperNodes and the ServerApp reconnect through the edge and the run finishes with every update. Then a wall-clock
     FedAsync run on the same services."""
-    needs_nginx()
+    needs_nginx(stream=True)
     restarted: list[float] = []
     anonymous: dict[str, object] = {}
     intrusion: dict[str, dict[str, str]] = {}
@@ -349,7 +369,7 @@ def test_the_plain_http_compose_twin_runs_the_demo_job_as_in_process(tmp_path: P
     """plain-http.yml natively (the Runtime APIs keep their secrets) on Flower's own device processes
     (flower-devices.yml; the other twin test and the engine test run the warm ones), running the demo's job
     (Feddle-ID, shortened): the virtual clock's run, the same arrivals and versions as in-process."""
-    needs_nginx()
+    needs_nginx(stream=True)
     (run,), _ = twin(compose_files(plain_http=True, flower_devices=True), [{"num-rounds": 10}], tmp_path)
     reference = run_inprocess({**demo_run_config(load(compose_files()), {"num-rounds": 10}),
                                "output-dir": str(tmp_path / "ref")})
@@ -368,7 +388,7 @@ class FakeLink:
     def __init__(self, replies: list[str | None]) -> None:
         self.replies, self.now = replies, 0.0
 
-    def status(self, env, connection, run_id) -> str:
+    def status(self, env, connection, run_id, flwr=None) -> str:
         reply = self.replies.pop(0) if len(self.replies) > 1 else self.replies[0]
         if reply is None:
             raise RuntimeError("cannot read the status: Connection to the SuperLink is unavailable")
@@ -457,8 +477,39 @@ def test_every_app_container_gets_one_torch_thread_unless_torch_threads_says_els
     """The containers share one host's cores: a thread per core in each would oversubscribe them."""
     monkeypatch.delenv("TORCH_THREADS", raising=False)
     services = load(compose_files())["services"]
-    apps = [name for name, svc in services.items() if svc.get("image", "").startswith("hybridfl/app")]
+    apps = [name for name, svc in services.items() if svc.get("image", "").startswith("hybridfl/app")
+            and not on_demand(svc)]  # the operator's `flwr` runs no torch
     assert {"superexec-serverapp", "superexec-clientapp-0", "superexec-clientapp-1"} <= set(apps)
     assert {services[name]["environment"]["OMP_NUM_THREADS"] for name in apps} == {"1"}
     monkeypatch.setenv("TORCH_THREADS", "4")
     assert load(compose_files())["services"]["superexec-clientapp-1"]["environment"]["OMP_NUM_THREADS"] == "4"
+
+
+def test_the_operators_flwr_runs_in_the_operator_container_on_the_folder_it_is_called_from(monkeypatch, tmp_path):
+    """`python -m hybridfl.compose flwr [--plain-http] ARGS`: `docker compose run` of the `operator` service with the
+    compose files the flags choose, the current folder mounted at its working directory, flwr's own arguments
+    untouched; flwr's exit code is the command's."""
+    import hybridfl.compose as compose
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(compose.subprocess, "run", lambda argv, check: seen.append(argv) or
+                        subprocess.CompletedProcess(argv, 3))
+    monkeypatch.chdir(tmp_path)
+    assert main(["flwr", "--plain-http", "run", ".", CONNECTION, "--stream", "--run-config", "num-rounds=2"]) == 3
+    argv = seen[0]
+    files = [argv[i + 1] for i, a in enumerate(argv) if a == "-f"]
+    assert files == [str(COMPOSE_DIR / "compose.yml"), str(COMPOSE_DIR / "plain-http.yml")]
+    at = argv.index("run")
+    assert argv[at:at + 7] == ["run", "--rm", "-T", "--no-deps", "-v", f"{tmp_path}:/project:ro", "operator"]
+    assert argv[at + 7:] == ["run", ".", CONNECTION, "--stream", "--run-config", "num-rounds=2"]
+    services = load(compose_files(plain_http=True))["services"]
+    assert services["operator"]["working_dir"] == "/project"
+    assert "./operator-plain-http.toml:/etc/hybridfl/operator.toml:ro" in services["operator"]["volumes"]
+    assert main(["flwr", "ls", CONNECTION]) == 3 and "plain-http.yml" not in " ".join(seen[1])
+    assert main(["--plain-http", "flwr", "ls", CONNECTION]) == 3  # a flag before `flwr`: still the operator's flwr
+    assert seen[2][-3:] == ["operator", "ls", CONNECTION] and "plain-http.yml" in " ".join(seen[2])
+    for name, secure in (("operator.toml", True), ("operator-plain-http.toml", False)):  # the connection flwr uses
+        conf = __import__("tomllib").loads((COMPOSE_DIR / name).read_text())["superlink"]
+        port = superlink_port(load(compose_files()))
+        assert conf["default"] == CONNECTION and conf[CONNECTION]["address"] == f"localhost:{port}"
+        assert ("root-certificates" in conf[CONNECTION]) == secure and conf[CONNECTION].get("insecure", False) != secure

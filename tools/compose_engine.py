@@ -24,7 +24,9 @@
    Runtime API (Flower's 401); (d) while the job runs, a process on the devices' port holding only ca.crt
    (tools/intruder.py) is refused by the edge proxy when it registers a key, starts a run of its own app, lists or
    stops runs, or asks the Runtime API for a task, and its app leaves no file in any container; the operator's `flwr`
-   on the SuperLink's own port (the host's loopback) starts that app, which then runs everywhere. compose.gpu.yml and
+   (the `operator` service, in the server's network namespace) starts that app, which then runs everywhere; (e) no
+   port of the SuperLink is open on the host, its loopback included, and the socket the edge reaches it by is closed
+   to any other user of the host; a stranger's upload over the edge's body limit is refused (413). compose.gpu.yml and
    plain-http.yml are validated by ``docker compose config`` (tests/test_compose.py compares them with the twin's
    reading, which runs plain-http.yml natively).
 5. The demo as a user runs it (``make compose-demo HOST=1 ARGS=--no-build``), sent SIGTERM while its job streams:
@@ -43,11 +45,14 @@ import argparse
 import contextlib
 import hashlib
 import importlib.metadata
+import inspect
 import json
 import os
 import re
 import shutil
 import signal
+import socket
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -55,9 +60,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 
 from hybridfl.bundle import PROJECT_DIR
@@ -71,6 +78,7 @@ from hybridfl.compose import (
     demo_run_config,
     hand_to_images,
     load,
+    operator,
     superlink_port,
     supernodes,
 )
@@ -86,7 +94,7 @@ from hybridfl.processes import (
     register_supernode,
     write_connection,
 )
-from tools import intruder
+from tools import hostile_client, intruder
 
 CACHE = Path(os.environ.get("HYBRIDFL_COMPOSE_CACHE", "/var/cache/hybridfl-compose"))  # kept between runs
 WHEELS = COMPOSE_DIR / "wheels"  # in the build context; git-ignored but for its README
@@ -94,7 +102,7 @@ BASE_IMAGE = "local/debian:bookworm-python"
 DOCKER = "/usr/bin/docker"  # the CLI of Debian's docker.io: the engine's version, BuildKit built in
 DOCKERD_FLAGS = ["--bridge=none", "--iptables=false", "--ip6tables=false", "--ip-forward=false", "--ip-masq=false",
                  "--storage-driver=overlay2", "--exec-opt", "native.cgroupdriver=cgroupfs"]
-HOST_PORTS = (8000, 9093, 9094, 9095)  # the edge's, the SuperLink's and the SuperNodes' ports, on the host's network
+HOST_PORTS = (8000, 9094, 9095)  # the edge's and the SuperNodes' ports, on the host's network
 MARKS = "/tmp/hybridfl-intruder"  # where the intruder's app would leave its marks, in each container
 WORKDIR = PROJECT_DIR / "outputs" / "compose-test"
 PASSED = "passed.json"
@@ -242,12 +250,13 @@ def check_wheelhouse(version: str) -> None:
 
 
 def debian_base(engine: Engine) -> None:
-    """local/debian:bookworm-python: debootstrap's minbase with python3, venv and nginx (the edge's stand-in),
-    imported (tarball cached)."""
-    tarball = CACHE / "debian-bookworm-python-nginx.tar"
+    """local/debian:bookworm-python: debootstrap's minbase with python3, venv, nginx and its stream module (the edge's
+    and the link's stand-in), imported (tarball cached)."""
+    tarball = CACHE / "debian-bookworm-python-nginx-stream.tar"
     if not tarball.exists():
         with tempfile.TemporaryDirectory(dir=CACHE) as rootfs:
-            sh(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,nginx", "bookworm", rootfs,
+            sh(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,nginx,libnginx-mod-stream",
+                "bookworm", rootfs,
                 "http://deb.debian.org/debian"], timeout=1200)
             sh(["tar", "-C", rootfs, "-cf", f"{tarball}.part", "."])
         Path(f"{tarball}.part").rename(tarball)
@@ -289,9 +298,9 @@ def build_images(engine: Engine, version: str, edge: str, wheels_ready: Callable
 # -- 4. the deployments -----------------------------------------------------------------------------------------
 
 class Deployment:
-    """docker/'s compose files (+ host-network.yml) copied into <workdir>/docker, and the project's files they mount
-    (the warm devices' programs) beside it, so that their relative paths (certificates, keys, secrets, ../data,
-    ../client_app) land in `workdir`, brought up with ``docker compose``."""
+    """docker/'s compose files (+ host-network.yml) copied into <workdir>/docker with the files they mount (the link's
+    configuration, the operator's connection; the warm devices' programs beside it), so that their relative paths
+    (certificates, keys, secrets, ../data, ../client_app) land in `workdir`, brought up with ``docker compose``."""
 
     def __init__(self, engine: Engine, workdir: Path, version: str) -> None:
         self.dir = workdir / "docker"
@@ -302,15 +311,16 @@ class Deployment:
         self.compose_argv = [DOCKER, "compose", *(a for n in names for a in ("-f", str(self.dir / n)))]
         self.env = {**engine.env, "FLWR_VERSION": version}
         self.spec = load([COMPOSE_DIR / n for n in names])
-        for service in self.spec["services"].values():  # the project's files mounted from outside docker/
+        for service in self.spec["services"].values():  # the files they mount: docker/'s own, the project's
             for source in (str(v).split(":", 1)[0] for v in service.get("volumes") or []):
-                if source.startswith("../") and (COMPOSE_DIR / source).is_file():
+                if source.startswith(".") and (COMPOSE_DIR / source).is_file():
                     (self.dir / source).resolve().parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(COMPOSE_DIR / source, self.dir / source)
-        self.flwr_home = workdir / "flwr-home"
-        self.cli_env = flower_env(self.flwr_home)
+        self.flwr_home = workdir / "flwr-home"  # the host's `flwr`, which (e) shows cannot reach the SuperLink
+        self.cli_env = {**flower_env(self.flwr_home),  # and the engine, for the operator's container
+                        **{k: v for k, v in self.env.items() if k.startswith("DOCKER_") or k == "FLWR_VERSION"}}
         self.ca = make_pki(self.certs, nodes=len(supernodes(self.spec))) / "ca.crt"
-        write_connection(self.flwr_home, CONNECTION, superlink_port(self.spec), self.ca)  # the operator's
+        self.flwr = operator(self.compose_argv)  # the operator's, in the server's namespace
 
     @property
     def certs(self) -> Path:
@@ -327,7 +337,7 @@ class Deployment:
         self.compose("up", "-d", "--no-build", "--pull", "never", "--wait", SUPERLINK, timeout=300)
         for node in supernodes(self.spec):
             key = auth_key(self.spec["services"][node]["command"])
-            register_supernode(self.cli_env, CONNECTION, self.certs / f"{Path(key).name}.pub")
+            register_supernode(self.cli_env, CONNECTION, Path(f"{key}.pub"), self.flwr)
         self.compose("up", "-d", "--no-build", "--pull", "never", "--wait", timeout=300)
         return time.monotonic() - start
 
@@ -336,7 +346,7 @@ class Deployment:
         its outputs copied from the ServerApp's outputs volume to `out`; returns the run folder and seconds."""
         run_config = demo_run_config(self.spec, overrides)
         start = time.monotonic()
-        run_id, status = flwr_run(self.cli_env, CONNECTION, run_config, timeout=900)
+        run_id, status = flwr_run(self.cli_env, CONNECTION, run_config, timeout=900, flwr=self.flwr)
         seconds = time.monotonic() - start
         out.mkdir(parents=True, exist_ok=True)
         self.compose("cp", f"{SERVERAPP}:{run_config['output-dir']}/{run_config['run-name']}", str(out))
@@ -363,20 +373,57 @@ class Deployment:
         self.compose("down", "--volumes", "--remove-orphans", "--timeout", "20", timeout=300)
 
 
+def _superlink_rows(db: Path, query: str) -> list[tuple]:
+    """`query`'s rows from the SuperLink's SQLite database, read-only while the SuperLink writes it."""
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)) as con:
+        return con.execute(query).fetchall()
+
+
+def heartbeat_left_s(db: Path) -> float | None:
+    """Seconds left before the SuperLink fails the running ServerApp for want of a heartbeat, read from the
+    SuperLink's database (Flower 1.42 moves a task's ``active_until`` to 2 x 30 s after each heartbeat it receives,
+    and fails the task, and its run, once that has passed); None while no task runs or the file cannot be read (the
+    watcher asks again)."""
+    try:
+        until = [datetime.fromisoformat(row[0]).timestamp() for row in _superlink_rows(
+            db, "SELECT active_until FROM task WHERE finished_at IS NULL AND active_until IS NOT NULL")]
+    except sqlite3.Error:
+        return None
+    return min(until) - time.time() if until else None
+
+
+def failed_tasks(db: Path) -> list[str]:
+    """The SuperLink's own word on every task that failed (Flower's ``details``), for a failed run's message."""
+    try:
+        return [f"{status}: {details}" for status, details in _superlink_rows(
+            db, "SELECT sub_status, details FROM task WHERE sub_status = 'failed'")]
+    except sqlite3.Error as err:
+        return [f"the SuperLink's database could not be read ({err})"]
+
+
 def restart_superlink_when(dep: Deployment, ready: Callable[[], bool], record: dict[str, float]) -> threading.Thread:
-    """A watcher that, once `ready()`, kills the SuperLink's container (SIGKILL, as a crash) and starts it again
-    with ``docker compose start``, recording when and how long until it was healthy again."""
+    """A watcher that, once `ready()` and just after the SuperLink acknowledged the ServerApp's heartbeat, kills
+    the SuperLink's container (SIGKILL, as a crash) and starts it again with ``docker compose start``, recording
+    the heartbeat window it had (``window-s``) and how long until it was healthy again (``superlink-down-s``).
+
+    Flower fails a run whose ServerApp sent no heartbeat for 60 s, so a SuperLink must be back within that window,
+    less the ServerApp's backoff between tries (up to 20 s); killed just after a heartbeat it has the most of it,
+    on a loaded machine too."""
+    db = dep.volume("superlink-state") / "superlink.db"
 
     def watch() -> None:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and not ready():
             time.sleep(0.5)
-        if not ready():
+        while time.monotonic() < deadline and (heartbeat_left_s(db) or 0.0) < 55.0:
+            time.sleep(0.2)
+        if time.monotonic() >= deadline:
             return
+        record["window-s"] = heartbeat_left_s(db) or 0.0
         container = dep.container(SUPERLINK)
         start = time.monotonic()
         sh([DOCKER, "kill", container], env=dep.env)
-        time.sleep(2)
+        sh([DOCKER, "wait", container], env=dep.env, quiet=True)
         dep.compose("start", SUPERLINK)
         while time.monotonic() < start + 120:  # not healthy by then: no record, and the test says so
             if "healthy" in sh([DOCKER, "inspect", "-f", "{{.State.Health.Status}}", container], env=dep.env,
@@ -397,7 +444,8 @@ def intrude_while_running(dep: Deployment, workdir: Path, record: dict[str, Any]
     def watch() -> None:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            listed = sh(["flwr", "ls", CONNECTION, "--format", "json"], env=dep.cli_env, check=False, quiet=True)
+            listed = sh([*dep.flwr(None), "ls", CONNECTION, "--format", "json"], env=dep.cli_env, check=False,
+                        quiet=True)
             try:
                 running = [int(r["run-id"]) for r in json.loads(listed.stdout)["runs"]
                            if r["status"].startswith("running")]
@@ -450,7 +498,13 @@ def secure_deployment(engine: Engine, workdir: Path, version: str, timings: dict
             dep, lambda: metrics.exists() and len(metrics.read_text().splitlines()) > steps // 3, record)
         intrusion: dict[str, Any] = {}
         intruding = intrude_while_running(dep, workdir, intrusion)
-        run, timings["main-job-s"] = dep.run({"run-name": "compose-main"}, workdir / "runs")
+        try:
+            run, timings["main-job-s"] = dep.run({"run-name": "compose-main"}, workdir / "runs")
+        except RuntimeError as failed:
+            raise RuntimeError(f"{failed}; the SuperLink was killed with {record.get('window-s', float('nan')):.1f} s "
+                               f"of the ServerApp's heartbeat window left, and was healthy again after "
+                               f"{record.get('superlink-down-s', float('nan')):.1f} s; failed tasks: "
+                               f"{failed_tasks(dep.volume('superlink-state') / 'superlink.db')}") from failed
         watcher.join(60)
         intruding.join(120)
         main = summary(run)
@@ -467,6 +521,7 @@ def secure_deployment(engine: Engine, workdir: Path, version: str, timings: dict
         check(main["final-test-accuracy"] > 0.8, "(a) the main job learned (test accuracy > 0.8)")
         edge_refuses(dep, intrusion.get("attempts"))
         intruders(dep)
+        server_unreachable(dep)
     finally:
         dep.down(workdir / "secure" / "logs")
     trains = [d for d in device_timings(sorted((workdir / "secure" / "logs").glob("superexec-clientapp-*.log")))
@@ -520,17 +575,18 @@ def demo_interrupted(engine: Engine, version: str, workdir: Path) -> None:
 def edge_refuses(dep: Deployment, attempts: dict[str, str] | None) -> None:
     """(d) What a process on the devices' network holding only ca.crt got through the edge while the main job ran
     (tools/intruder.py): every attempt refused with the edge's 404 and no mark of its app in any container; then the
-    operator starts the same app on the SuperLink's own port, and its marks appear on the server and every device."""
+    operator's `flwr` (in the server's namespace) starts the same app, and its marks appear on the server and every
+    device."""
     check(attempts is not None, "(d) the intruder's attempts ran while the operator's run was running")
     got = "; ".join(f"{what}: {outcome[:60]}" for what, outcome in attempts.items())
     check(all(outcome.startswith("refused") and "404" in outcome for outcome in attempts.values()),
           f"(d) on the devices' port, a process holding only ca.crt is refused everything with the edge's 404: {got}")
     check(not any(marks(dep).values()), "(d) no file of the intruder's app on the server or any device")
-    status = intruder.operator_runs_it(dep.cli_env, CONNECTION, Path(MARKS))
+    status = intruder.operator_runs_it(dep.cli_env, CONNECTION, Path(MARKS), dep.flwr)
     found = marks(dep)
     check(status == "finished:completed" and all(found.values()),
-          f"(d) the operator's `flwr` on the SuperLink's own port (host loopback) starts the same app ({status}), "
-          f"and it ran everywhere: {found}")
+          f"(d) the operator's `flwr` (the `operator` service, in the server's namespace) starts the same app "
+          f"({status}), and it ran everywhere: {found}")
 
 
 def intruders(dep: Deployment) -> None:
@@ -560,12 +616,47 @@ def intruders(dep: Deployment) -> None:
           "(c) a plain-HTTP SuperNode is refused (exit code 305, "
           f"{'disconnected' if 'disconnected' in output else 'no connection'}); no node was admitted")
 
-    for what, address, ca in (("the SuperLink's", f"127.0.0.1:{superlink_port(dep.spec)}", dep.ca),
-                              ("supernode-0's", "127.0.0.1:9094", None)):
-        refused = acquire_task_anonymously(address, ca)
-        check(refused is not None and refused.status_code == 401 and "Authentication failed" in refused.text,
-              f"(c) {what} Runtime API refuses a task to a process without its secret "
-              f"({None if refused is None else refused.status_code}: {None if refused is None else refused.text})")
+    for what, refused in (("the SuperLink's (asked from the server's namespace)", acquire_inside(dep)),
+                          ("supernode-0's", acquire_task_anonymously("127.0.0.1:9094"))):
+        code, text = (None, None) if refused is None else (refused.status_code, refused.text)
+        check(code == 401 and "Authentication failed" in str(text),
+              f"(c) {what} Runtime API refuses a task to a process without its secret ({code}: {text})")
+
+
+def acquire_inside(dep: Deployment) -> httpx.Response | None:
+    """:func:`acquire_task_anonymously` run in the ServerApp's container (the server's network namespace, where the
+    SuperLink's port is): the refusal as a response, or None if a task was handed out."""
+    script = "\n".join(["from __future__ import annotations", "import json, httpx",
+                        inspect.getsource(acquire_task_anonymously),
+                        f"r = acquire_task_anonymously('localhost:{superlink_port(dep.spec)}', '/app/certs/ca.crt')",
+                        "print(json.dumps(None if r is None else [r.status_code, r.text]))"])
+    said = json.loads(dep.compose("exec", "-T", SERVERAPP, "python", "-c", script, quiet=True).stdout)
+    return None if said is None else httpx.Response(said[0], text=said[1])
+
+
+def server_unreachable(dep: Deployment) -> None:
+    """(e) The SuperLink's port exists only in the server's namespace: nothing listens on it on the host (whose
+    network the edge and the devices share here), and the edge's socket to it is closed to any other user of the
+    host; a stranger's upload over the edge's body limit is refused before the SuperLink reads it."""
+    port = superlink_port(dep.spec)
+    with socket.socket() as s:
+        refused = s.connect_ex(("127.0.0.1", port))
+    check(refused != 0, f"(e) nothing listens on the SuperLink's port {port} on the host's loopback "
+                        f"(connect: {os.strerror(refused)})")
+    write_connection(dep.flwr_home, "host", port, dep.ca)
+    listed = sh(["flwr", "ls", "host", "--format", "json"], env=dep.cli_env, check=False, quiet=True)
+    check("unavailable" in listed.stdout, "(e) `flwr ls` on the host, at the SuperLink's port, gets no answer: "
+          + listed.stdout.strip().replace("\n", " ")[:160])
+    sock = dep.volume("socket") / "link.sock"
+    stranger = sh(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+                   f"import socket; socket.socket(socket.AF_UNIX).connect({str(sock)!r})"], check=False, quiet=True)
+    said_to_stranger = (stranger.stderr.strip().splitlines() or [f"exit {stranger.returncode}"])[-1][:120]
+    check(stranger.returncode != 0 and "PermissionError" in stranger.stderr,
+          f"(e) another user of the host (nobody) cannot connect to the edge's socket to the SuperLink ({sock}): "
+          + said_to_stranger)
+    said = hostile_client.upload(HOST_PORTS[0], dep.ca, "/v1/fleet/push-object", 16, chunked=False,
+                                 source="127.0.0.1")
+    check(said == "413", f"(e) a stranger's 16 MiB upload to the devices' port is refused by the edge ({said})")
 
 
 def gpu_config(engine: Engine, version: str) -> None:

@@ -4,24 +4,28 @@
 
 The twin reads the compose files (hybridfl/compose.py: merged, interpolated, checked), and starts every service's
 command as a local process, in ``depends_on`` order, waiting for each dependency's own healthcheck command: a
-service name in an address becomes 127.0.0.1, each (service, container port) gets a free port (a service in another's
-network namespace, ``network_mode: service:X``, shares X's), ``--host 0.0.0.0`` becomes 127.0.0.1, each volume
-becomes a folder under the workdir (bind mounts: their source; a mounted ``.conf`` file rendered with the twin's
-addresses), and every service gets its own FLWR_HOME as every container has its own HOME. SuperNodes started with
-``--auth-supernode-private-key K`` are registered (``K.pub``) before they start, as the demo does. Then it runs the
-demo's job with ``flwr run`` and checks that it finished:completed. What the twin cannot show: image contents, the
-Docker network, GPU reservation, volume ownership: ``make compose-test`` (tools/compose_engine.py) runs the files on
-a real engine. The project's test rig, not part of the installed package.
+service name in an address becomes 127.0.0.1, each (service, container port) gets a free port (a service in
+another's network namespace, ``network_mode: service:X``, shares X's), ``--host 0.0.0.0`` becomes 127.0.0.1, each
+volume becomes a folder under the workdir (bind mounts: their source; a mounted ``.conf`` file rendered with the
+twin's addresses; a named volume under /run/, a socket's, a short folder of its own), and every service gets its own
+FLWR_HOME as every container has its own HOME. SuperNodes started with ``--auth-supernode-private-key K`` are
+registered (``K.pub``) before they start, as the demo does. Then it runs the demo's job with ``flwr run`` and checks
+that it finished:completed. What the twin cannot show: image contents, the Docker network and network namespaces
+(its SuperLink's port is on this machine's loopback, where its operator's `flwr` runs), GPU reservation, volume
+ownership: ``make compose-test`` (tools/compose_engine.py) runs the files on a real engine. The project's test rig,
+not part of the installed package.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +46,8 @@ from hybridfl.compose import (
     image_of,
     is_setup,
     load,
+    missing_modules,
+    on_demand,
     read_command_line,
     start_order,
     superlink_port,
@@ -59,6 +65,8 @@ from hybridfl.processes import (
     write_connection,
 )
 
+UNIX_PATH_MAX = 107  # Linux's sun_path, less its terminating NUL
+
 
 @dataclass
 class Twin:
@@ -69,12 +77,35 @@ class Twin:
     compose: dict[str, Any]
     workdir: Path
     ports: dict[tuple[str, int], int] = field(default_factory=dict)
+    _runtime: Path | None = None
+
+    @property
+    def runtime(self) -> Path:
+        """Where named volumes mounted under /run/ (sockets: the link's) land: a short folder of the twin's own
+        that others may traverse, not list (0711): a unix socket's path has at most 107 bytes, and nginx's workers
+        (`nobody` under a root master) must reach the socket. Removed by :meth:`close`."""
+        if self._runtime is None:
+            self._runtime = Path(tempfile.mkdtemp(prefix="hybridfl-twin-"))
+            self._runtime.chmod(0o711)
+        return self._runtime
+
+    def close(self) -> None:
+        if self._runtime is not None:
+            shutil.rmtree(self._runtime, ignore_errors=True)
+            self._runtime = None
 
     @property
     def certs(self) -> Path:
         return self.workdir / "certs"
 
+    def owner(self, service: str) -> str:
+        """The service whose network namespace `service` is in (``network_mode: service:X``), else itself."""
+        mode = str(self.compose["services"][service].get("network_mode", ""))
+        return mode.removeprefix("service:") if mode.startswith("service:") else service
+
     def port(self, service: str, container_port: int) -> int:
+        """The port on this machine of `service`'s `container_port` (its namespace's: a namespace is one host)."""
+        service = self.owner(service)
         if (service, container_port) not in self.ports:
             taken = set(self.ports.values())
             while (p := free_port()) in taken:
@@ -95,7 +126,7 @@ class Twin:
             elif source.startswith((".", "/")):
                 host = self._rendered(service, target) if resolved.suffix == ".conf" else resolved
             else:
-                host = self.workdir / "volumes" / source
+                host = (self.runtime if target.startswith("/run/") else self.workdir / "volumes") / source
                 host.mkdir(parents=True, exist_ok=True)
             out.append((target, host))
         return sorted(out, key=lambda tp: -len(tp[0]))
@@ -110,14 +141,18 @@ class Twin:
             if source.startswith(".") and source.endswith(".conf"):
                 host = self._rendered(service, target)
                 host.parent.mkdir(parents=True, exist_ok=True)
-                host.write_text(self.text(service, (COMPOSE_DIR / source).read_text()))
+                text = self.text(service, (COMPOSE_DIR / source).read_text())
+                for path in re.findall(r"unix:([^\s;]+)", text):
+                    if len(path.encode()) > UNIX_PATH_MAX:
+                        raise ComposeError(f"service {service}: the socket {path} is longer than a unix socket's "
+                                           f"{UNIX_PATH_MAX} bytes: use a shorter --workdir")
+                host.write_text(text)
 
     def text(self, service: str, value: str) -> str:
         """`value` as seen on this machine: service addresses, loopback ports (those of the service whose network
         namespace it shares) and container paths mapped."""
         services = self.compose["services"]
-        mode = str(services[service].get("network_mode", ""))
-        own = mode.removeprefix("service:") if mode.startswith("service:") else service
+        own = self.owner(service)
         value = re.sub(r"\b([A-Za-z0-9_.-]+):(\d+)\b", lambda m: (
             f"127.0.0.1:{self.port(m[1], int(m[2]))}" if m[1] in services else
             f"127.0.0.1:{self.port(own, int(m[2]))}" if m[1] in ("127.0.0.1", "localhost", "0.0.0.0") else m[0]),
@@ -139,6 +174,11 @@ class Twin:
                                f"(Debian: apt-get install {out[0]})")
         out[0] = program
         self.render(service)
+        for spec in svc.get("volumes") or []:
+            source, target, _ = volume_spec(spec)
+            if source.endswith(".conf") and (missing := missing_modules(self._rendered(service, target).read_text())):
+                raise ComposeError(f"service {service}: its {source} loads {', '.join(missing)}, which this machine "
+                                   "lacks (Debian: apt-get install libnginx-mod-stream)")
         for i, arg in enumerate(args):
             before = args[i - 1] if i else ""
             out.append("127.0.0.1" if before == "--host" else str(self.port(service, int(arg))) if before == "--port"
@@ -174,10 +214,10 @@ def twin(files: list[Path], jobs: list[dict[str, Any]], workdir: Path,
         run_configs.append({**run_config, "output-dir": t.text(SERVERAPP, run_config["output-dir"]),
                             "run-name": f"{run_config['run-name']}-{i}"})
     ca = certificates(compose, t.certs)  # once every job is known to be valid
-    with ProcessGroup(workdir / "logs", env) as procs:
+    with contextlib.closing(t), ProcessGroup(workdir / "logs", env) as procs:
         for name in start_order(compose["services"]):
             svc = compose["services"][name]
-            if is_setup(svc):
+            if is_setup(svc) or on_demand(svc):
                 continue
             for dep, cond in (svc.get("depends_on") or {}).items():
                 if (cond or {}).get("condition") == "service_healthy":

@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 from hybridfl.pki import node_key
-from hybridfl.processes import acquire_task_anonymously, flower_env, write_connection
+from hybridfl.processes import Flwr, acquire_task_anonymously, final_status, flower_env, local_flwr, write_connection
 
 APP = Path(__file__).resolve().parent / "intruder_app"
 CONNECTION = "intruder"
@@ -60,15 +60,13 @@ def breaches(outcome: dict[str, str], marks: Path) -> list[str]:
     return left + [f"its app ran: {p}" for p in sorted(marks.glob("*"))] if marks.is_dir() else left
 
 
-def operator_runs_it(env: dict[str, str], connection: str, marks: Path) -> str:
-    """The operator starts the same app on the SuperLink's own port (`connection` in `env`'s FLWR_HOME) and waits
+def operator_runs_it(env: dict[str, str], connection: str, marks: Path, flwr: Flwr = local_flwr) -> str:
+    """The operator's `flwr` (`flwr`: how it runs; `connection` in `env`'s FLWR_HOME) starts the same app and waits
     for it: its run's final status (its ServerApp and ClientApps then wrote their marks under `marks`)."""
-    from hybridfl.processes import final_status
-
-    out = subprocess.run(["flwr", "run", str(APP), connection, "--format", "json", "--run-config",
+    out = subprocess.run([*flwr(APP), "run", ".", connection, "--format", "json", "--run-config",
                           f'mark-dir="{marks}"'], env=env, capture_output=True, text=True, timeout=120, cwd=APP)
     try:
         run_id = int(json.loads(out.stdout)["run-id"])
     except (json.JSONDecodeError, KeyError, ValueError) as err:
         raise RuntimeError(f"the operator could not start {APP}: {out.stdout}{out.stderr}") from err
-    return final_status(env, connection, run_id, timeout=300)
+    return final_status(env, connection, run_id, timeout=300, flwr=flwr)
