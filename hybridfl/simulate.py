@@ -14,6 +14,7 @@ run *finished:completed* and wrote ``summary.json``, and stops exactly the proce
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,26 @@ from hybridfl.processes import (
 )
 
 CONNECTION = "hybridfl-sim"
+# What Ray says when its raylet has not registered within the 30 s that ray._private.node allows (hard-coded): on a
+# busy machine, before any client ran
+RAY_DID_NOT_START = "The current node timed out during startup"
+
+
+def ray_did_not_start(run_path: Path) -> bool:
+    """Whether a failed run's Flower logs say that Ray did not start."""
+    return any(RAY_DID_NOT_START in log.read_text(errors="replace") for log in (run_path / "flower-logs").glob("*.log"))
+
+
+def set_aside(run_path: Path) -> Path:
+    """Move a failed attempt's run folder to ``<run folder>-ray-did-not-start`` (``-2``, ``-3``... if taken) and
+    leave an empty one in its place; return where it went."""
+    aside, k = run_path.with_name(f"{run_path.name}-ray-did-not-start"), 1
+    while aside.exists():
+        k += 1
+        aside = run_path.with_name(f"{run_path.name}-ray-did-not-start-{k}")
+    run_path.rename(aside)
+    run_path.mkdir()
+    return aside
 
 
 def local_client_gpus() -> float:
@@ -63,14 +84,22 @@ def simulate(overrides: dict[str, Any], flwr_home: Path, app_dir: Path | None = 
         env["RAY_ADDRESS"] = cluster.LOCAL  # never a cluster `ray start` left running on this machine
         init_args = f" init-args-num-cpus={cpus}"
     cluster.check_fits(resources, client_cpus, gpus, where)
-    port = free_port()
-    with ProcessGroup(run_path / "flower-logs", env) as procs:
-        link = procs.start("superlink", ["flower-superlink", "--insecure", "--simulation", "--isolation", "subprocess",
-                                         "--host", "127.0.0.1", "--port", str(port)])
-        wait_healthy(port, link)
-        write_connection(flwr_home, CONNECTION, port)
-        federation = (f"num-supernodes={cfg.num_clients} client-resources-num-cpus={client_cpus:g} "
-                      f"client-resources-num-gpus={gpus:g}{init_args}")
-        run_id, status = flwr_run(env, CONNECTION, overrides, federation_config=federation, app_dir=app_dir)
+    federation = (f"num-supernodes={cfg.num_clients} client-resources-num-cpus={client_cpus:g} "
+                  f"client-resources-num-gpus={gpus:g}{init_args}")
+    for attempt in (1, 2):
+        port = free_port()
+        with ProcessGroup(run_path / "flower-logs", env) as procs:
+            link = procs.start("superlink", ["flower-superlink", "--insecure", "--simulation", "--isolation",
+                                             "subprocess", "--host", "127.0.0.1", "--port", str(port)])
+            wait_healthy(port, link)
+            write_connection(flwr_home, CONNECTION, port)
+            run_id, status = flwr_run(env, CONNECTION, overrides, federation_config=federation, app_dir=app_dir)
+        # Ray's own start has a fixed 30 s: on a busy machine it fails before any client ran. Once, a fresh run
+        # folder (a resumed run's is its checkpoint: never moved) and a fresh start
+        if attempt == 2 or cfg.resume or status != "finished:failed" or not ray_did_not_start(run_path):
+            break
+        aside = set_aside(run_path)
+        print(f"warning: Ray did not start within its 30 s (a busy machine?): run {run_id} failed before any client "
+              f"ran; its folder is now {aside}; starting the run once more", file=sys.stderr, flush=True)
     check_completed(run_id, status, run_path)
     return run_path

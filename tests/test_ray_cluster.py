@@ -1,5 +1,5 @@
-"""hybridfl on a real Ray cluster of two nodes on this machine: a head and a worker raylet on 127.0.0.1
-(`ray.cluster_utils.Cluster`, stopped by the PIDs it started; no mocks). A simulation joins the cluster instead of
+"""hybridfl on a real Ray cluster of two nodes on this machine: a head and a worker raylet on 127.0.0.1 in a network
+namespace with loopback only (tests/ray_nodes.py; stopped by PID; no mocks). A simulation joins the cluster instead of
 starting a Ray of its own, its clients run on both nodes, and its model is the local simulation's. A sweep places
 its runs on both nodes as Ray tasks and survives the worker node's death."""
 
@@ -9,13 +9,13 @@ import contextlib
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -34,41 +34,105 @@ JOB = ["dataset=synthetic", "num-clients=4", "clients-per-round=4", "num-rounds=
 ONE_CLUSTER = pytest.mark.xdist_group("ray-cluster")
 
 
+class Nodes:
+    """tests/ray_nodes.py's two-node cluster, run in a network namespace of its own with loopback only (`unshare
+    -n`): Ray replaces 127.0.0.1 in an address by the machine's interface address (ray-project/ray#59110) outside
+    one, which no test may use. Commands that join the cluster run in that namespace (`argv`); the cluster's
+    processes are stopped by their PIDs, every process left in the namespace with them."""
+
+    def __init__(self, folder: Path) -> None:
+        probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True) if os.geteuid() == 0 else None
+        if probe is None or probe.returncode:  # not root, or a container without CAP_SYS_ADMIN (Docker's seccomp)
+            pytest.skip("a network namespace of the cluster's own (unshare -n, nsenter) needs root and the right to "
+                        f"make one: {probe.stderr.strip() if probe else 'not root'}")
+        self.stderr = folder / "ray-nodes.log"
+        host = [sys.executable, str(Path(__file__).with_name("ray_nodes.py"))]
+        with self.stderr.open("w") as log:
+            self.process = subprocess.Popen(["unshare", "-n", *host], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=log, text=True, start_new_session=True)
+        try:
+            started = self._answer("the cluster's address", 300)
+            info = json.loads(started)
+        except BaseException:
+            self.namespace = self._namespace()  # whatever it started in there is stopped too
+            self.close()
+            raise
+        self.namespace = self._namespace()
+        self.address: str = info["address"]
+        self.node_ids: set[str] = set(info["nodes"])
+        self.logs = Path(info["logs"])
+
+    def _namespace(self) -> str:
+        """tests/ray_nodes.py's network namespace once it is in its own ("" before that, or once it has ended): never
+        this process's, whose processes :meth:`close` must not kill."""
+        with contextlib.suppress(OSError):
+            theirs = os.readlink(f"/proc/{self.process.pid}/ns/net")
+            if theirs != os.readlink("/proc/self/ns/net"):
+                return theirs
+        return ""
+
+    def _answer(self, what: str, timeout_s: float) -> str:
+        assert self.process.stdout is not None
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
+        line = self.process.stdout.readline() if ready else ""
+        assert line, f"tests/ray_nodes.py gave no {what} in {timeout_s:.0f} s:\n" + self.stderr.read_text()[-3000:]
+        return line
+
+    def argv(self, argv: list[str]) -> list[str]:
+        """`argv` run in the cluster's network namespace."""
+        return ["nsenter", f"--net=/proc/{self.process.pid}/ns/net", "--", *argv]
+
+    def kill_worker(self) -> None:
+        """The worker node's processes killed (SIGKILL), as a crash would."""
+        assert self.process.stdin is not None
+        self.process.stdin.write("kill-worker\n")
+        self.process.stdin.flush()
+        assert self._answer("answer to kill-worker", 120).strip() == "killed"
+
+    def log(self) -> str:
+        """The warnings and errors of the cluster's raylets and GCS, the last 20 of each log: why a task or an actor
+        did not start (a worker that did not register, a node out of memory), for a failing test's message."""
+        lines = []
+        for log in sorted([*self.logs.glob("raylet*.out"), *self.logs.glob("gcs_server*.out")]):
+            found = [line for line in log.read_text(errors="replace").splitlines() if re.match(r"\[[^]]* [WE] ", line)]
+            lines += [f"--- {log.name}", *found[-20:]]
+        return "\n".join(["", "Ray's own log:", *lines])
+
+    def close(self) -> None:
+        """The cluster shut down (end of tests/ray_nodes.py's input), then every process still in its namespace
+        killed by PID."""
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in ([int(p) for p in os.listdir("/proc") if p.isdigit()] if self.namespace else []):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/ns/net") == self.namespace:
+                    os.kill(pid, signal.SIGKILL)
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
 @pytest.fixture
-def two_nodes() -> Iterator[object]:
-    """A Ray cluster of two nodes of one CPU each on this machine, both raylets at the address Ray's drivers take for
-    it: Ray replaces 127.0.0.1 in an address by that one (ray-project/ray#59110), so raylets on 127.0.0.1 cannot be
-    joined where the machine has another (on a machine with no route out, it is 127.0.0.1 itself)."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    here = ray.util.get_node_ip_address()
-    cluster = Cluster(initialize_head=True, shutdown_at_exit=False,
-                      head_node_args={"num_cpus": 1, "node_ip_address": here, "include_dashboard": False})
+def two_nodes(tmp_path: Path) -> Iterator[Nodes]:
+    nodes = Nodes(tmp_path)
     try:
-        cluster.add_node(num_cpus=1, node_ip_address=here)
-        cluster.wait_for_nodes()
-        yield cluster
+        yield nodes
     finally:
-        cluster.shutdown()
+        nodes.close()
 
 
-def _ray_log(cluster: Any) -> str:
-    """The warnings and errors of the cluster's raylets and GCS, the last 20 of each log: why a task or an actor did
-    not start (a worker that did not register, a node out of memory), for a failing test's message."""
-    logs = Path(cluster.head_node.get_logs_dir_path())
-    lines = []
-    for log in sorted([*logs.glob("raylet*.out"), *logs.glob("gcs_server*.out")]):
-        found = [line for line in log.read_text(errors="replace").splitlines() if re.match(r"\[[^]]* [WE] ", line)]
-        lines += [f"--- {log.name}", *found[-20:]]
-    return "\n".join(["", "Ray's own log:", *lines])
-
-
-def _hybridfl(args: list[str], folder: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """The command as a user runs it, from `folder`, without a RAY_ADDRESS of this machine's unless `env` says."""
+def _hybridfl(args: list[str], folder: Path, env: dict[str, str] | None = None,
+              nodes: Nodes | None = None) -> subprocess.CompletedProcess:
+    """The command as a user runs it, from `folder` (in `nodes`' namespace where given), without a RAY_ADDRESS of
+    this machine's unless `env` says."""
     base = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {"FLWR_TELEMETRY_ENABLED": "0"}
-    return subprocess.run([HYBRIDFL, *args], cwd=folder, env=base | (env or {}), capture_output=True, text=True,
-                          timeout=600)
+    argv = [HYBRIDFL, *args]
+    return subprocess.run(nodes.argv(argv) if nodes else argv, cwd=folder, env=base | (env or {}),
+                          capture_output=True, text=True, timeout=600)
 
 
 @ONE_CLUSTER
@@ -76,12 +140,12 @@ def _hybridfl(args: list[str], folder: Path, env: dict[str, str] | None = None) 
 def test_a_simulation_on_a_two_node_cluster_trains_on_both_nodes_and_ends_at_the_local_model(tmp_path: Path,
                                                                                              two_nodes) -> None:
     on_cluster = _hybridfl(["run", *JOB, "run-name=cluster", "--mode", "simulation", "--ray", two_nodes.address],
-                           tmp_path)
-    assert on_cluster.returncode == 0, on_cluster.stdout[-3000:] + on_cluster.stderr[-3000:] + _ray_log(two_nodes)
+                           tmp_path, nodes=two_nodes)
+    assert on_cluster.returncode == 0, on_cluster.stdout[-3000:] + on_cluster.stderr[-3000:] + two_nodes.log()
     run = tmp_path / "outputs" / "cluster"
     logs = on_cluster.stdout + "".join(p.read_text(errors="replace") for p in (run / "flower-logs").glob("*.log"))
     used = set(re.findall(r'"ray-node": "([0-9a-f]+)"', logs))
-    assert used == {node.node_id for node in [two_nodes.head_node, *two_nodes.worker_nodes]}, used  # both nodes
+    assert used == two_nodes.node_ids, used  # both nodes
 
     local = _hybridfl(["run", *JOB, "run-name=local", "--mode", "simulation"], tmp_path)
     assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
@@ -94,7 +158,7 @@ def test_a_simulation_on_a_two_node_cluster_trains_on_both_nodes_and_ends_at_the
 def test_a_client_no_node_can_host_is_refused_before_anything_starts(tmp_path: Path, two_nodes) -> None:
     """Through RAY_ADDRESS, as Ray reads it: two CPUs per client where every node has one would queue for ever."""
     out = _hybridfl(["run", *JOB, "--mode", "simulation", "--client-num-cpus", "2"], tmp_path,
-                    {"RAY_ADDRESS": two_nodes.address})
+                    {"RAY_ADDRESS": two_nodes.address}, two_nodes)
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert "'--client-num-cpus' = 2.0" in out.stderr and "at most 1" in out.stderr, out.stderr
     assert not (tmp_path / ".flwr" / "processes").exists()  # no Flower process was started
@@ -130,16 +194,16 @@ DRIVER_ENV = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0"}
 
 
 @contextlib.contextmanager
-def _driver(tmp_path: Path, cluster: Any, checkpoints: int) -> Iterator[subprocess.Popen]:
+def _driver(tmp_path: Path, cluster: Nodes, checkpoints: int) -> Iterator[subprocess.Popen]:
     """`hybridfl sweep` of the "cluster" spec on `cluster`, handed over once `checkpoints` of its runs have a
     checkpoint (or it ended); killed on the way out if it is still running."""
-    driver = subprocess.Popen([HYBRIDFL, "sweep", str(_sweep_spec(tmp_path, "cluster")), "--ray", cluster.address],
-                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=DRIVER_ENV)
+    sweep = [HYBRIDFL, "sweep", str(_sweep_spec(tmp_path, "cluster")), "--ray", cluster.address]
+    driver = subprocess.Popen(cluster.argv(sweep), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=DRIVER_ENV)
     try:
         deadline = time.monotonic() + 480
         while len(list((tmp_path / "cluster").glob(f"*/{CHECKPOINT}"))) < checkpoints and driver.poll() is None:
-            assert time.monotonic() < deadline, f"{checkpoints} runs of the sweep did not start" + _ray_log(cluster)
+            assert time.monotonic() < deadline, f"{checkpoints} runs of the sweep did not start" + cluster.log()
             time.sleep(0.2)
         yield driver
     finally:
@@ -167,9 +231,9 @@ def test_a_sweep_on_the_cluster_survives_its_worker_node_and_reports_what_jobs_2
     and the report is the local sweep's."""
     with _driver(tmp_path, two_nodes, checkpoints=2) as driver:  # both nodes' runs started
         assert not list((tmp_path / "cluster").glob("*/summary.json"))  # both nodes mid-run
-        two_nodes.remove_node(next(iter(two_nodes.worker_nodes)), allow_graceful=False)
+        two_nodes.kill_worker()
         out, _ = driver.communicate(timeout=600)
-    assert driver.returncode == 0, out[-4000:] + _ray_log(two_nodes)
+    assert driver.returncode == 0, out[-4000:] + two_nodes.log()
     keys = _recorded(tmp_path)
     assert sorted(keys) == sorted(set(keys)) and len(keys) == 4, keys
     resumed = [json.loads(p.read_text())["resumed-after-round"] for p in (tmp_path / "cluster").glob("*/summary.json")]
@@ -191,9 +255,10 @@ def test_a_sweep_driver_stopped_mid_sweep_exits_143_and_a_new_one_finishes_it(tm
         driver.send_signal(signal.SIGTERM)
         out, _ = driver.communicate(timeout=60)
     assert driver.returncode == 143, out[-4000:]
-    again = subprocess.run([HYBRIDFL, "sweep", str(tmp_path / "cluster.yaml"), "--ray", two_nodes.address],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=600, env=DRIVER_ENV)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:] + _ray_log(two_nodes)
+    sweep = [HYBRIDFL, "sweep", str(tmp_path / "cluster.yaml"), "--ray", two_nodes.address]
+    again = subprocess.run(two_nodes.argv(sweep), cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                           env=DRIVER_ENV)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:] + two_nodes.log()
     keys = _recorded(tmp_path)
     assert sorted(keys) == sorted(set(keys)) and len(keys) == 4, keys
 
