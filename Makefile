@@ -50,14 +50,15 @@ browser:
 # Debian's nginx, the edge proxy that the deployment tutorial's test and the compose twin run natively
 # (tests/test_tutorial.py, tests/test_compose.py): installed as root where apt is; elsewhere those tests skip (CI fails)
 nginx:
-	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || ! { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; } || \
-		apt-get install -y nginx || { apt-get update && apt-get install -y nginx; }
+	@test -e /usr/lib/nginx/modules/ngx_stream_module.so || ! { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; } || \
+		apt-get install -y nginx libnginx-mod-stream || { apt-get update && apt-get install -y nginx libnginx-mod-stream; }
 
 # The documentation site (mkdocs.yml) into site/, every warning an error: a broken link or a page missing fails
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
-# Local deployment: one SuperLink and N SuperNodes on loopback; ARGS='--supernodes 3 num-rounds=5'
+# Local deployment: one SuperLink and N SuperNodes on loopback, TLS and SuperNode authentication (ARGS=--plain-http
+# drops them, and warns); ARGS='--supernodes 3 num-rounds=5'
 deploy: $(STAMP)
 	$(VENV)/bin/hybridfl run --mode deployment $(ARGS)
 

@@ -267,6 +267,12 @@ def client_holdout(spec: DataSpec, partition_id: int) -> dict[str, np.ndarray]:
     return {"train": np.sort(train), "validation": np.sort(val), "test": np.sort(test)}
 
 
+def client_sizes(spec: DataSpec) -> dict[int, dict[str, int]]:
+    """The size of every client's parts, as each node cuts its own (the most ``num-examples`` its replies may
+    claim): ``{client: {"train": n, "validation": v, "test": t}}``."""
+    return {i: {part: len(idx) for part, idx in client_holdout(spec, i).items()} for i in range(spec.num_clients)}
+
+
 def client_partition(spec: DataSpec, partition_id: int, part: str = "train") -> ArrayDataset:
     """The data of client `partition_id`: its training data, or its own held-out ``validation`` / ``test``
     part (true labels: label noise is on training labels only)."""

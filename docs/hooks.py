@@ -26,11 +26,19 @@ def cli_reference() -> str:
 
     from hybridfl.cli import app
 
+    def leaves(group: click.Group, ctx: click.Context, prefix: str = "") -> Any:
+        """(name, command, context) of every command under `group`, a group's own (`superlink-db prune`) included."""
+        for name, cmd in sorted(group.commands.items()):
+            sub = click.Context(cmd, info_name=name, parent=ctx)
+            if isinstance(cmd, click.Group):
+                yield from leaves(cmd, sub, f"{prefix}{name} ")
+            else:
+                yield f"{prefix}{name}", cmd, sub
+
     root = typer.main.get_command(app)
     out = []
     with click.Context(root, info_name="hybridfl") as ctx:
-        for name, cmd in sorted(root.commands.items()):
-            sub = click.Context(cmd, info_name=name, parent=ctx)
+        for name, cmd, sub in leaves(root, ctx):
             usage = " ".join(["hybridfl", name, *cmd.collect_usage_pieces(sub)])
             out += [f"## `hybridfl {name}`", "", (cmd.help or "").strip(), "", "```text", usage, "```", ""]
             rows = []

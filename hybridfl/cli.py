@@ -4,7 +4,7 @@
     hybridfl run fedbuff-digits num-rounds=5 --mode simulation
     hybridfl run fedbuff-digits --mode simulation --ray 10.0.0.5:6379 --client-num-gpus 0.25   # a Ray cluster's
     hybridfl run feddle-digits --mode deployment --supernodes 4
-    hybridfl run fedasync-digits --mode deployment --supernodes 3 --latency 2=4 --tls --auth clock=wall concurrency=3
+    hybridfl run fedasync-digits --mode deployment --supernodes 3 --latency 2=4 clock=wall concurrency=3
     hybridfl certs docker/certs --nodes 2
     hybridfl edge edge --certs certs                     # the devices' port: nginx, the Fleet API only
     hybridfl resume outputs/feddle-digits-s0-20261126-101500 num-rounds=200
@@ -13,6 +13,7 @@
     hybridfl sweep benchmarks/sweeps/fedmerge-fmnist.yaml --jobs 2
     hybridfl sweep benchmarks/sweeps/fedmerge-fmnist.yaml --ray 10.0.0.5:6379 --run-num-gpus 0.25
     hybridfl report benchmarks/sweeps/fedmerge-fmnist.yaml
+    hybridfl superlink-db prune superlink.db --keep 10   # the SuperLink's --database: the finished runs but 10 go
 
 KEY=VALUE pairs are run-config overrides with ``flwr run -c`` syntax (TOML values; a bare word is a string). A bad
 key or value stops the command before anything starts, naming the key, the value and what is allowed (exit 2); a
@@ -36,6 +37,7 @@ from typing import Annotated, Any, TypeVar
 import click
 import typer
 
+from hybridfl.edge import FLEET_SIZE, MAX_BODY_MIB
 from hybridfl.job import MAIN_JOB, parse_overrides
 from hybridfl.processes import run_and_report, terminated
 
@@ -57,8 +59,10 @@ FlwrHome = Annotated[Path, typer.Option(help="FLWR_HOME of the Flower processes 
 Supernodes = Annotated[int | None, typer.Option(help="deployment: SuperNodes to start (default: num-clients)")]
 Latency = Annotated[list[str] | None, typer.Option(metavar="I=SECONDS",
                                                    help="deployment: slow SuperNode I's train replies (repeatable)")]
-Tls = Annotated[bool, typer.Option(help="deployment: HTTPS with a private CA (kept in <flwr-home>/pki)")]
-Auth = Annotated[bool, typer.Option(help="deployment: only registered SuperNode keys are admitted (needs --tls)")]
+PlainHttp = Annotated[bool, typer.Option(help="deployment: plain HTTP and no SuperNode authentication (it warns; a "
+                                              "test bench of your own only). By default every SuperLink API is HTTPS "
+                                              "with a private CA (kept in <flwr-home>/pki) and only the registered "
+                                              "SuperNode keys are admitted")]
 Verbose = Annotated[bool, typer.Option(help="in-process on a terminal: the per-step log lines, not a progress "
                                             "line; and an unexpected error's traceback")]
 Executor = Annotated[str, typer.Option(help="deployment: how each device runs its messages: `flower` (Flower's "
@@ -94,8 +98,7 @@ class DeploymentFlags:
 
     supernodes: int | None = None
     latency: tuple[str, ...] = ()
-    tls: bool = False
-    auth: bool = False
+    plain_http: bool = False
     executor: str = "warm"
 
     def slow_nodes(self) -> dict[int, float]:
@@ -125,8 +128,8 @@ def launch(overrides: dict[str, Any], mode: Mode, flwr_home: Path, deployment: D
         from common.errors import ConfigError
 
         if mode is not Mode.deployment and deployment != DeploymentFlags():
-            raise ConfigError("--mode", str(mode), "deployment, the only mode with --supernodes, --latency, --tls, "
-                              "--auth and --executor")
+            raise ConfigError("--mode", str(mode), "deployment, the only mode with --supernodes, --latency, "
+                              "--plain-http and --executor")
         if mode is not Mode.simulation and simulation != SimulationFlags():
             raise ConfigError("--mode", str(mode), "simulation, the only mode with --ray, --client-num-cpus and "
                               "--client-num-gpus")
@@ -144,7 +147,7 @@ def launch(overrides: dict[str, Any], mode: Mode, flwr_home: Path, deployment: D
         from hybridfl.deploy_local import deploy
 
         return deploy(overrides, flwr_home.resolve(), deployment.supernodes, deployment.slow_nodes(),
-                      tls=deployment.tls, auth=deployment.auth, executor=deployment.executor)[0]
+                      plain_http=deployment.plain_http, executor=deployment.executor)[0]
 
     return run_and_report(go, verbose)
 
@@ -193,11 +196,11 @@ def run(args: Annotated[list[str] | None, typer.Argument(metavar="[PRESET] [KEY=
                                                              f"{MAIN_JOB}) and run-config overrides")] = None,
         mode: Annotated[Mode, typer.Option(help=MODE_HELP)] = Mode.in_process,
         flwr_home: FlwrHome = Path(".flwr"), supernodes: Supernodes = None, latency: Latency = None,
-        tls: Tls = False, auth: Auth = False, executor: Executor = "warm", ray: Ray = None,
+        plain_http: PlainHttp = False, executor: Executor = "warm", ray: Ray = None,
         client_num_cpus: ClientCpus = 1.0, client_num_gpus: ClientGpus = None, verbose: Verbose = False) -> None:
     """Run a preset, with overrides; outputs go to `<output-dir>/<run-name>/`."""
     raise typer.Exit(launch(_or_exit_2(lambda: command_overrides(args or [])), mode, flwr_home,
-                            DeploymentFlags(supernodes, tuple(latency or ()), tls, auth, executor), verbose,
+                            DeploymentFlags(supernodes, tuple(latency or ()), plain_http, executor), verbose,
                             SimulationFlags(ray, client_num_cpus, client_num_gpus)))
 
 
@@ -208,12 +211,12 @@ def resume(run_dir: Annotated[Path, typer.Argument(help="a run folder with a che
                                                                       "num-rounds")] = None,
            mode: Annotated[Mode, typer.Option(help=MODE_HELP)] = Mode.in_process,
            flwr_home: FlwrHome = Path(".flwr"), supernodes: Supernodes = None, latency: Latency = None,
-           tls: Tls = False, auth: Auth = False, executor: Executor = "warm", ray: Ray = None,
+           plain_http: PlainHttp = False, executor: Executor = "warm", ray: Ray = None,
            client_num_cpus: ClientCpus = 1.0, client_num_gpus: ClientGpus = None, verbose: Verbose = False) -> None:
     """Continue a run from its last checkpoint, in its own folder (any mode resumes a run of any mode)."""
-    raise typer.Exit(launch({**_or_exit_2(lambda: parse_overrides(overrides or [])), "resume": str(run_dir.resolve())},
-                            mode, flwr_home,
-                            DeploymentFlags(supernodes, tuple(latency or ()), tls, auth, executor), verbose,
+    given = _or_exit_2(lambda: parse_overrides(overrides or []))
+    raise typer.Exit(launch({**given, "resume": str(run_dir.resolve())}, mode, flwr_home,
+                            DeploymentFlags(supernodes, tuple(latency or ()), plain_http, executor), verbose,
                             SimulationFlags(ray, client_num_cpus, client_num_gpus)))
 
 
@@ -269,7 +272,8 @@ def certs(directory: Annotated[Path, typer.Argument(help="where the files go (ke
                                                                 "localhost and 127.0.0.1 are always added")] = None,
           nodes: Annotated[int, typer.Option(min=0, help="SuperNode key pairs and secrets to create")] = 0) -> None:
     """Certificates, SuperNode keys and Runtime API secrets for a secured deployment (TLS, SuperNode authentication,
-    SuperExec authentication): a CA, the SuperLink's certificate, `supernode-I` key pairs, and `superlink.secret`
+    SuperExec authentication): a CA, the SuperLink's and the edge's certificates (a key each), `supernode-I` key
+    pairs, and `superlink.secret`
     and `supernode-I.secret` (docs: "TLS and node authentication")."""
     from hybridfl.pki import DEFAULT_NAMES, make_pki
 
@@ -279,25 +283,37 @@ def certs(directory: Annotated[Path, typer.Argument(help="where the files go (ke
 
 @app.command()
 def edge(directory: Annotated[Path, typer.Argument(help="where nginx.conf, listen.conf and nginx's own files go")],
-         certs: Annotated[Path, typer.Option(help="the folder of `hybridfl certs` (ca.crt, server.crt, server.key)")],
+         certs: Annotated[Path, typer.Option(help="the folder of `hybridfl certs` (ca.crt, edge.crt, edge.key)")],
          superlink: Annotated[str, typer.Option(help="the SuperLink's own address (HOST:PORT), on this machine's "
                                                      "loopback")] = "127.0.0.1:9093",
          listen: Annotated[str, typer.Option(help="the devices' address (HOST:PORT) the edge listens on")
                            ] = "0.0.0.0:8000",
-         plain_http: Annotated[bool, typer.Option(help="no TLS (a closed test bench only)")] = False) -> None:
+         plain_http: Annotated[bool, typer.Option(help="no TLS (a closed test bench only)")] = False,
+         fleet_size: Annotated[int, typer.Option(help="devices that may reach the edge from one address (a fleet "
+                                                      "behind one NAT: all of it); sizes the per-client connection "
+                                                      "and rate limits and nginx's connections")] = FLEET_SIZE,
+         max_body_mib: Annotated[int, typer.Option(help="the largest request body a device sends (push-object: one "
+                                                        "array chunk of Flower's, 5 MiB, and its framing); every "
+                                                        "other route takes 1 MiB")] = MAX_BODY_MIB) -> None:
     """The edge proxy (nginx) for a SuperLink of one's own: on the devices' port, only Flower's Fleet API and /health
-    reach the SuperLink; its Control and Runtime APIs stay on `--superlink`, which only this machine reaches (docs:
-    "A deployment on devices"). Prints the nginx command that runs it."""
+    reach the SuperLink, within limits sized by --fleet-size and --max-body-mib; its Control and Runtime APIs stay
+    on `--superlink`, which only this machine reaches (docs: "A deployment on devices", and security.md "The edge's
+    limits, and how to size them"). Prints the nginx command that runs it."""
     import shlex
 
     from hybridfl import edge as edge_proxy
 
-    needed = () if plain_http else ("ca.crt", "server.crt", "server.key")
+    needed = () if plain_http else ("ca.crt", "edge.crt", "edge.key")
     if missing := [str(certs / f) for f in needed if not (certs / f).is_file()]:
         typer.echo(f"error: --certs {certs}: no {', '.join(missing)} (make them with `hybridfl certs {certs}`)",
                    err=True)
         raise typer.Exit(2)
-    conf = edge_proxy.write(directory, certs, superlink, listen, plain_http)
+    try:
+        conf = edge_proxy.write(directory, certs, superlink, listen, plain_http, fleet_size=fleet_size,
+                                max_body_mib=max_body_mib)
+    except ValueError as err:
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(shlex.join(edge_proxy.command(conf)))
 
 
@@ -341,6 +357,29 @@ def report(spec: SweepSpec) -> None:
     from hybridfl import sweep as sweeps
 
     _echo_or_exit_2(lambda: sweeps.report(sweeps.load(spec)))
+
+
+superlink_db = typer.Typer(help="The SuperLink's database (`flower-superlink --database FILE`): Flower never deletes "
+                                "a run, its logs or its app, so the file grows with every run (docs/security.md, "
+                                "\"The SuperLink's database\").", no_args_is_help=True)
+app.add_typer(superlink_db, name="superlink-db")
+
+
+@superlink_db.command("prune")
+def prune_superlink_db(
+        db: Annotated[Path, typer.Argument(help="the SuperLink's --database file (compose: superlink.db in the "
+                                                "superlink-state volume)")],
+        keep: Annotated[int, typer.Option(min=0, help="finished runs to keep, the newest")] = 10,
+        vacuum: Annotated[bool, typer.Option(help="give the freed space back to the file system (VACUUM: rewrites "
+                                                  "what is kept, holding the database's lock meanwhile); without it "
+                                                  "SQLite reuses the space: the file stops growing")] = True) -> None:
+    """Delete the finished runs beyond the newest --keep (their tasks, logs, events, messages, objects, and the apps
+    and run series no kept run uses), then give the space back (VACUUM); safe while the SuperLink runs (a run that has
+    not finished is never touched). Prints what it removed and the file's size before and after; a file that is not
+    a SuperLink database is refused (exit 2), unchanged."""
+    from hybridfl.linkdb import prune
+
+    _echo_or_exit_2(lambda: str(prune(db, keep, vacuum)))
 
 
 T = TypeVar("T")

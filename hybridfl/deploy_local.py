@@ -1,8 +1,7 @@
 """Run a preset on a local Flower deployment (one SuperLink + N SuperNodes on loopback) and check it.
 
-    hybridfl run [PRESET] [KEY=VALUE ...] --mode deployment [--supernodes N] [--latency I=SECONDS ...] [--tls [--auth]]
+    hybridfl run [PRESET] [KEY=VALUE ...] --mode deployment [--supernodes N] [--latency I=SECONDS ...] [--plain-http]
     e.g.  hybridfl run --mode deployment --supernodes 2 clients-per-round=2 num-rounds=2
-          hybridfl run --mode deployment --supernodes 2 --tls --auth clients-per-round=2 num-rounds=2
           hybridfl run fedasync-digits --mode deployment --supernodes 3 --latency 2=4 clock="wall" concurrency=3
 
 KEY=VALUE pairs are run-config overrides with ``flwr run -c`` syntax.
@@ -10,9 +9,10 @@ KEY=VALUE pairs are run-config overrides with ``flwr run -c`` syntax.
 ``flower-supernode`` processes on free loopback ports, node i holding partition i of N (N defaults to
 num-clients; a different --supernodes sets num-clients=N), each with its own ``flower-superexec`` (Flower's
 process isolation): the SuperLink's Runtime API and each SuperNode's accept only the SuperExec that holds its
-shared secret (``<flwr-home>/pki/superlink.secret``, ``supernode-I.secret``; hybridfl/pki.py). Plain HTTP by
-default; ``--tls`` serves every SuperLink API over HTTPS with a private CA (kept in <flwr-home>/pki), ``--auth``
-also admits only SuperNodes whose keys were registered (``flwr supernode register``) before they start.
+shared secret (``<flwr-home>/pki/superlink.secret``, ``supernode-I.secret``; hybridfl/pki.py). Every SuperLink API
+is served over HTTPS with a private CA (kept in <flwr-home>/pki), and only SuperNodes whose keys were registered
+(``flwr supernode register``) before they start are admitted: the loopback ports are open to every user of the
+machine, not only this one's processes (docs/security.md). ``--plain-http`` drops both, and warns.
 It runs ``flwr run . --stream`` against them, checks that the run *finished:completed* and wrote
 ``summary.json``, and stops exactly the processes it started (logs in <run>/flower-logs/).
 Each device runs warm by default (``--executor``, :data:`EXECUTORS`): about 0.3 s per message besides its training
@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError
+from hybridfl.compose import PLAIN_HTTP_WARNING
 from hybridfl.job import app_run_config, prepare
+from hybridfl.linkdb import private_file
 from hybridfl.pki import make_pki, make_secrets
 from hybridfl.processes import (
     ProcessGroup,
@@ -54,38 +56,39 @@ EXECUTORS = {"flower": (("flower-supernode",), ("flower-superexec",)),
 def deploy(overrides: dict[str, Any], flwr_home: Path, supernodes: int | None = None,
            latency: dict[int, float] | None = None,
            on_started: Callable[[ProcessGroup, Path], None] | None = None,
-           tls: bool = False, auth: bool = False, node_config: str = "",
+           plain_http: bool = False, node_config: str = "",
            app_dir: Path | None = None, executor: str = "warm") -> tuple[Path, set[int]]:
     """Run one job on a fresh deployment; return its run folder and the PIDs started (all stopped by now).
 
     `latency` slows SuperNode i's train replies by that many seconds (node config ``latency-s``);
     `on_started(processes, run_folder)` is called once every process is up, before the run starts
-    (tests use it to stop a SuperNode mid-run). `tls` and `auth` as ``--tls`` and ``--auth``; `node_config`
+    (tests use it to stop a SuperNode mid-run). `plain_http` as ``--plain-http``; `node_config`
     is added to every SuperNode's ``--node-config``; `app_dir` is the Flower app to run (default: hybridfl's own;
     a user's project that runs hybridfl's apps, such as examples/tabular); `executor` runs each node's ClientApp
     tasks: ``flower`` (Flower's SuperNode and SuperExec, a process per message), ``warm`` (client_app/warm_executor.py
     and the SuperNode's waits paced, client_app/supernode.py) or ``warm-executor`` (the first alone). Raises
     ConfigError for a bad config and RuntimeError with the reason when the run fails.
     """
-    paths, pids = deploy_runs([overrides], flwr_home, supernodes, latency, on_started, tls, auth, node_config, app_dir,
-                              executor)
+    paths, pids = deploy_runs([overrides], flwr_home, supernodes, latency, on_started, plain_http=plain_http,
+                              node_config=node_config, app_dir=app_dir, executor=executor)
     return paths[0], pids
 
 
 def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | None = None,
                 latency: dict[int, float] | None = None,
                 on_started: Callable[[ProcessGroup, Path], None] | None = None,
-                tls: bool = False, auth: bool = False, node_config: str = "",
-                app_dir: Path | Sequence[Path | None] | None = None, executor: str = "warm"
+                plain_http: bool = False, node_config: str = "",
+                app_dir: Path | Sequence[Path | None] | None = None, executor: str = "warm",
+                database: Path | None = None, after_run: Callable[[int, Path], None] | None = None
                 ) -> tuple[list[Path], set[int]]:
     """Run several jobs one after the other on the same SuperLink and SuperNodes (all must agree on
     num-clients); see :func:`deploy`. `on_started` gets the first run's folder; `node_config` is added to
-    every SuperNode's ``--node-config`` (e.g. ``cache-dir=""``); `app_dir` is every run's app, or one per run."""
+    every SuperNode's ``--node-config`` (e.g. ``cache-dir=""``); `app_dir` is every run's app, or one per run.
+    `database`: the SuperLink keeps its state in this SQLite file (``--database``, created private: mode 0600) instead
+    of in memory; `after_run(run_id, run_folder)` is called after each run has ended, the deployment still up."""
     app_dirs = [app_dir] * len(runs) if app_dir is None or isinstance(app_dir, Path) else list(app_dir)
     if len(app_dirs) != len(runs):
         raise ValueError(f"{len(runs)} runs, {len(app_dirs)} app folders")
-    if auth and not tls:
-        raise ConfigError("--auth", True, "--auth together with --tls (SuperNode authentication needs TLS)")
     if executor not in EXECUTORS:
         raise ConfigError("--executor", executor, " or ".join(EXECUTORS))
     if supernodes is not None:
@@ -99,16 +102,19 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
     env = flower_env(flwr_home)
     port = free_port()
     node_ports = [free_port() for _ in range(n)]  # never the same twice
-    pki = make_pki(flwr_home / "pki", nodes=n if auth else 0) if tls else None
+    if plain_http:
+        print(PLAIN_HTTP_WARNING, file=sys.stderr)
+    pki = None if plain_http else make_pki(flwr_home / "pki", nodes=n)
     ca = pki / "ca.crt" if pki else None
     secret = make_secrets(flwr_home / "pki", n)
     link_security = ["--insecure"] if pki is None else [
         "--ssl-ca-certfile", str(ca), "--ssl-certfile", str(pki / "server.crt"),
-        "--ssl-keyfile", str(pki / "server.key"), *(["--enable-supernode-auth"] if auth else [])]
+        "--ssl-keyfile", str(pki / "server.key"), "--enable-supernode-auth"]
+    state = [] if database is None else ["--database", str(private_file(database))]
     to_link = ["--insecure"] if ca is None else ["--root-certificates", str(ca)]
     supernode_cmd, executor_cmd = EXECUTORS[executor]
     with ProcessGroup(prepared[0][1] / "flower-logs", env) as procs:
-        link = procs.start("superlink", ["flower-superlink", *link_security, *runtime_api(secret["superlink"]),
+        link = procs.start("superlink", ["flower-superlink", *link_security, *runtime_api(secret["superlink"]), *state,
                                          "--host", "127.0.0.1", "--port", str(port),
                                          "--disable-runtime-dependency-installation"])
         wait_healthy(port, link, ca=ca)
@@ -120,7 +126,7 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
                 node_config_i += f" latency-s={float(latency[i])}"
             node_config_i += f" {node_config}" if node_config else ""
             security = list(to_link)
-            if auth:
+            if pki:
                 register_supernode(env, CONNECTION, pki / f"supernode-{i}.pub")
                 security += ["--auth-supernode-private-key", str(pki / f"supernode-{i}")]
             node_secret = secret[f"supernode-{i}"]
@@ -132,7 +138,11 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
                                                               executor_cmd))
         if on_started:
             on_started(procs, prepared[0][1])
-        outcomes = [(flwr_run(env, CONNECTION, o, app_dir=a), path) for (o, path), a in zip(prepared, app_dirs)]
+        outcomes = []
+        for (o, path), a in zip(prepared, app_dirs):
+            outcomes.append((flwr_run(env, CONNECTION, o, app_dir=a), path))
+            if after_run:
+                after_run(outcomes[-1][0][0], path)
     for (run_id, status), path in outcomes:
         check_completed(run_id, status, path)
     return [path for _, path in outcomes], procs.pids

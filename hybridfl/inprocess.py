@@ -21,6 +21,7 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.app import app as default_client_app
+from common.user_code import import_paths
 from hybridfl.cohort import release as release_cohort
 from hybridfl.cohort import train_cohort
 from server_app.app import RUN_STATE
@@ -36,7 +37,9 @@ class InProcessGrid(Grid):
     Args:
         client_app: the ClientApp every node runs.
         num_nodes: node i holds partition i of `num_nodes`.
-        override_config: what ``run.override_config`` reports (the user's run-config overrides).
+        override_config: what ``run.override_config`` reports (the user's run-config overrides), and each node's
+            ``run_config``: the keys the run started with, which declare the user code the nodes may run
+            (client_app/declared.py), as Flower's runtimes fuse them (no app config table here).
         run_id: the run's id.
         node_config: more keys for every node's ``node_config`` (``latency-s``: a slow device).
         cohort: trains train messages together, replying to those it serves by message id
@@ -65,7 +68,7 @@ class InProcessGrid(Grid):
                           node_config={"partition-id": i, "num-partitions": num_nodes,
                                        "cache-dir": "",  # this process keeps every partition in memory
                                        **(node_config or {})},
-                          state=RecordDict(), run_config={})
+                          state=RecordDict(), run_config=dict(self._run.override_config))
             for i, node in enumerate(ids)
         }
         self._pending: dict[str, Message] = {}
@@ -174,6 +177,11 @@ def run_inprocess(overrides: Mapping[str, Any] | None = None, client_app: Client
     grid = grid or InProcessGrid(client_app or default_client_app, cfg.num_clients, cohort=cohort,
                                  cohort_size=cfg.cohort_size)
     grid.run.override_config = overrides
+    # The nodes' run_config: the keys the run started with; a resumed run's code keys again, as `hybridfl resume`
+    # passes them (the checkpoint's values: the nodes cannot read it)
+    run_config = {**(import_paths(cfg.to_dict()) if cfg.resume else {}), **overrides}
+    for node in grid.contexts.values():
+        node.run_config = dict(run_config)
     context = Context(run_id=grid.run.run_id, node_id=0, node_config={}, state=RecordDict(), run_config={})
     try:
         (server_app or default_server_app)(grid, context)

@@ -20,6 +20,7 @@ from PIL import Image
 
 from client_app.app import app as client_app
 from common.protocol import ARRAYS
+from hybridfl.compose import COMPOSE_DIR, missing_modules
 
 
 def readme_commands(page: Path) -> list[str]:
@@ -30,13 +31,19 @@ def readme_commands(page: Path) -> list[str]:
     return [re.sub(r"\s+", " ", line) for line in lines if line and not line.startswith("#")]
 
 
-def needs_nginx() -> None:
-    """Skip where nginx (the edge proxy, run natively) is missing; fail instead under HYBRIDFL_REQUIRE_NGINX=1 (CI,
-    whose `make test` installs it)."""
+def needs_nginx(stream: bool = False) -> None:
+    """Skip where nginx (the edge proxy, run natively) is missing, or with `stream` its stream module (the compose
+    files' `link`, docker/link.conf); fail instead under HYBRIDFL_REQUIRE_NGINX=1 (CI, whose `make test` installs
+    them)."""
+    reason = None
     if shutil.which("nginx", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin") is None:
         reason = "no nginx here (Debian: apt-get install nginx; `make test` installs it as root)"
-        if os.environ.get("HYBRIDFL_REQUIRE_NGINX"):
-            pytest.fail(reason)
+    elif stream and (missing := missing_modules((COMPOSE_DIR / "link.conf").read_text())):
+        reason = (f"no {', '.join(missing)} here (Debian: apt-get install libnginx-mod-stream; `make test` "
+                  "installs it as root)")
+    if reason and os.environ.get("HYBRIDFL_REQUIRE_NGINX"):
+        pytest.fail(reason)
+    if reason:
         pytest.skip(reason)
 
 

@@ -34,7 +34,9 @@ def test_method_options_live_with_their_strategy_and_keep_their_names_from_yaml_
     s = build_strategy(cfg.strategy, cfg.options)
     assert isinstance(s, FedBuff) and s.config.buffer_size == 7 and s.config.server_lr == 0.5
     assert s.describe() == {"strategy": "fedbuff", "buffer-size": 7, "server-lr": 0.5, "staleness-weight": "none",
-                            "staleness-exponent": 0.5, "weighting": "uniform"}  # atlas-size is Feddle's
+                            "staleness-exponent": 0.5, "weighting": "uniform", "aggregation": "mean",
+                            "trim-fraction": 0.1, "update-norm-bound": 0.0, "update-norm-multiple": 0.0}  # atlas-size
+    # is Feddle's; the defences against hostile devices (strategies/robust.py) are every averaging method's
     assert option_owners()["buffer-size"] == ["ca2fl", "fedbuff", "feddle"]  # Feddle: its fallback's K
     assert option_owners()["proximal-mu"] == ["objective proximal"]
 

@@ -31,8 +31,9 @@ def running(pid: int) -> bool:
 
 @pytest.mark.e2e
 def test_local_deployment_with_tls_and_auth_runs_keeps_node_state_refuses_intruders_and_stops(tmp_path: Path) -> None:
-    """``--tls --auth``: the two registered SuperNodes train, and each keeps its own state from round to round
-    (Ditto's personal models: the accuracies are the in-process run's); a SuperNode with its own unregistered key
+    """TLS and node authentication (the launcher's default): the two registered SuperNodes train, and each keeps
+    its own state from round to round (Ditto's personal models: the accuracies are the in-process run's); a
+    SuperNode with its own unregistered key
     and a plain-HTTP one are refused by the SuperLink (their own exit and the SuperLink's reason are asserted).
     One deployment for both claims: each costs a SuperLink, SuperNodes and a process per message."""
     overrides = {**DITTO_TWO_NODES, "output-dir": str(tmp_path / "out"), "run-name": "e2e"}
@@ -61,7 +62,7 @@ def test_local_deployment_with_tls_and_auth_runs_keeps_node_state_refuses_intrud
         runtime[node_api] = acquire_task_anonymously(node_api)
 
     with flower_threads():  # the nodes' processes and the reference compute alike
-        run_path, pids = deploy(overrides, home, supernodes=2, on_started=start_intruders, tls=True, auth=True,
+        run_path, pids = deploy(overrides, home, supernodes=2, on_started=start_intruders,
                                 node_config=f'cache-dir="{tmp_path / "cache"}"')
         ref = run_inprocess({**overrides, "run-name": "ref"})
 
@@ -102,10 +103,8 @@ def test_local_deployment_with_tls_and_auth_runs_keeps_node_state_refuses_intrud
     assert [pid for pid in pids if running(pid)] == []
 
 
-def test_auth_without_tls_is_refused_before_starting_anything(tmp_path: Path, capsys) -> None:
-    assert main(["run", "--mode", "deployment", "--flwr-home", str(tmp_path / "flwr-home"), "--auth"]) == 2
-    assert "--auth together with --tls" in capsys.readouterr().err
-    assert main(["run", "--flwr-home", str(tmp_path / "flwr-home"), "--tls"]) == 2  # in-process: no TLS to set
+def test_deployment_flags_are_checked_before_starting_anything(tmp_path: Path, capsys) -> None:
+    assert main(["run", "--flwr-home", str(tmp_path / "flwr-home"), "--plain-http"]) == 2  # in-process: no HTTP
     assert "'--mode' = 'in-process'" in capsys.readouterr().err
     assert main(["run", "--mode", "deployment", "--flwr-home", str(tmp_path / "flwr-home"), "--latency", "x"]) == 2
     assert "I=SECONDS" in capsys.readouterr().err
@@ -149,8 +148,10 @@ def test_async_deployment_survives_a_slow_and_a_lost_supernode(tmp_path: Path) -
 
         threading.Thread(target=watch, daemon=True).start()
 
+    # plain HTTP: asynchrony is the point here (the first test has the default, TLS and node authentication), and it
+    # spares CI three `flwr supernode register` processes
     run_path, _ = deploy(overrides, tmp_path / "flwr-home", supernodes=3, latency={2: 10.0},
-                         on_started=kill_node_1_after_first_step)
+                         on_started=kill_node_1_after_first_step, plain_http=True)
     assert killed_at, "the SuperNode was never killed"
     summary = json.loads((run_path / "summary.json").read_text())
     events = [json.loads(line) for line in (run_path / "events.jsonl").read_text().splitlines()]

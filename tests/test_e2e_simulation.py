@@ -129,3 +129,40 @@ def test_bad_config_fails_before_starting_anything(tmp_path, capsys):
     assert rc == 2
     assert "config key 'num-rounds' = 0" in capsys.readouterr().err
     assert not (tmp_path / "home").exists()
+
+
+def test_a_run_whose_ray_did_not_start_runs_once_more_in_a_fresh_folder(tmp_path, monkeypatch, capsys):
+    """Ray's raylet has a fixed 30 s to start; on a busy machine the run fails before any client ran. simulate() then
+    moves the attempt's folder aside and starts the run once more (a real SuperLink each time; `flwr run` faked);
+    any other failure, or a second one, is the run's outcome."""
+    calls: list[Path] = []
+
+    def fake_flwr_run(env, connection, overrides, federation_config=None, app_dir=None):
+        run = Path(overrides["output-dir"]) / overrides["run-name"]
+        calls.append(run)
+        (run / "metrics.jsonl").write_text(f"attempt {len(calls)}\n")
+        if len(calls) == 1:
+            (run / "flower-logs" / "simulation.log").write_text(  # as Flower's simulation runtime logs it
+                f"Exception: {simulate.RAY_DID_NOT_START}. This could happen because ...\n")
+            return 11, "finished:failed"
+        (run / "summary.json").write_text("{}")
+        return 12, "finished:completed"
+
+    monkeypatch.setattr(simulate, "flwr_run", fake_flwr_run)
+    job = {**JOB, "output-dir": str(tmp_path / "out"), "run-name": "r"}
+    run = simulate.simulate(job, tmp_path / "home")
+    assert calls == [run, run] and (run / "metrics.jsonl").read_text() == "attempt 2\n"
+    aside = tmp_path / "out" / "r-ray-did-not-start"
+    assert (aside / "metrics.jsonl").read_text() == "attempt 1\n" and simulate.ray_did_not_start(aside)
+    assert not simulate.ray_did_not_start(run)
+    assert f"its folder is now {aside}" in capsys.readouterr().err
+
+    def always_failed(env, connection, overrides, federation_config=None, app_dir=None):
+        calls.append(Path(overrides["output-dir"]) / overrides["run-name"])
+        return 13, "finished:failed"  # a failure of the run itself: no second attempt
+
+    monkeypatch.setattr(simulate, "flwr_run", always_failed)
+    calls.clear()
+    with pytest.raises(RuntimeError, match="run 13 ended as 'finished:failed'"):
+        simulate.simulate({**job, "run-name": "s"}, tmp_path / "home")
+    assert len(calls) == 1

@@ -79,7 +79,7 @@ def test_per_client_models_and_extra_arrays_travel_both_ways(tmp_path, personal)
         if name.startswith(("body", "head")):
             torch.testing.assert_close(models["half"][name], 0.5 * models["global"][name])
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["client-eval"]["replies"] == 4 and summary["strategy"] == {"strategy": personal.reference()}
+    assert summary["client-eval"]["replies"] == 4 and summary["strategy"]["strategy"] == personal.reference()
     assert personal.reference().endswith(":personal.<locals>.Personal")  # not a built-in: named by its path
 
 

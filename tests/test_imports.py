@@ -17,6 +17,9 @@ PACKAGES = ("common", "strategies", "server_app", "client_app", "hybridfl")
 ALLOWED = {"common": set(), "strategies": {"common"}, "client_app": {"common", "strategies"},
            "server_app": {"common", "strategies"},
            "hybridfl": {"common", "strategies", "client_app", "server_app"}}
+# The one crossing: a device reads the preset its run names as the ServerApp reads it, to know which code the run
+# declared (client_app/declared.py; imported only for a message that names code)
+CROSSINGS = {("client_app.declared", "server_app.config")}
 
 
 def module_name(path: Path) -> str:
@@ -112,7 +115,7 @@ def _imported_names(path: Path) -> set[str]:
 def test_each_package_imports_only_the_layers_below_it():
     wrong = sorted((m, i) for m, deps in graph().items() for i in deps
                    if i.split(".")[0] != m.split(".")[0] and i.split(".")[0] not in ALLOWED[m.split(".")[0]])
-    assert wrong == []
+    assert set(wrong) <= CROSSINGS
 
 
 def test_the_cycle_finder_finds_a_cycle():
@@ -137,7 +140,7 @@ def _code_words(path: Path, names: bool = True) -> set[str]:
     return words
 
 
-SHARED = ("__init__.py", "base.py", "client.py", "aggregation.py", "options.py")  # the strategies' shared base
+SHARED = ("__init__.py", "base.py", "client.py", "aggregation.py", "options.py", "robust.py")  # the shared base
 
 
 def test_the_clientapp_and_the_serverapp_never_name_a_method_or_its_keys():

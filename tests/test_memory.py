@@ -111,7 +111,9 @@ def test_models_held_during_training_are_bounded_by_the_versions_in_flight(tmp_p
     r.runner.run(cfg.num_rounds, on_round)
     assert max(s[0] for s in seen) >= 12 and max(s[1] for s in seen) >= 4  # the bound is tested under load
     for flights, versions, accepted, storages, arrays in seen:
-        assert storages <= versions + accepted + own + 4, (flights, versions, accepted, storages)
+        # own twice: the runner keeps a copy of the strategy's state after its last good step (a refused step's way
+        # back, server_app/runtime.py)
+        assert storages <= versions + accepted + 2 * own + 4, (flights, versions, accepted, storages)
         assert arrays <= versions + 1, (flights, versions, arrays)  # the dispatcher's last record may be unsent
     assert r.runner.flights == {} and model_copies(r.pspec.numel)[0] <= own + 4  # nothing kept of the discarded
 

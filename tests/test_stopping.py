@@ -19,8 +19,8 @@ EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 # at the phases that were seen to hang or leak (SuperNodes being registered, `flwr run --stream` streaming), and the
 # in-process engine mid-run
 CASES = {
-    "deployment-registering": (["--mode", "deployment", "--tls", "--auth"], None, signal.SIGTERM),
-    "deployment-streaming": (["--mode", "deployment", "--tls", "--auth"], "Successfully started run", signal.SIGTERM),
+    "deployment-registering": (["--mode", "deployment"], None, signal.SIGTERM),  # TLS and node auth: the default
+    "deployment-streaming": (["--mode", "deployment"], "Successfully started run", signal.SIGTERM),
     "simulation-streaming": (["--mode", "simulation"], "Starting Flower Simulation", signal.SIGINT),
     "in-process-running": ([], "round 2/", signal.SIGINT),
 }

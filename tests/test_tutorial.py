@@ -94,6 +94,7 @@ def test_the_tutorials_secured_deployment_runs_and_keeps_an_intruder_on_the_devi
         assert final_status(env, "mine", run_id) == "finished:completed", streamed.read_text()[-3000:]
         summary = json.loads(next(output.glob("*/summary.json")).read_text())
         assert summary["final-version"] == 2 and summary["total-failures"] == 0
+        assert (tmp_path / "superlink.db").stat().st_mode & 0o777 == 0o600  # the tutorial made it private
         # the refusals were the edge's: on the SuperLink's own port the operator runs the same app everywhere
         assert intruder.operator_runs_it(env, "mine", marks) == "finished:completed"
         assert len(list(marks.glob("server-run-*"))) == 1 and len(list(marks.glob("node-*"))) == 2

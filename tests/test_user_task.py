@@ -16,7 +16,7 @@ from helpers import readme_commands
 from common.config import ConfigError
 from common.data import load_dataset
 from common.models import build_from_config
-from hybridfl.bundle import PROJECT_DIR
+from hybridfl.bundle import PROJECT_DIR, app_config
 from hybridfl.inprocess import InProcessGrid, run_inprocess
 from server_app.config import load_config
 
@@ -139,7 +139,8 @@ def test_a_users_own_serverapp_trains_with_a_hybridfl_strategy_through_flower_st
     from client_app.app import app as client_app
     from tabular_task.own_server import app
 
-    grid = InProcessGrid(client_app, 4)
+    # the nodes' run_config is the example's config table, as under `flwr run`: its preset declares the task's code
+    grid = InProcessGrid(client_app, 4, override_config=app_config(EXAMPLE))
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={})
     app(grid, context)
     result = context.state["result"]

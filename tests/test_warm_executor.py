@@ -333,7 +333,7 @@ def test_a_warm_deployment_runs_as_in_process_and_survives_its_fork_server_s_dea
         threading.Thread(target=watch, daemon=True).start()
 
     with flower_threads():
-        (first, second), _ = deploy_runs(runs, tmp_path / "home", tls=True, auth=True, executor="warm",
+        (first, second), _ = deploy_runs(runs, tmp_path / "home", executor="warm",
                                          on_started=kill_fork_servers_after_the_first_run,
                                          app_dir=[PROJECT_DIR, EXAMPLE])
         ref = run_inprocess({**runs[0], "run-name": "ref"})
