@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,10 @@ CONNECTION = "hybridfl-sim"
 # What Ray says when its raylet has not registered within the 30 s that ray._private.node allows (hard-coded): on a
 # busy machine, before any client ran
 RAY_DID_NOT_START = "The current node timed out during startup"
+# How often a run whose Ray did not start is started, and the pause before each new start (times its number): on a
+# loaded 2-core machine (CI: the suite's 4 workers) two starts in a row have both missed the 30 s
+RAY_START_ATTEMPTS = 3
+RAY_RETRY_PAUSE_S = 10.0
 
 
 def ray_did_not_start(run_path: Path) -> bool:
@@ -86,7 +91,7 @@ def simulate(overrides: dict[str, Any], flwr_home: Path, app_dir: Path | None = 
     cluster.check_fits(resources, client_cpus, gpus, where)
     federation = (f"num-supernodes={cfg.num_clients} client-resources-num-cpus={client_cpus:g} "
                   f"client-resources-num-gpus={gpus:g}{init_args}")
-    for attempt in (1, 2):
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
         port = free_port()
         with ProcessGroup(run_path / "flower-logs", env) as procs:
             link = procs.start("superlink", ["flower-superlink", "--insecure", "--simulation", "--isolation",
@@ -94,12 +99,15 @@ def simulate(overrides: dict[str, Any], flwr_home: Path, app_dir: Path | None = 
             wait_healthy(port, link)
             write_connection(flwr_home, CONNECTION, port)
             run_id, status = flwr_run(env, CONNECTION, overrides, federation_config=federation, app_dir=app_dir)
-        # Ray's own start has a fixed 30 s: on a busy machine it fails before any client ran. Once, a fresh run
-        # folder (a resumed run's is its checkpoint: never moved) and a fresh start
-        if attempt == 2 or cfg.resume or status != "finished:failed" or not ray_did_not_start(run_path):
+        # Ray's own start has a fixed 30 s: on a busy machine it fails before any client ran. Then a fresh run
+        # folder (a resumed run's is its checkpoint: never moved) and, after a pause, a fresh start
+        if (attempt == RAY_START_ATTEMPTS or cfg.resume or status != "finished:failed"
+                or not ray_did_not_start(run_path)):
             break
         aside = set_aside(run_path)
         print(f"warning: Ray did not start within its 30 s (a busy machine?): run {run_id} failed before any client "
-              f"ran; its folder is now {aside}; starting the run once more", file=sys.stderr, flush=True)
+              f"ran; its folder is now {aside}; starting the run once more (attempt {attempt + 1} of "
+              f"{RAY_START_ATTEMPTS})", file=sys.stderr, flush=True)
+        time.sleep(RAY_RETRY_PAUSE_S * attempt)
     check_completed(run_id, status, run_path)
     return run_path

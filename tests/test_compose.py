@@ -43,11 +43,11 @@ from tools import compose_engine, intruder
 from tools.compose_twin import Twin, twin
 from tools.compose_twin import main as twin_main
 
-# The twin stands in for the real engine: it stands down where `make compose-test` passed on this very tree, or runs
-# beside this suite and decides CI (.ci/run sets HYBRIDFL_ENGINE_TEST)
+# The twin stands in for the real engine: it stands down where `make compose-test` passed on this very tree, or where
+# the engine test decides CI (.ci/run runs it before this suite and sets HYBRIDFL_ENGINE_TEST)
 TWIN = pytest.mark.skipif(compose_engine.passed_here() or bool(os.environ.get("HYBRIDFL_ENGINE_TEST")),
                           reason="make compose-test passed on a real Docker engine for this very tree "
-                                 "(outputs/compose-test/passed.json), or runs beside this suite (CI)")
+                                 "(outputs/compose-test/passed.json), or decides CI (HYBRIDFL_ENGINE_TEST)")
 
 
 def secret_of(command: list[str]) -> str:

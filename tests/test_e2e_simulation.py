@@ -133,29 +133,52 @@ def test_bad_config_fails_before_starting_anything(tmp_path, capsys):
 
 def test_a_run_whose_ray_did_not_start_runs_once_more_in_a_fresh_folder(tmp_path, monkeypatch, capsys):
     """Ray's raylet has a fixed 30 s to start; on a busy machine the run fails before any client ran. simulate() then
-    moves the attempt's folder aside and starts the run once more (a real SuperLink each time; `flwr run` faked);
-    any other failure, or a second one, is the run's outcome."""
+    moves the attempt's folder aside and, after a pause, starts the run once more (a real SuperLink each time;
+    `flwr run` faked), up to RAY_START_ATTEMPTS starts; any other failure, or the last start's, is the run's
+    outcome."""
     calls: list[Path] = []
+    pauses: list[float] = []
+    real_sleep = time.sleep
 
-    def fake_flwr_run(env, connection, overrides, federation_config=None, app_dir=None):
+    def sleep(seconds: float) -> None:  # the retries' pauses recorded, the SuperLink's polls kept
+        pauses.append(seconds) if seconds >= simulate.RAY_RETRY_PAUSE_S else real_sleep(seconds)
+
+    monkeypatch.setattr(simulate.time, "sleep", sleep)
+
+    def ray_fails_twice(env, connection, overrides, federation_config=None, app_dir=None):
         run = Path(overrides["output-dir"]) / overrides["run-name"]
         calls.append(run)
         (run / "metrics.jsonl").write_text(f"attempt {len(calls)}\n")
-        if len(calls) == 1:
+        if len(calls) <= 2:
             (run / "flower-logs" / "simulation.log").write_text(  # as Flower's simulation runtime logs it
                 f"Exception: {simulate.RAY_DID_NOT_START}. This could happen because ...\n")
-            return 11, "finished:failed"
+            return 10 + len(calls), "finished:failed"
         (run / "summary.json").write_text("{}")
-        return 12, "finished:completed"
+        return 13, "finished:completed"
 
-    monkeypatch.setattr(simulate, "flwr_run", fake_flwr_run)
+    monkeypatch.setattr(simulate, "flwr_run", ray_fails_twice)
     job = {**JOB, "output-dir": str(tmp_path / "out"), "run-name": "r"}
     run = simulate.simulate(job, tmp_path / "home")
-    assert calls == [run, run] and (run / "metrics.jsonl").read_text() == "attempt 2\n"
+    assert calls == [run] * 3 and (run / "metrics.jsonl").read_text() == "attempt 3\n"
+    assert pauses == [simulate.RAY_RETRY_PAUSE_S, 2 * simulate.RAY_RETRY_PAUSE_S]
     aside = tmp_path / "out" / "r-ray-did-not-start"
     assert (aside / "metrics.jsonl").read_text() == "attempt 1\n" and simulate.ray_did_not_start(aside)
+    assert (aside.with_name(aside.name + "-2") / "metrics.jsonl").read_text() == "attempt 2\n"
     assert not simulate.ray_did_not_start(run)
-    assert f"its folder is now {aside}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"its folder is now {aside}" in err and "(attempt 3 of 3)" in err
+
+    def ray_never_starts(env, connection, overrides, federation_config=None, app_dir=None):
+        run = Path(overrides["output-dir"]) / overrides["run-name"]
+        calls.append(run)
+        (run / "flower-logs" / "simulation.log").write_text(f"Exception: {simulate.RAY_DID_NOT_START}.\n")
+        return 20 + len(calls), "finished:failed"
+
+    monkeypatch.setattr(simulate, "flwr_run", ray_never_starts)
+    calls.clear()
+    with pytest.raises(RuntimeError, match="run 23 ended as 'finished:failed'"):
+        simulate.simulate({**job, "run-name": "q"}, tmp_path / "home")
+    assert len(calls) == simulate.RAY_START_ATTEMPTS
 
     def always_failed(env, connection, overrides, federation_config=None, app_dir=None):
         calls.append(Path(overrides["output-dir"]) / overrides["run-name"])

@@ -76,7 +76,7 @@ def test_the_tutorials_secured_deployment_runs_and_keeps_an_intruder_on_the_devi
                                 stderr=subprocess.STDOUT)
         try:
             run_id = None
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 300  # `running` once the ServerApp started: a minute or more under load
             while run_id is None and time.monotonic() < deadline:
                 listed = subprocess.run(["flwr", "ls", "mine", "--format", "json"], env=env, capture_output=True,
                                         text=True, check=False).stdout
