@@ -305,12 +305,13 @@ def register_supernode(env: dict[str, str], connection: str, public_key: Path, f
 
 def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
              federation_config: str | None = None, timeout: float | None = None,
-             app_dir: Path | None = None, flwr: Flwr = local_flwr) -> tuple[int, str]:
+             app_dir: Path | None = None, flwr: Flwr = local_flwr, log: Path | None = None) -> tuple[int, str]:
     """``flwr run . <connection> --stream`` in `app_dir` (None: hybridfl's own app, :func:`hybridfl.bundle.flower_app`;
     or a user's Flower app that runs hybridfl's apps: examples/tabular); returns (run id, its final status text).
     `timeout`: seconds before the run is given up on (a check's bound); None, a user's run: as long as it takes.
 
-    Output is streamed to this process's stdout as it comes.
+    Output is streamed to this process's stdout as it comes, and appended to `log` where one is given (what the
+    run's own processes said: a simulation's Ray, the ServerApp).
     """
     cmd = ["run", ".", connection, "--stream"]
     if overrides:
@@ -334,11 +335,14 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
                     watchdog.daemon = True
                     watchdog.start()
             assert proc.stdout is not None
-            for line in proc.stdout:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-                if run_id is None and (m := re.search(r"started run (\d+)", line)):
-                    run_id = int(m.group(1))
+            with open(log, "a") if log is not None else contextlib.nullcontext() as saved:
+                for line in proc.stdout:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+                    if saved is not None:
+                        saved.write(line)
+                    if run_id is None and (m := re.search(r"started run (\d+)", line)):
+                        run_id = int(m.group(1))
             proc.wait()
         finally:
             timed_out = watchdog is not None and not watchdog.is_alive()

@@ -35,6 +35,8 @@ CONNECTION = "hybridfl-sim"
 # What Ray says when its raylet has not registered within the 30 s that ray._private.node allows (hard-coded): on a
 # busy machine, before any client ran
 RAY_DID_NOT_START = "The current node timed out during startup"
+# The run's stream (`flwr run --stream`: the simulation's Ray and the ServerApp speak there, not in the SuperLink's log)
+STREAM_LOG = "flwr-run.log"
 # How often a run whose Ray did not start is started, and the pause before each new start (times its number): on a
 # loaded 2-core machine (CI: the suite's 4 workers) two starts in a row have both missed the 30 s
 RAY_START_ATTEMPTS = 3
@@ -98,7 +100,8 @@ def simulate(overrides: dict[str, Any], flwr_home: Path, app_dir: Path | None = 
                                              "subprocess", "--host", "127.0.0.1", "--port", str(port)])
             wait_healthy(port, link)
             write_connection(flwr_home, CONNECTION, port)
-            run_id, status = flwr_run(env, CONNECTION, overrides, federation_config=federation, app_dir=app_dir)
+            run_id, status = flwr_run(env, CONNECTION, overrides, federation_config=federation, app_dir=app_dir,
+                                      log=run_path / "flower-logs" / STREAM_LOG)
         # Ray's own start has a fixed 30 s: on a busy machine it fails before any client ran. Then a fresh run
         # folder (a resumed run's is its checkpoint: never moved) and, after a pause, a fresh start
         if (attempt == RAY_START_ATTEMPTS or cfg.resume or status != "finished:failed"

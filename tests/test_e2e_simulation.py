@@ -131,12 +131,46 @@ def test_bad_config_fails_before_starting_anything(tmp_path, capsys):
     assert not (tmp_path / "home").exists()
 
 
-def test_a_run_whose_ray_did_not_start_runs_once_more_in_a_fresh_folder(tmp_path, monkeypatch, capsys):
-    """Ray's raylet has a fixed 30 s to start; on a busy machine the run fails before any client ran. simulate() then
-    moves the attempt's folder aside and, after a pause, starts the run once more (a real SuperLink each time;
-    `flwr run` faked), up to RAY_START_ATTEMPTS starts; any other failure, or the last start's, is the run's
-    outcome."""
-    calls: list[Path] = []
+FAKE_FLWR = """#!{python}
+# `flwr` as a simulation whose Ray does not start answers: `run` streams Ray's error for the first {fails} runs,
+# then completes its run (a summary in its folder); `ls` gives the run's status
+import json, re, sys
+from pathlib import Path
+
+count = Path({count!r})
+if sys.argv[1] == "run":
+    n = int(count.read_text()) + 1 if count.exists() else 1
+    count.write_text(str(n))
+    config = sys.argv[sys.argv.index("--run-config") + 1]
+    run = Path(re.search(r'output-dir="([^"]+)"', config)[1]) / re.search(r'run-name="([^"]+)"', config)[1]
+    (run / "metrics.jsonl").write_text(f"attempt {{n}}\\n")
+    print(f"Successfully started run {{10 + n}}")
+    if n <= {fails}:
+        print("ERROR :     An exception occured!! The current node timed out during startup. This could happen ...")
+    else:
+        (run / "summary.json").write_text("{{}}")
+else:
+    n = int(sys.argv[sys.argv.index("--run-id") + 1]) - 10
+    print(json.dumps({{"runs": [{{"status": "finished:failed" if n <= {fails} else "finished:completed"}}]}}))
+"""
+
+
+@pytest.mark.parametrize("fails", [2, 3])
+def test_a_run_whose_ray_did_not_start_runs_once_more_in_a_fresh_folder(tmp_path, monkeypatch, capsys, fails):
+    """Ray's raylet has a fixed 30 s to start; on a busy machine the run fails before any client ran, and says so in
+    the run's stream. simulate() then moves the attempt's folder aside and, after a pause, starts the run once more
+    (a real SuperLink each time, a fake `flwr` streaming Ray's error), up to RAY_START_ATTEMPTS starts: the last
+    start's outcome is the run's."""
+    import functools
+    import sys
+
+    from hybridfl import processes
+
+    flwr = tmp_path / "bin" / "flwr"
+    flwr.parent.mkdir()
+    flwr.write_text(FAKE_FLWR.format(python=sys.executable, count=str(tmp_path / "runs"), fails=fails))
+    flwr.chmod(0o755)
+    monkeypatch.setattr(simulate, "flwr_run", functools.partial(processes.flwr_run, flwr=lambda _: [str(flwr)]))
     pauses: list[float] = []
     real_sleep = time.sleep
 
@@ -144,48 +178,34 @@ def test_a_run_whose_ray_did_not_start_runs_once_more_in_a_fresh_folder(tmp_path
         pauses.append(seconds) if seconds >= simulate.RAY_RETRY_PAUSE_S else real_sleep(seconds)
 
     monkeypatch.setattr(simulate.time, "sleep", sleep)
-
-    def ray_fails_twice(env, connection, overrides, federation_config=None, app_dir=None):
-        run = Path(overrides["output-dir"]) / overrides["run-name"]
-        calls.append(run)
-        (run / "metrics.jsonl").write_text(f"attempt {len(calls)}\n")
-        if len(calls) <= 2:
-            (run / "flower-logs" / "simulation.log").write_text(  # as Flower's simulation runtime logs it
-                f"Exception: {simulate.RAY_DID_NOT_START}. This could happen because ...\n")
-            return 10 + len(calls), "finished:failed"
-        (run / "summary.json").write_text("{}")
-        return 13, "finished:completed"
-
-    monkeypatch.setattr(simulate, "flwr_run", ray_fails_twice)
     job = {**JOB, "output-dir": str(tmp_path / "out"), "run-name": "r"}
-    run = simulate.simulate(job, tmp_path / "home")
-    assert calls == [run] * 3 and (run / "metrics.jsonl").read_text() == "attempt 3\n"
-    assert pauses == [simulate.RAY_RETRY_PAUSE_S, 2 * simulate.RAY_RETRY_PAUSE_S]
+    run = tmp_path / "out" / "r"
     aside = tmp_path / "out" / "r-ray-did-not-start"
+    if fails < simulate.RAY_START_ATTEMPTS:
+        assert simulate.simulate(job, tmp_path / "home") == run
+        assert (run / "metrics.jsonl").read_text() == "attempt 3\n" and not simulate.ray_did_not_start(run)
+    else:
+        with pytest.raises(RuntimeError, match="run 13 ended as 'finished:failed'"):
+            simulate.simulate(job, tmp_path / "home")
+    assert (tmp_path / "runs").read_text() == "3"
+    assert pauses == [simulate.RAY_RETRY_PAUSE_S, 2 * simulate.RAY_RETRY_PAUSE_S]
     assert (aside / "metrics.jsonl").read_text() == "attempt 1\n" and simulate.ray_did_not_start(aside)
     assert (aside.with_name(aside.name + "-2") / "metrics.jsonl").read_text() == "attempt 2\n"
-    assert not simulate.ray_did_not_start(run)
+    assert "timed out during startup" in (aside / "flower-logs" / simulate.STREAM_LOG).read_text()
     err = capsys.readouterr().err
     assert f"its folder is now {aside}" in err and "(attempt 3 of 3)" in err
 
-    def ray_never_starts(env, connection, overrides, federation_config=None, app_dir=None):
-        run = Path(overrides["output-dir"]) / overrides["run-name"]
-        calls.append(run)
-        (run / "flower-logs" / "simulation.log").write_text(f"Exception: {simulate.RAY_DID_NOT_START}.\n")
-        return 20 + len(calls), "finished:failed"
 
-    monkeypatch.setattr(simulate, "flwr_run", ray_never_starts)
-    calls.clear()
-    with pytest.raises(RuntimeError, match="run 23 ended as 'finished:failed'"):
-        simulate.simulate({**job, "run-name": "q"}, tmp_path / "home")
-    assert len(calls) == simulate.RAY_START_ATTEMPTS
+def test_a_run_that_failed_for_another_reason_is_not_started_again(tmp_path, monkeypatch):
+    """Only Ray's failure to start is retried: any other failure is the run's outcome, at once."""
+    calls: list[Path] = []
 
-    def always_failed(env, connection, overrides, federation_config=None, app_dir=None):
+    def always_failed(env, connection, overrides, federation_config=None, app_dir=None, log=None):
         calls.append(Path(overrides["output-dir"]) / overrides["run-name"])
-        return 13, "finished:failed"  # a failure of the run itself: no second attempt
+        log.write_text("ValueError: a failure of the run itself\n")
+        return 13, "finished:failed"
 
     monkeypatch.setattr(simulate, "flwr_run", always_failed)
-    calls.clear()
     with pytest.raises(RuntimeError, match="run 13 ended as 'finished:failed'"):
-        simulate.simulate({**job, "run-name": "s"}, tmp_path / "home")
-    assert len(calls) == 1
+        simulate.simulate({**JOB, "output-dir": str(tmp_path / "out"), "run-name": "s"}, tmp_path / "home")
+    assert calls == [tmp_path / "out" / "s"] and not (tmp_path / "out" / "s-ray-did-not-start").exists()
