@@ -8,7 +8,8 @@ KEY=VALUE pairs are run-config overrides with ``flwr run -c`` syntax (TOML value
 The script validates the config first (a bad key fails here, naming key, value and what is
 allowed), starts a simulation SuperLink on free loopback ports with a project-local FLWR_HOME,
 runs ``flwr run . --stream`` with one simulated SuperNode per client (1 CPU each), checks that the
-run *finished:completed* and wrote ``summary.json``, and stops exactly the processes it started.
+run *finished:completed* and wrote ``summary.json``, and stops exactly the processes it started. The run's stream
+is kept in ``<run folder>/flower-logs/flwr-run.log`` beside the SuperLink's log.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ RAY_RETRY_PAUSE_S = 10.0
 
 
 def ray_did_not_start(run_path: Path) -> bool:
-    """Whether a failed run's Flower logs say that Ray did not start."""
+    """Whether a failed run's Flower logs (its stream, :data:`STREAM_LOG`, among them) say that Ray did not start."""
     return any(RAY_DID_NOT_START in log.read_text(errors="replace") for log in (run_path / "flower-logs").glob("*.log"))
 
 

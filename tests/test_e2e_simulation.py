@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,7 +15,7 @@ import pytest
 import torch
 from helpers import digest, flower_threads, rows
 
-from hybridfl import simulate
+from hybridfl import processes, simulate
 from hybridfl.cli import main as cli
 from hybridfl.inprocess import run_inprocess
 from hybridfl.processes import alive, process_tree
@@ -161,11 +163,6 @@ def test_a_run_whose_ray_did_not_start_runs_once_more_in_a_fresh_folder(tmp_path
     the run's stream. simulate() then moves the attempt's folder aside and, after a pause, starts the run once more
     (a real SuperLink each time, a fake `flwr` streaming Ray's error), up to RAY_START_ATTEMPTS starts: the last
     start's outcome is the run's."""
-    import functools
-    import sys
-
-    from hybridfl import processes
-
     flwr = tmp_path / "bin" / "flwr"
     flwr.parent.mkdir()
     flwr.write_text(FAKE_FLWR.format(python=sys.executable, count=str(tmp_path / "runs"), fails=fails))
@@ -175,7 +172,10 @@ def test_a_run_whose_ray_did_not_start_runs_once_more_in_a_fresh_folder(tmp_path
     real_sleep = time.sleep
 
     def sleep(seconds: float) -> None:  # the retries' pauses recorded, the SuperLink's polls kept
-        pauses.append(seconds) if seconds >= simulate.RAY_RETRY_PAUSE_S else real_sleep(seconds)
+        if seconds >= simulate.RAY_RETRY_PAUSE_S:
+            pauses.append(seconds)
+        else:
+            real_sleep(seconds)
 
     monkeypatch.setattr(simulate.time, "sleep", sleep)
     job = {**JOB, "output-dir": str(tmp_path / "out"), "run-name": "r"}
