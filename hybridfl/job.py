@@ -43,7 +43,7 @@ def app_run_config(overrides: dict[str, Any], app_dir: Path | None = None) -> Ru
 def prepare(overrides: dict[str, Any], app_dir: Path | None = None) -> tuple[dict[str, Any], Path, RunConfig]:
     """Validate `overrides` as the ServerApp of the Flower app in `app_dir` will read them (with that app's own
     config table: a user's project names its preset there), pin an absolute output-dir (a relative one is under the
-    folder this runs in, as in-process) and a run-name (or, with ``resume``, the absolute folder of the run to
+    folder this runs in, as in-process), an absolute fleet file and a run-name (or, with ``resume``, the absolute folder of the run to
     continue, with the checkpoint's code keys given again: a device runs only the code its run's configuration names
     at the start, and it cannot read the checkpoint; equal values, which a resumed run accepts); return them, the run
     folder and the run's configuration."""
@@ -52,4 +52,5 @@ def prepare(overrides: dict[str, Any], app_dir: Path | None = None) -> tuple[dic
         return {**import_paths(cfg.to_dict()), **overrides, "resume": cfg.resume}, Path(cfg.resume), cfg
     out_root = Path(cfg.output_dir).resolve()
     name = run_dir(cfg, out_root).name  # created now, so a parallel run cannot take it
-    return {**overrides, "output-dir": str(out_root), "run-name": name}, out_root / name, cfg
+    fleet = {"fleet": str(Path(cfg.fleet).resolve())} if cfg.fleet.endswith((".yaml", ".yml")) else {}
+    return {**overrides, **fleet, "output-dir": str(out_root), "run-name": name}, out_root / name, cfg

@@ -36,6 +36,7 @@ from common.config import (
 )
 from common.data import DatasetName, DataSpec, dataset_names
 from common.devices import DEVICES
+from common.fleet import load_fleet
 from common.models import ModelSpec
 from common.objectives import OBJECTIVES
 from common.training import LocalRecipe
@@ -273,6 +274,10 @@ def make_config(values: Mapping[str, Any]) -> RunConfig:
         bad = ("delay-sigma", cfg.delay_sigma) if cfg.delay_sigma > 0 else ("clock", cfg.clock)
         raise ConfigError(*bad, "no delay on the virtual clock with loop = 'flower' (Flower's rounds end with a "
                                 "barrier); use loop = 'hybridfl' for asynchrony")
+    fleet = load_fleet(cfg.fleet, cfg.num_clients, cfg.seed)  # a bad fleet file fails here, at start
+    if cfg.clock == "device" and fleet.ideal:
+        raise ConfigError("clock", cfg.clock, f"a fleet whose devices cost time with clock = 'device' (fleet = "
+                                              f"{cfg.fleet!r} is ideal): fleet = 'lognormal', or a fleet file")
     check_tracking(cfg)
     return cfg
 

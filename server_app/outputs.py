@@ -152,8 +152,10 @@ class Recorder:
             f.write(json.dumps(event) + "\n")
 
     def totals(self) -> dict[str, int]:
-        """The run's replies so far by outcome: accepted, failures, rejected, timeouts."""
-        return {k: sum(r.get(k, 0) for r in self.rows) for k in ("accepted", "failures", "rejected", "timeouts")}
+        """The run's replies so far by outcome: accepted, failures, rejected, timeouts, vanished (a fleet's device
+        went offline)."""
+        return {k: sum(r.get(k, 0) for r in self.rows)
+                for k in ("accepted", "failures", "rejected", "timeouts", "vanished")}
 
     def finish(self, summary: dict[str, Any], models: dict[str, dict[str, torch.Tensor]],
                figures: Callable[[list[dict[str, Any]], list[dict[str, Any]]], dict[str, Figure]]) -> dict[str, Any]:
@@ -171,6 +173,7 @@ class Recorder:
             "max-last-5-evals": papers_metric(accs),
             "val-max-last-5-evals": papers_metric([r["val-accuracy"] for r in evals if "val-accuracy" in r]),
             **{f"total-{k}": v for k, v in totals.items()},
+            "device-time-s": self.rows[-1].get("device-t", 0.0) if self.rows else 0.0,
             "updates-per-s": self._rate(),
             "bytes-down-per-dispatch": _ratio(self.rows, "bytes-down", "sampled"),
             "extra-bytes-down-per-dispatch": _ratio(self.rows, "bytes-extra-down", "sampled"),

@@ -1,6 +1,6 @@
-"""The run's plots, drawn when it ends: ``accuracy.png``, ``staleness.png``, ``personal.png`` (a run that evaluates
-its clients) and the method's own figures, which a strategy returns as data (``Strategy.figures``,
-:class:`common.figures.Figure`) and this module draws."""
+"""The run's plots, drawn when it ends: ``accuracy.png`` (and ``accuracy-device-time.png`` where the run kept device
+time), ``staleness.png``, ``personal.png`` (a run that evaluates its clients) and the method's own figures, which a
+strategy returns as data (``Strategy.figures``, :class:`common.figures.Figure`) and this module draws."""
 
 from __future__ import annotations
 
@@ -27,6 +27,14 @@ def write_plots(out: Path, rows: list[dict[str, Any]], staleness: list[int], fig
     ax.set_title(out.name, fontsize=9)
     ax.grid(alpha=0.3)
     _save(fig, out / "accuracy.png")
+
+    if evals and evals[-1].get("device-t", 0) > 0:  # a fleet's device time: the same curve against it
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["device-t"] / 3600 for r in evals], [r["test-accuracy"] for r in evals], marker="o", ms=3)
+        ax.set(xlabel="device time (hours)", ylabel="test accuracy")
+        ax.set_title(f"{out.name}: time to accuracy", fontsize=9)
+        ax.grid(alpha=0.3)
+        _save(fig, out / "accuracy-device-time.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.hist(staleness, bins=np.arange(max(staleness, default=0) + 2) - 0.5, color="tab:orange")

@@ -20,6 +20,7 @@ from torch import nn
 
 from common.config import part_of
 from common.data import Splits, check_partitions, client_sizes, data_spec, make_splits, task_data
+from common.fleet import load_fleet
 from common.models import build_from_config, check_on_data
 from common.params import ParamSpec
 from common.server_data import ServerData, build_server_data
@@ -98,9 +99,10 @@ class Run:
             acc += f" personal-accuracy {entry.personal['accuracy']:.4f}"
         done = entry.round - self.first_round + 1
         left = (time.perf_counter() - self.started) / done * (cfg.num_rounds - entry.round)
-        log(INFO, "round %d/%d: %d updates accepted, %d clients dispatched, %d failed, %d rejected, %d timed out; "
+        fleet = f"; device time {entry.device_t:.1f}s, {entry.vanished} vanished" if cfg.fleet else ""
+        log(INFO, "round %d/%d: %d updates accepted, %d clients dispatched, %d failed, %d rejected, %d timed out%s; "
             "model v%d; %.2fs, about %s left; %s", entry.round, cfg.num_rounds, entry.accepted, entry.sampled,
-            entry.failures, entry.rejected, entry.timeouts, entry.version, entry.seconds, duration(left), acc)
+            entry.failures, entry.rejected, entry.timeouts, fleet, entry.version, entry.seconds, duration(left), acc)
         if cfg.checkpoint_every and (entry.round % cfg.checkpoint_every == 0 or last):
             self.checkpoint(entry.round)
         self.check_failures(entry.round)
@@ -216,7 +218,8 @@ def build_run(grid: Grid, cfg: RunConfig) -> Run:
     if cfg.checkpoint_every:  # a state a checkpoint could not load back is refused now, not at the resume
         pack_state(strategy.state_dict(), type(strategy))
     runner = Runner(grid, strategy, client_config(cfg), part_of(RuntimeConfig, cfg), seed=cfg.seed,
-                    server_data=server_data, client_sizes=client_sizes(spec))
+                    server_data=server_data, client_sizes=client_sizes(spec),
+                    fleet=load_fleet(cfg.fleet, cfg.num_clients, cfg.seed))
     # The run's folder once every check at start passed: a run refused at start leaves none
     out = Path(cfg.resume) if cfg.resume else run_dir(cfg)
     if resumed is None:  # a named folder may hold an older run's checkpoint: it must not be resumed into this run

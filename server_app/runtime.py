@@ -17,6 +17,18 @@ Two clocks decide when an update is handed over:
   update of round k arrives in round k (a barrier).
 * ``wall`` (deployment): keeps ``concurrency`` clients busy and hands updates over in real arrival
   order, re-dispatching to an idle client as soon as a slot frees; a round closes every N arrivals.
+* ``device`` (simulation of a fleet in device time): the ``wall`` clock's protocol on the fleet's clock
+  instead of the host's: a message dispatched at device time t completes at t + its device's
+  :meth:`~common.fleet.DeviceProfile.message_s` (download, compute, upload), updates are handed over in
+  that order (ties by dispatch order), only clients online at t are dispatched to, and one whose device goes
+  offline before its message completes is lost at that moment (``vanished``). Deterministic by seed.
+
+Every run keeps **device time** (``device-t`` in metrics.jsonl and events.jsonl) under the run's ``fleet``
+(common/fleet.py; the ideal fleet costs no time): the ``device`` clock's own; the ``virtual`` clock's is a
+barrier's (a round ends when the last message handed over in it completes; devices offline at a round's start
+are not sampled, a message whose device goes offline before it completes is lost as ``vanished``), which is
+synchronous FL's wall-clock time for σ = 0; the ``wall`` clock's is the host's elapsed time (a real fleet paces
+itself: hybridfl/real_fleet.py).
 
 An error reply, an unusable reply or a reply slower than ``reply-timeout-s`` frees its slot and the
 work goes to another idle client; a run with no reachable client for ``wait-nodes-s`` fails.
@@ -43,12 +55,24 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from common.config import COUNT, POSITIVE, OneOf, Range, check_options, option
+from common.fleet import Fleet, fleet_names
 from common.protocol import STRATEGY
 from server_app.evaluation import weighted_mean
 from server_app.wire import MAX_COUNT, Dispatcher, NodeDirectory, RejectedReply, parse_reply
 from strategies.base import Payload, Strategy, Unusable, Update
 
-CLOCKS = ("virtual", "wall")
+CLOCKS = ("virtual", "wall", "device")
+
+
+@dataclass(frozen=True)
+class FleetName(OneOf):
+    """A built-in fleet, or a fleet YAML file (common/fleet.py)."""
+
+    def ok(self, v: str) -> bool:
+        return v == "" or super().ok(v) or v.endswith((".yaml", ".yml"))
+
+    def describe(self) -> str:
+        return f"'' (ideal), one of {', '.join(map(repr, self.allowed()))}, or a fleet YAML file (.yaml)"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,8 +81,11 @@ class RuntimeConfig:
 
     clients_per_round: int = option(10, COUNT, "clients sampled per round (virtual clock); arrivals per round "
                                     "(wall clock)", "1 … `num-clients`")
-    clock: str = option("virtual", OneOf(CLOCKS), "virtual: seeded delays in rounds; wall: real arrival order (see "
-                        "above)")
+    clock: str = option("virtual", OneOf(CLOCKS), "virtual: seeded delays in rounds; wall: real arrival order; "
+                        "device: arrival order in the fleet's device time (see above)")
+    fleet: str = option("", FleetName(fleet_names), "the devices' profiles (compute, link, availability) that "
+                        "device time follows: a built-in fleet or a fleet YAML file ([A real fleet]"
+                        "(../tutorials/fleet.md))", "`\"\"`, `ideal`, `lognormal`, `intermittent`, a `.yaml` path")
     delay_sigma: float = option(0.0, Range(0), "σ of the half-normal client delay, in rounds "
                                 "(0 = synchronous)")
     concurrency: int = option(10, COUNT, "clients kept busy by the wall clock")
@@ -85,6 +112,9 @@ class Flight:
     due_round: int  # virtual clock: the round it is handed over in; wall clock: unused (-1)
     payload: Payload  # what the client was sent
     train_seed: int
+    device_start: float = 0.0  # device time it was dispatched at
+    device_done: float = 0.0  # ... it completes at, on its device's profile
+    device_off: float = float("inf")  # ... its device goes offline at (before device_done: it vanishes)
     node: int = -1  # where it went (transient: node ids change when a run resumes)
     message_id: str = ""
     sent_at: float = 0.0  # perf_counter() at push
@@ -121,6 +151,8 @@ class RoundLog:
     rejected: int = 0  # replies that arrived but could not be used (shape, NaN, missing keys, wrong version)
     refused_steps: int = 0  # strategy steps whose model was not finite: undone, the run went on from the last good one
     timeouts: int = 0  # no reply within reply-timeout-s
+    vanished: int = 0  # the device went offline before its message completed (device time; a fleet's windows)
+    device_t: float = 0.0  # device time at the round's close (module docstring)
     bytes_down: int = 0  # models and arrays sent in this round's dispatches (float32)
     bytes_up: int = 0  # ... and received in its accepted updates
     bytes_extra_down: int = 0  # of bytes-down, what is not the model: extra arrays (examples, a central gradient)
@@ -163,18 +195,25 @@ class Runner:
         server_data: attached to the strategy (its one hand-over: ``strategy.server``).
         on_event: called with a dict for every update handed over or lost (events.jsonl).
         client_sizes: each client's parts' sizes as the server cuts them (``train``, ``test``): the most
-            ``num-examples`` its replies may claim unless ``max-num-examples`` says otherwise.
+            ``num-examples`` its replies may claim unless ``max-num-examples`` says otherwise; with `fleet`, what a
+            message's compute time counts.
+        fleet: client c's device is ``fleet.devices[c]`` (default: the ideal fleet, no device time).
     """
 
     def __init__(self, grid: Grid, strategy: Strategy, run_config: dict[str, Any],
                  runtime: RuntimeConfig | None = None, *, seed: int = 0, server_data: Any = None,
                  on_event: Callable[[dict[str, Any]], None] | None = None,
-                 client_sizes: Mapping[int, Mapping[str, int]] | None = None) -> None:
+                 client_sizes: Mapping[int, Mapping[str, int]] | None = None, fleet: Fleet | None = None) -> None:
         self.runtime = runtime if runtime is not None else RuntimeConfig()
         check_options(self.runtime)
         self.grid, self.strategy = grid, strategy
         self.directory = NodeDirectory(grid, strategy.num_clients or MAX_COUNT)
         self.client_sizes = dict(client_sizes or {})
+        self.fleet = None if fleet is None or fleet.ideal else fleet
+        if self.runtime.clock == "device" and self.fleet is None:
+            raise ValueError("clock='device' needs a fleet whose devices cost time (fleet='lognormal', a YAML file)")
+        self._epochs = int(run_config.get("local-epochs", 1))
+        self.device_t = 0.0
         self.dispatcher = Dispatcher(strategy.spec, {**run_config, STRATEGY: strategy.reference(),
                                                      **strategy.client_options()}, seed)
         strategy.attach(server_data)
@@ -203,7 +242,8 @@ class Runner:
         the air with their payloads and seeds, each client's dispatch count and the elapsed time."""
         return {"sample-rng": self._sample_rng.getstate(), "delay-rng": self._delay_rng.bit_generator.state,
                 "seq": self._seq, "flights": [f.state() for f in sorted(self.flights.values(), key=lambda f: f.seq)],
-                "dispatches": dict(self.dispatcher.dispatches), "elapsed": time.perf_counter() - self._t0}
+                "dispatches": dict(self.dispatcher.dispatches), "elapsed": time.perf_counter() - self._t0,
+                "device-t": self.device_t}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state`; its flights are sent again (to their clients' current nodes) when the run goes on."""
@@ -214,6 +254,7 @@ class Runner:
         self._replies = {}
         self.dispatcher.dispatches = dict(state["dispatches"])
         self._t0 = time.perf_counter() - state["elapsed"]
+        self.device_t = state.get("device-t", 0.0)
 
     # -- shared machinery -------------------------------------------------------------------
     def _delay(self) -> int:
@@ -230,7 +271,26 @@ class Runner:
         return self._reachable
 
     def _idle(self, exclude: set[int] = frozenset(), refresh_every: float = 0.0) -> list[int]:
-        return sorted(self._reachable_clients(refresh_every) - set(self.flights) - exclude)
+        """Reachable clients with nothing in flight (in device time: whose device is online now)."""
+        idle = self._reachable_clients(refresh_every) - set(self.flights) - exclude
+        return sorted(c for c in idle if self._online(c))
+
+    def _online(self, client: int) -> bool:
+        """Whether `client`'s device is online at the device time (the wall clock's real devices say so
+        themselves: a device offline has no node)."""
+        return self.fleet is None or self.runtime.clock == "wall" or self.fleet.devices[client].online(self.device_t)
+
+    def _skip_to_online(self) -> bool:
+        """Nobody idle is online: move device time to the first time a reachable idle client's device comes online;
+        False when none ever does (or device time does not apply)."""
+        if self.fleet is None or self.runtime.clock == "wall":
+            return False
+        idle = self._reachable_clients() - set(self.flights)
+        t = min((self.fleet.devices[c].next_online(self.device_t) for c in idle), default=float("inf"))
+        if t == float("inf"):
+            return False
+        self.device_t = t
+        return True
 
     def _sample(self, k: int, exclude: set[int] = frozenset(), refresh_every: float = 0.0) -> list[int]:
         """`k` idle reachable clients (fewer if fewer are idle), drawn with the run's seed, in client order."""
@@ -245,8 +305,14 @@ class Runner:
             self._bytes_down += payload.nbytes
             self._bytes_extra += payload.extra_nbytes
             self._seq += 1
-            flights.append(Flight(self._seq, c, self.strategy.version, rnd,
-                                  rnd + self._delay() if virtual else -1, payload, self.dispatcher.next_seed(c)))
+            flight = Flight(self._seq, c, self.strategy.version, rnd, rnd + self._delay() if virtual else -1, payload,
+                            self.dispatcher.next_seed(c), device_start=self.device_t, device_done=self.device_t)
+            if self.fleet is not None and self.runtime.clock != "wall":
+                device = self.fleet.devices[c]
+                examples = self.client_sizes.get(c, {}).get("train", 0) * self._epochs
+                flight.device_done += device.message_s(examples, payload.nbytes, 4 * payload.params.numel())
+                flight.device_off = device.offline_at(self.device_t)
+            flights.append(flight)
         return flights
 
     def _message(self, flight: Flight) -> Message:
@@ -299,9 +365,15 @@ class Runner:
         the update is lost (error, unusable, late)."""
         self.flights.pop(flight.client, None)
         event = {"round": rnd, "client": flight.client, "node": flight.node, "base-version": flight.version,
-                 "dispatch-round": flight.dispatch_round, "t": round(time.perf_counter() - self._t0, 4)}
+                 "dispatch-round": flight.dispatch_round, "t": round(time.perf_counter() - self._t0, 4),
+                 "device-start": round(flight.device_start, 4),
+                 "device-t": round(min(flight.device_done, flight.device_off), 4)}
         update, outcome, reason = None, "accepted", ""
-        if reply is None:
+        if flight.device_off < flight.device_done:
+            outcome, reason = "vanished", (f"its device went offline at device time {flight.device_off:.1f}s, "
+                                           f"before the message completed at {flight.device_done:.1f}s")
+            entry.vanished += 1
+        elif reply is None:
             outcome, reason = "timeout", f"no reply within {self.runtime.reply_timeout_s:.0f}s"
             entry.timeouts += 1
         else:
@@ -321,7 +393,7 @@ class Runner:
                     entry.rejected += 1
         if update is None or outcome != "accepted":
             log(WARNING, "round %d: update of client %d (node %d) lost: %s", rnd, flight.client, flight.node, reason)
-            if not self.first_loss:
+            if not self.first_loss and outcome != "vanished":
                 self.first_loss = f"round {rnd}, client {flight.client}: {reason}"
             self.on_event({**event, "outcome": outcome, "reason": reason})
             return False
@@ -389,6 +461,9 @@ class Runner:
             self._strategy_step(entry)
         entry.version = self.strategy.version
         entry.bytes_down, entry.bytes_extra_down = self._bytes_down, self._bytes_extra
+        if self.runtime.clock == "wall":
+            self.device_t = time.perf_counter() - self._t0
+        entry.device_t = self.device_t
         entry.steps = list(self._strategy_steps)
         entry.train = weighted_mean((u.num_examples, u.metrics) for u in accepted)
         entry.seconds = time.perf_counter() - started
@@ -398,6 +473,8 @@ class Runner:
         """Nothing in flight and nobody to dispatch to: wait for a client to (re)connect, or fail."""
         deadline = time.perf_counter() + self.runtime.wait_nodes_s
         while not self._idle(refresh_every=1.0):
+            if self._skip_to_online():
+                return
             if time.perf_counter() >= deadline:
                 raise RuntimeError(f"round {rnd}: no reachable client for {self.runtime.wait_nodes_s:.0f}s "
                                    f"(known partitions {self.directory.clients}); is any SuperNode running?")
@@ -432,6 +509,7 @@ class Runner:
         """Hand `current`'s replies to the strategy in dispatch order, whatever order they came in (a missing one
         counts as timed out, a bad one is rejected and counted), and close the round."""
         by_request = {m.metadata.reply_to_message_id: m for m in replies}
+        self.device_t = max([self.device_t, *(min(f.device_done, f.device_off) for _, f in current.outgoing)])
         for msg, flight in current.outgoing:
             self._hand_over(flight, by_request.get(msg.metadata.message_id), current.entry.round, current.entry,
                             current.accepted)
@@ -453,7 +531,7 @@ class Runner:
         """Run rounds `first_round` .. `num_rounds`, calling `on_round` after each (evaluation, logging,
         checkpoints); flights restored from a checkpoint are sent again first."""
         self._resend()
-        loop = self._run_virtual if self.runtime.clock == "virtual" else self._run_wall
+        loop = {"virtual": self._run_virtual, "wall": self._run_wall, "device": self._run_device}[self.runtime.clock]
         loop(first_round, num_rounds, on_round)
         if self.flights:
             log(INFO, "%d dispatched updates still in flight at the end are discarded", len(self.flights))
@@ -464,6 +542,7 @@ class Runner:
         for rnd in range(first_round, num_rounds + 1):
             started = time.perf_counter()
             entry, accepted = self._open_round(rnd)
+            barrier = self.device_t  # device time: the round lasts until its last message handed over completes
             if not self.flights and not self._idle():
                 self._wait_for_reachable(rnd)
             chosen = self._sample(self.runtime.clients_per_round)
@@ -475,11 +554,13 @@ class Runner:
                     if not self._poll(due):
                         time.sleep(self.runtime.poll_interval_s)
                 for f in due:
+                    barrier = max(barrier, min(f.device_done, f.device_off))
                     if not self._hand_over(f, self._replies.pop(f.message_id), rnd, entry, accepted):
                         replacement = self._sample(1, exclude=sampled)
                         self._dispatch(replacement, rnd, virtual=True)
                         sampled.update(replacement)
                         entry.sampled += len(replacement)
+            self.device_t = barrier
             on_round(self._close_round(entry, accepted, started))
 
     def _run_wall(self, first_round: int, num_rounds: int, on_round: Callable[[RoundLog], None]) -> None:
@@ -515,3 +596,36 @@ class Runner:
                         return
                     rnd, started = rnd + 1, time.perf_counter()
                     entry, accepted = self._open_round(rnd)
+
+    def _run_device(self, first_round: int, num_rounds: int, on_round: Callable[[RoundLog], None]) -> None:
+        """The wall clock's protocol in device time: the next event is the flight that completes (or vanishes)
+        first, or a device coming online while a slot is free; the host waits only for that flight's reply."""
+        rnd, started = first_round, time.perf_counter()
+        entry, accepted = self._open_round(rnd)
+        while True:
+            if not self.flights and not self._idle():
+                self._wait_for_reachable(rnd)
+            free = self.runtime.concurrency - len(self.flights)
+            if free > 0 and (fresh := self._sample(free)):
+                self._dispatch(fresh, rnd, virtual=False)
+                entry.sampled += len(fresh)
+                continue
+            nxt = min(self.flights.values(), key=lambda f: (min(f.device_done, f.device_off), f.seq))
+            end = min(nxt.device_done, nxt.device_off)
+            if free > 0:  # a device coming online before the next completion takes a free slot first
+                before = self.device_t
+                if self._skip_to_online() and self.device_t < end:
+                    continue
+                self.device_t = before
+            while nxt.message_id not in self._replies:
+                if not self._poll([nxt]):
+                    time.sleep(self.runtime.poll_interval_s)
+            self.device_t = max(self.device_t, end)
+            self._hand_over(nxt, self._replies.pop(nxt.message_id), rnd, entry, accepted)
+            if entry.accepted + entry.failures + entry.rejected + entry.timeouts + entry.vanished \
+                    >= self.runtime.clients_per_round:
+                on_round(self._close_round(entry, accepted, started))
+                if rnd == num_rounds:
+                    return
+                rnd, started = rnd + 1, time.perf_counter()
+                entry, accepted = self._open_round(rnd)
