@@ -2,7 +2,8 @@
 
 The node's partition comes from ``node_config`` (``partition-id``, ``num-partitions``), set by
 the simulation engine, by ``flower-supernode --node-config`` in deployment, or by the in-process
-engine. An optional ``latency-s`` in ``node_config`` delays every train reply (a slow device);
+engine. An optional ``latency-s`` in ``node_config`` delays every train reply (a slow device), and
+``compute-s-per-example`` with ``overhead-s`` pace it as a device profile says (a real fleet: hybridfl/real_fleet.py);
 an optional ``data-root`` says where this node keeps the datasets' files, ``cache-dir`` where it keeps its
 partition for the run (client_app/node_cache.py), ``allow-code`` the user code it runs besides what its runs
 declare (client_app/declared.py).

@@ -80,7 +80,10 @@ def train_reply(msg: Message, context: Context, pid: int, num_partitions: int, l
                 timings: dict[str, float]) -> Message:
     """The method's local training from the received model; replies with the parameter delta, the metrics and
     the method's extra arrays. `timings` gets the seconds of loading (:func:`load_task`) and of the work
-    (``work-s``)."""
+    (``work-s``). A node with a device profile (``compute-s-per-example``, ``overhead-s``: a real fleet's paced
+    device, hybridfl/real_fleet.py) replies no sooner than the profile says its message takes: ``overhead-s`` +
+    training examples × local epochs × ``compute-s-per-example``, from the message's arrival (``paced-s``)."""
+    arrived = time.time()
     task = load_task(msg, context, pid, num_partitions, timings)
     started = time.time()
     if latency_s:  # a slow device, for demos and tests (sleep(0) would still hand the GIL to another thread)
@@ -89,6 +92,12 @@ def train_reply(msg: Message, context: Context, pid: int, num_partitions: int, l
     side.prepare(task, evaluating=False)
     reply = update_message(msg, task, side.train(task))
     timings["work-s"] = time.time() - started
+    examples = len(task.parts["train"]) * int(task.config.get("local-epochs", 1))
+    profile = float(context.node_config.get("overhead-s", 0.0)) + examples * float(
+        context.node_config.get("compute-s-per-example", 0.0))
+    if profile > 0:
+        timings["paced-s"] = max(0.0, arrived + profile - time.time())
+        time.sleep(timings["paced-s"])
     return reply
 
 

@@ -62,6 +62,7 @@ class DeviceProfile:
     down_bytes_per_s: float = 0.0
     up_bytes_per_s: float = 0.0
     latency_s: float = 0.0  # one way
+    drop: float = 0.0  # real fleets: the chance a segment is lost (hybridfl/shaper.py; the simulation ignores it)
     memory_mb: int = 0  # the device's memory for the ClientApp (real fleets; 0 = no limit)
     windows: tuple[tuple[float, float], ...] = ()
 
@@ -101,7 +102,8 @@ def _transfer_s(nbytes: int, rate: float) -> float:
 
 
 # -- fleets as data --------------------------------------------------------------------------------
-_VALUE_KEYS = ("compute-s-per-example", "overhead-s", "down-bytes-per-s", "up-bytes-per-s", "latency-s", "memory-mb")
+_VALUE_KEYS = ("compute-s-per-example", "overhead-s", "down-bytes-per-s", "up-bytes-per-s", "latency-s", "drop",
+               "memory-mb")
 _CLASS_KEYS = {"name", "share", "online-s", "offline-s", "trace", *_VALUE_KEYS}
 HORIZON_S = 30 * 24 * 3600.0  # windows are drawn this far ahead (a month of device time)
 
@@ -192,6 +194,8 @@ def make_fleet(name: str, spec: Any, num_clients: int, seed: int, base: Path | N
         cls = classes[i]
         values = {k.replace("-", "_"): _draw(name, i, k, cls.get(k, 0.0), rng) for k in _VALUE_KEYS}
         values["memory_mb"] = int(values["memory_mb"])
+        if values["drop"] >= 1:
+            raise _error(f"fleet {name!r}, device class {i}: drop={values['drop']!r}: expected a chance in [0, 1)")
         if i in traces:  # a client the trace does not name is never online
             windows = traces[i].get(client, NEVER)
         elif "online-s" in cls or "offline-s" in cls:
@@ -203,6 +207,11 @@ def make_fleet(name: str, spec: Any, num_clients: int, seed: int, base: Path | N
 
 
 def _number(fleet: str, i: int, key: str, v: Any, low: float = 0.0) -> float:
+    if isinstance(v, str):  # YAML 1.1 reads 2.0e5 (no exponent sign) as a string
+        try:
+            v = float(v)
+        except ValueError:
+            pass
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < low:
         raise _error(f"fleet {fleet!r}, device class {i}: {key}={v!r}: expected a finite number ≥ {low:g} or "
                           "a distribution ({lognormal: {median: M, sigma: S}}, {uniform: [LOW, HIGH]}, "

@@ -15,6 +15,8 @@ is served over HTTPS with a private CA (kept in <flwr-home>/pki), and only Super
 machine, not only this one's processes (docs/security.md). ``--plain-http`` drops both, and warns.
 It runs ``flwr run . --stream`` against them, checks that the run *finished:completed* and wrote
 ``summary.json``, and stops exactly the processes it started (logs in <run>/flower-logs/).
+With a ``fleet`` (a run key: common/fleet.py), every node is made the device its profile draws: a shaped link,
+paced work, a memory limit, its availability windows (hybridfl/real_fleet.py; what it did: ``<run>/fleet.json``).
 Each device runs warm by default (``--executor``, :data:`EXECUTORS`): about 0.3 s per message besides its training
 on a quiet machine, against 5–6 s with Flower's own SuperNode and SuperExec (BENCHMARKS, "Warm devices").
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError
+from common.fleet import load_fleet
 from hybridfl.compose import PLAIN_HTTP_WARNING
 from hybridfl.job import app_run_config, prepare
 from hybridfl.linkdb import private_file
@@ -41,6 +44,7 @@ from hybridfl.processes import (
     wait_healthy,
     write_connection,
 )
+from hybridfl.real_fleet import RealFleet
 
 CONNECTION = "hybridfl-local"
 # A device's two processes, (SuperNode, ClientApp executor), with Flower's flags: Flower's own (a process per
@@ -95,10 +99,15 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
         runs = [{**o, "num-clients": supernodes} if supernodes != app_run_config(o, a).num_clients else o
                 for o, a in zip(runs, app_dirs)]
     prepared = [prepare(o, a)[:2] for o, a in zip(runs, app_dirs)]  # every config validated before anything starts
-    sizes = {app_run_config(o, a).num_clients for (o, _), a in zip(prepared, app_dirs)}
+    configs = [app_run_config(o, a) for (o, _), a in zip(prepared, app_dirs)]
+    sizes = {cfg.num_clients for cfg in configs}
     if len(sizes) != 1:
         raise RuntimeError(f"runs on one deployment must share num-clients, got {sorted(sizes)}")
     n = sizes.pop()
+    fleets = {(cfg.fleet, cfg.seed) for cfg in configs}
+    if len(fleets) != 1:
+        raise RuntimeError(f"runs on one deployment must share its fleet and seed, got {sorted(fleets)}")
+    fleet = load_fleet(configs[0].fleet, n, configs[0].seed)
     env = flower_env(flwr_home)
     port = free_port()
     node_ports = [free_port() for _ in range(n)]  # never the same twice
@@ -113,36 +122,65 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
     state = [] if database is None else ["--database", str(private_file(database))]
     to_link = ["--insecure"] if ca is None else ["--root-certificates", str(ca)]
     supernode_cmd, executor_cmd = EXECUTORS[executor]
-    with ProcessGroup(prepared[0][1] / "flower-logs", env) as procs:
-        link = procs.start("superlink", ["flower-superlink", *link_security, *runtime_api(secret["superlink"]), *state,
-                                         "--host", "127.0.0.1", "--port", str(port),
-                                         "--disable-runtime-dependency-installation"])
-        wait_healthy(port, link, ca=ca)
-        write_connection(flwr_home, CONNECTION, port, ca)
-        procs.start("superexec-serverapp", superexec(to_link, f"127.0.0.1:{port}", secret["superlink"]))
-        for i, node_port in enumerate(node_ports):
-            node_config_i = f"partition-id={i} num-partitions={n}"
-            if (latency or {}).get(i):
-                node_config_i += f" latency-s={float(latency[i])}"
-            node_config_i += f" {node_config}" if node_config else ""
-            security = list(to_link)
-            if pki:
-                register_supernode(env, CONNECTION, pki / f"supernode-{i}.pub")
-                security += ["--auth-supernode-private-key", str(pki / f"supernode-{i}")]
-            node_secret = secret[f"supernode-{i}"]
-            procs.start(f"supernode-{i}", [*supernode_cmd, *security, "--superlink", f"127.0.0.1:{port}",
-                                           *runtime_api(node_secret), "--host", "127.0.0.1", "--port", str(node_port),
-                                           "--node-config", node_config_i])
-            # the node's ClientApp executor: plain HTTP on the device's loopback, authenticated by the node's secret
-            procs.start(f"superexec-clientapp-{i}", superexec(["--insecure"], f"127.0.0.1:{node_port}", node_secret,
-                                                              executor_cmd))
-        if on_started:
-            on_started(procs, prepared[0][1])
-        outcomes = []
-        for (o, path), a in zip(prepared, app_dirs):
-            outcomes.append((flwr_run(env, CONNECTION, o, app_dir=a), path))
-            if after_run:
-                after_run(outcomes[-1][0][0], path)
+    real = None if fleet.ideal else RealFleet(fleet, port, free_port, configs[0].seed)
+    try:
+        with ProcessGroup(prepared[0][1] / "flower-logs", env) as procs:
+            link = procs.start("superlink", ["flower-superlink", *link_security, *runtime_api(secret["superlink"]),
+                                             *state, "--host", "127.0.0.1", "--port", str(port),
+                                             "--disable-runtime-dependency-installation"])
+            wait_healthy(port, link, ca=ca)
+            write_connection(flwr_home, CONNECTION, port, ca)
+            procs.start("superexec-serverapp", superexec(to_link, f"127.0.0.1:{port}", secret["superlink"]))
+            starts = [0] * n
+
+            def start_node(i: int) -> None:
+                """Node i's SuperNode and ClientApp executor (again, under a new log, when a fleet restarts it)."""
+                node_config_i = f"partition-id={i} num-partitions={n}"
+                if (latency or {}).get(i):
+                    node_config_i += f" latency-s={float(latency[i])}"
+                node_config_i += f" {real.node_config(i)}" if real else ""
+                node_config_i += f" {node_config}" if node_config else ""
+                security = list(to_link)
+                if pki:
+                    if not starts[i]:
+                        register_supernode(env, CONNECTION, pki / f"supernode-{i}.pub")
+                    security += ["--auth-supernode-private-key", str(pki / f"supernode-{i}")]
+                node_secret = secret[f"supernode-{i}"]
+                again = f".{starts[i]}" if starts[i] else ""
+                starts[i] += 1
+                superlink = real.address(i) if real else f"127.0.0.1:{port}"
+                node = procs.start(f"supernode-{i}{again}", [
+                    *supernode_cmd, *security, "--superlink", superlink, *runtime_api(node_secret),
+                    "--host", "127.0.0.1", "--port", str(node_ports[i]), "--node-config", node_config_i])
+                # the node's ClientApp executor: plain HTTP on the device's loopback, authenticated by its secret
+                executor_proc = procs.start(f"superexec-clientapp-{i}{again}", superexec(
+                    ["--insecure"], f"127.0.0.1:{node_ports[i]}", node_secret, executor_cmd))
+                if real:
+                    real.started(i, [node, executor_proc])
+
+            def stop_node(i: int) -> None:
+                again = f".{starts[i] - 1}" if starts[i] > 1 else ""
+                procs.terminate(f"supernode-{i}{again}")
+                procs.terminate(f"superexec-clientapp-{i}{again}")
+
+            for i in range(n):
+                start_node(i)
+            if on_started:
+                on_started(procs, prepared[0][1])
+            if real:
+                real.follow(prepared[0][1], start_node, stop_node)
+            outcomes = []
+            try:
+                for (o, path), a in zip(prepared, app_dirs):
+                    outcomes.append((flwr_run(env, CONNECTION, o, app_dir=a), path))
+                    if after_run:
+                        after_run(outcomes[-1][0][0], path)
+            finally:
+                if real:
+                    real.halt()
+    finally:
+        if real:
+            real.close(prepared[0][1])
     for (run_id, status), path in outcomes:
         check_completed(run_id, status, path)
     return [path for _, path in outcomes], procs.pids

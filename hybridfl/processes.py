@@ -168,6 +168,18 @@ class ProcessGroup:
                 _signal_group(p.pid, signal.SIGKILL)
                 p.wait()
 
+    def terminate(self, name: str, grace: float = 10.0) -> None:
+        """SIGTERM process `name`'s group, SIGKILL it after `grace` s (a device switched off: its SuperNode leaves
+        the SuperLink, which lets it join again at once; a killed one is held online for two heartbeats)."""
+        for n, p in self.procs:
+            if n == name and p.poll() is None:
+                _signal_group(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(grace)
+                except subprocess.TimeoutExpired:
+                    _signal_group(p.pid, signal.SIGKILL)
+                    p.wait()
+
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM every group, SIGKILL what is left after `grace` s, descendants included."""
         tree = process_tree([p.pid for _, p in self.procs])  # while children are still linked to parents

@@ -275,6 +275,11 @@ class Runner:
         idle = self._reachable_clients(refresh_every) - set(self.flights) - exclude
         return sorted(c for c in idle if self._online(c))
 
+    def _device_now(self) -> float:
+        """Device time now: the host's seconds since the run started for the wall clock (its devices are real),
+        the simulated fleet's for the others."""
+        return time.perf_counter() - self._t0 if self.runtime.clock == "wall" else self.device_t
+
     def _online(self, client: int) -> bool:
         """Whether `client`'s device is online at the device time (the wall clock's real devices say so
         themselves: a device offline has no node)."""
@@ -305,8 +310,9 @@ class Runner:
             self._bytes_down += payload.nbytes
             self._bytes_extra += payload.extra_nbytes
             self._seq += 1
+            now = self._device_now()
             flight = Flight(self._seq, c, self.strategy.version, rnd, rnd + self._delay() if virtual else -1, payload,
-                            self.dispatcher.next_seed(c), device_start=self.device_t, device_done=self.device_t)
+                            self.dispatcher.next_seed(c), device_start=now, device_done=now)
             if self.fleet is not None and self.runtime.clock != "wall":
                 device = self.fleet.devices[c]
                 examples = self.client_sizes.get(c, {}).get("train", 0) * self._epochs
@@ -367,7 +373,8 @@ class Runner:
         event = {"round": rnd, "client": flight.client, "node": flight.node, "base-version": flight.version,
                  "dispatch-round": flight.dispatch_round, "t": round(time.perf_counter() - self._t0, 4),
                  "device-start": round(flight.device_start, 4),
-                 "device-t": round(min(flight.device_done, flight.device_off), 4)}
+                 "device-t": round(self._device_now() if self.runtime.clock == "wall"
+                                   else min(flight.device_done, flight.device_off), 4)}
         update, outcome, reason = None, "accepted", ""
         if flight.device_off < flight.device_done:
             outcome, reason = "vanished", (f"its device went offline at device time {flight.device_off:.1f}s, "
@@ -461,9 +468,7 @@ class Runner:
             self._strategy_step(entry)
         entry.version = self.strategy.version
         entry.bytes_down, entry.bytes_extra_down = self._bytes_down, self._bytes_extra
-        if self.runtime.clock == "wall":
-            self.device_t = time.perf_counter() - self._t0
-        entry.device_t = self.device_t
+        entry.device_t = self.device_t = self._device_now()
         entry.steps = list(self._strategy_steps)
         entry.train = weighted_mean((u.num_examples, u.metrics) for u in accepted)
         entry.seconds = time.perf_counter() - started
