@@ -43,10 +43,10 @@ def app_run_config(overrides: dict[str, Any], app_dir: Path | None = None) -> Ru
 def prepare(overrides: dict[str, Any], app_dir: Path | None = None) -> tuple[dict[str, Any], Path, RunConfig]:
     """Validate `overrides` as the ServerApp of the Flower app in `app_dir` will read them (with that app's own
     config table: a user's project names its preset there), pin an absolute output-dir (a relative one is under the
-    folder this runs in, as in-process), an absolute fleet file and a run-name (or, with ``resume``, the absolute folder of the run to
-    continue, with the checkpoint's code keys given again: a device runs only the code its run's configuration names
-    at the start, and it cannot read the checkpoint; equal values, which a resumed run accepts); return them, the run
-    folder and the run's configuration."""
+    folder this runs in, as in-process), an absolute fleet file and a run-name (or, with ``resume``, the absolute
+    folder of the run to continue, with the checkpoint's code keys given again: a device runs only the code its run's
+    configuration names at the start, and it cannot read the checkpoint; equal values, which a resumed run accepts);
+    return them, the run folder and the run's configuration."""
     cfg = app_run_config(overrides, app_dir)
     if cfg.resume:
         return {**import_paths(cfg.to_dict()), **overrides, "resume": cfg.resume}, Path(cfg.resume), cfg
