@@ -102,33 +102,40 @@ def test_a_device_over_its_memory_is_killed_and_counted():
         cgroup.remove()
 
 
-FLEET = """\
-devices:
-  - name: slow
-    compute-s-per-example: 0.002
-    overhead-s: 1.0
-    down-bytes-per-s: 2.0e6
-    up-bytes-per-s: 1.0e6
-    latency-s: 0.05
-    memory-mb: 1500
-    trace: windows.csv
-"""
+TUTORIAL = REPO / "docs" / "tutorials" / "fleet.md"
+
+
+def tutorial_commands(section: str) -> list[str]:
+    """The bash blocks of the tutorial's section `section` ("2.", "3."), as written."""
+    text = TUTORIAL.read_text()
+    part = text.split(f"\n## {section}")[1].split("\n## ")[0]
+    return [block.split("\n", 1)[1] for block in part.split("```bash")[1:] for block in [block.split("```")[0]]]
+
+
+def run_as_user(commands: list[str], cwd: Path) -> None:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "FLWR_TELEMETRY_ENABLED": "0",
+           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
+    for command in commands:
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=900)
+        assert done.returncode == 0, command + "\n" + done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_the_tutorials_simulation_with_device_time_runs_as_written(tmp_path):
+    run_as_user(tutorial_commands("2."), tmp_path)
+    runs = sorted((tmp_path / "outputs").iterdir())
+    assert len(runs) == 2
+    for run in runs:
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["device-time-s"] > 0 and (run / "accuracy-device-time.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.e2e
-def test_a_short_real_fleet_with_shaped_links_and_a_device_restarted_by_its_schedule_completes(tmp_path):
-    """As a user runs it (the tutorial's command, from a folder of their own): three SuperNodes behind shaped links,
+def test_the_tutorials_real_fleet_with_shaped_links_and_a_device_restarted_by_its_schedule_completes(tmp_path):
+    """The tutorial's commands as a user runs them, from a folder of their own: three SuperNodes behind shaped links,
     node 2 switched off 8 s into the run and on again at 20 s."""
-    (tmp_path / "fleet.yaml").write_text(FLEET)
-    (tmp_path / "windows.csv").write_text("client,start-s,end-s\n0,0,1e6\n1,0,1e6\n2,0,8\n2,20,1e6\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO), "FLWR_TELEMETRY_ENABLED": "0",
-           "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1"}
-    done = subprocess.run([sys.executable, "-m", "hybridfl.cli", "run", "fedbuff-digits", "--mode", "deployment",
-                           "--supernodes", "3", "num-rounds=6", "clients-per-round=2", "fleet=fleet.yaml",
-                           "clock=wall", "concurrency=2", "buffer-size=2", "output-dir=out"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run = next((tmp_path / "out").iterdir())
+    run_as_user(tutorial_commands("3."), tmp_path)
+    run = next((tmp_path / "outputs").iterdir())
     report = json.loads((run / "fleet.json").read_text())
     node = report["devices"]
     assert (node[2]["stops"], node[2]["starts"]) == (1, 2) and report["total"]["crashes"] == 0
