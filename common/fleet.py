@@ -107,31 +107,23 @@ _VALUE_KEYS = ("compute-s-per-example", "overhead-s", "down-bytes-per-s", "up-by
 _CLASS_KEYS = {"name", "share", "online-s", "offline-s", "trace", *_VALUE_KEYS}
 HORIZON_S = 30 * 24 * 3600.0  # windows are drawn this far ahead (a month of device time)
 
-# The built-in fleets (docs/methods.md "Device time" gives each number's source or the reason for the choice).
+# FedScale-like devices (Lai et al., 2022, "FedScale: Benchmarking Model and System Performance of Federated Learning
+# at Scale"): compute speed and bandwidth spread lognormally across devices. docs/methods.md "Device time" says why
+# each number (our choices: FedScale's traces cannot be downloaded here).
+_LOGNORMAL = {
+    "compute-s-per-example": {"lognormal": {"median": 0.004, "sigma": 0.7}},
+    "overhead-s": 0.5,
+    "down-bytes-per-s": {"lognormal": {"median": 1.5e6, "sigma": 0.9}},
+    "up-bytes-per-s": {"lognormal": {"median": 5.0e5, "sigma": 0.9}},
+    "latency-s": 0.05,
+}
 FLEETS: dict[str, dict[str, Any]] = {
     # today's devices: full speed, a perfect link, always online
     "ideal": {"devices": [{"name": "ideal"}]},
-    # FedScale-like (Lai et al., 2022, "FedScale: Benchmarking Model and System Performance of Federated Learning
-    # at Scale"): compute speed and bandwidth spread lognormally across devices, always online
-    "lognormal": {"devices": [{
-        "name": "lognormal",
-        "compute-s-per-example": {"lognormal": {"median": 0.004, "sigma": 0.7}},
-        "overhead-s": 0.5,
-        "down-bytes-per-s": {"lognormal": {"median": 1.5e6, "sigma": 0.9}},
-        "up-bytes-per-s": {"lognormal": {"median": 5.0e5, "sigma": 0.9}},
-        "latency-s": 0.05,
-    }]},
-    # the lognormal devices, each online and offline in turn (exponential windows: on 15 min, off 5 min on average)
-    "intermittent": {"devices": [{
-        "name": "intermittent",
-        "compute-s-per-example": {"lognormal": {"median": 0.004, "sigma": 0.7}},
-        "overhead-s": 0.5,
-        "down-bytes-per-s": {"lognormal": {"median": 1.5e6, "sigma": 0.9}},
-        "up-bytes-per-s": {"lognormal": {"median": 5.0e5, "sigma": 0.9}},
-        "latency-s": 0.05,
-        "online-s": {"exponential": 900.0},
-        "offline-s": {"exponential": 300.0},
-    }]},
+    "lognormal": {"devices": [{"name": "lognormal", **_LOGNORMAL}]},  # always online
+    # ... each online and offline in turn (exponential windows: on 15 min, off 5 min on average)
+    "intermittent": {"devices": [{"name": "intermittent", **_LOGNORMAL, "online-s": {"exponential": 900.0},
+                                  "offline-s": {"exponential": 300.0}}]},
 }
 
 
