@@ -18,6 +18,11 @@ that takes):
   wall clock. Its time is the host's: the rounds' seconds added up (the server's evaluations between rounds left out,
   as the simulation leaves them out).
 
+A real run also says how often the host fell behind its devices (``host-behind``: the share of train messages whose
+work on the host outlasted the profile's pace, so that the device was slower than its profile) and the median
+host work per message (``work-s-median``): where the host falls behind, the real run is the host's time, not the
+fleet's, and the simulation cannot predict it.
+
 Time to accuracy: when a run's test accuracy first reaches the target (``--target``; default: synchronous FedAvg's
 final accuracy in the same mode). Each finished run is appended to ``<out>/runs.jsonl`` (a run already there is not
 run again: the benchmark resumes); the table is printed from that file.
@@ -27,12 +32,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from hybridfl.deploy_local import deploy
 from hybridfl.inprocess import run_inprocess
+from hybridfl.processes import device_timings
 
 METHODS = {"fedavg": {"preset": "fedavg-digits", "clock": "virtual", "delay-sigma": 0.0},
            "fedbuff": {"preset": "fedbuff-digits", "delay-sigma": 0.0},
@@ -70,12 +77,17 @@ def measure(method: str, mode: str, args: argparse.Namespace, work: Path) -> dic
     summary = json.loads((path / "summary.json").read_text())
     rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
     fleet = json.loads((path / "fleet.json").read_text()) if (path / "fleet.json").exists() else None
+    trains = [t for t in device_timings(sorted((path / "flower-logs").glob("superexec-clientapp-*.log")))
+              if t["message"] == "train"] if mode == "real" else []
     return {"key": f"{args.fleet}/{args.clients}/{args.rounds}/{method}/{mode}", "method": method, "mode": mode,
             "fleet": args.fleet, "clients": args.clients, "rounds": args.rounds, "curve": curve(path, mode),
             "final-accuracy": summary["final-test-accuracy"], "accepted": summary["total-accepted"],
             "lost": summary["total-failures"] + summary["total-timeouts"] + summary["total-vanished"],
             "bytes": sum(r.get("bytes-down", 0) + r.get("bytes-up", 0) for r in rows),
-            "real-fleet": fleet and fleet["total"]}
+            "real-fleet": fleet and fleet["total"],
+            # the host kept each device at its profile's pace only where the device's work ended before the pace did
+            "host-behind": sum(t.get("paced-s", 0.0) < 0.01 for t in trains) / len(trains) if trains else None,
+            "work-s-median": statistics.median(t["work-s"] for t in trains) if trains else None}
 
 
 def time_to(curve: list[list[float]], target: float) -> float | None:
@@ -85,14 +97,15 @@ def time_to(curve: list[list[float]], target: float) -> float | None:
 def table(results: list[dict[str, Any]], target: float | None) -> str:
     """Per method: final accuracy, seconds to the target in each mode and the simulation's error."""
     by = {(r["method"], r["mode"]): r for r in results}
-    lines = ["| method | mode | final acc. | target | time to target | total time | updates (lost) | MB moved |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | mode | final acc. | target | time to target | total time | updates (lost) | MB moved | "
+             "host behind |", "|---|---|---|---|---|---|---|---|---|"]
     for (method, mode), r in sorted(by.items()):
         goal = target if target is not None else (by.get(("fedavg", mode)) or r)["final-accuracy"]
         tta = time_to(r["curve"], goal)
+        behind = "" if r.get("host-behind") is None else f"{r['host-behind']:.0%}"
         lines.append(f"| {method} | {mode} | {r['final-accuracy']:.3f} | {goal:.3f} | "
                      f"{'not reached' if tta is None else f'{tta:.0f} s'} | {r['curve'][-1][0]:.0f} s | "
-                     f"{r['accepted']} ({r['lost']}) | {r['bytes'] / 1e6:.0f} |")
+                     f"{r['accepted']} ({r['lost']}) | {r['bytes'] / 1e6:.0f} | {behind} |")
     lines.append("")
     for method in sorted({m for m, _ in by}):
         sim, real = by.get((method, "sim")), by.get((method, "real"))
