@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: install data demo test lint docs browser nginx simulate deploy compose-demo compose-twin compose-test compose-tools clean
+.PHONY: install data demo test lint docs browser nginx simulate deploy compose-demo compose-twin compose-test compose-tools device-check arm64-device clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -83,6 +83,40 @@ compose-test: $(STAMP)
 # The tools compose-test installs (docker.io, debootstrap, the Compose v2 plugin), alone
 compose-tools: $(STAMP)
 	$(PY) -m tools.compose_engine --tools-only
+
+# A device's install (requirements/device.txt: a SuperNode running the ClientApp) resolved for Linux DEVICE_ARCH by uv
+# (pip evaluates environment markers on this machine's, so it cannot resolve for another), then every wheel of that
+# resolution downloaded, binary only, into DEVICE_WHEELS/DEVICE_ARCH: fails when one has no wheel there. Prints their
+# count and size. uv comes in a venv of its own (DEVICE_CHECK_VENV), not the project's.
+DEVICE_CHECK_VENV ?= /tmp/hybridfl-device-check-venv
+DEVICE_WHEELS     ?= /tmp/hybridfl-device-wheels
+# the device's machine and its glibc's minor version, the newest manylinux_2_N its wheels may need (28: torch's; Debian
+# 11+, Ubuntu 20.04+). uv takes the newest, pip every one it may pick (it does not go down from the one it is given).
+DEVICE_ARCH       ?= aarch64
+DEVICE_GLIBC      ?= 28
+device-check:
+	test -x $(DEVICE_CHECK_VENV)/bin/uv || { $(PYTHON) -m venv $(DEVICE_CHECK_VENV) && \
+		$(DEVICE_CHECK_VENV)/bin/pip install --quiet uv; }
+	mkdir -p $(DEVICE_WHEELS)/$(DEVICE_ARCH)
+	$(DEVICE_CHECK_VENV)/bin/uv pip compile --quiet --no-header --only-binary :all: --python-version 3.11 \
+		--python-platform $(DEVICE_ARCH)-manylinux_2_$(DEVICE_GLIBC) requirements/device.txt \
+		-o $(DEVICE_WHEELS)/$(DEVICE_ARCH)/device.lock
+	$(DEVICE_CHECK_VENV)/bin/pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
+		--implementation cp $(foreach n,$(shell seq 17 $(DEVICE_GLIBC)),--platform manylinux_2_$(n)_$(DEVICE_ARCH)) \
+		--platform manylinux2014_$(DEVICE_ARCH) -d $(DEVICE_WHEELS)/$(DEVICE_ARCH) \
+		-r $(DEVICE_WHEELS)/$(DEVICE_ARCH)/device.lock
+	@cd $(DEVICE_WHEELS)/$(DEVICE_ARCH) && echo "$(DEVICE_ARCH) (manylinux_2_$(DEVICE_GLIBC)):" \
+		"$$(grep -c '^[a-z0-9]' device.lock) packages resolved, $$(ls *.whl | wc -l) wheels," \
+		"$$(du -ch *.whl | tail -1 | cut -f1) in $(DEVICE_WHEELS)/$(DEVICE_ARCH)"
+
+# A device of another architecture: a SuperNode in a Debian arm64 userland (debootstrap; run under qemu-user-static
+# through binfmt_misc) joins a SuperLink on this machine beside a native one, and both train a short run to the end,
+# per model; their peak RSS and install size (benchmarks/arm64_device.py, rows appended to
+# benchmarks/results/arm64_device.jsonl). Root, Debian/Ubuntu (apt-get install qemu-user-static binfmt-support
+# debootstrap dataset-fashion-mnist). The userland, its venv and the wheels (~13 GB) are cached in
+# /var/cache/hybridfl-arm64: the first build takes ~15 min on 2 cores, then ~5 min per model. ARGS='--models digits'
+arm64-device: $(STAMP)
+	$(PY) -m benchmarks.arm64_device $(ARGS)
 
 clean:
 	rm -rf $(VENV) .flwr outputs .pytest_cache site

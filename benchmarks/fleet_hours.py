@@ -1,14 +1,14 @@
 """Which method on which fleet, in hours: synchronous FedAvg, FedBuff and Feddle-ID on one lognormal fleet, on the
 real engine and in the simulation with device time, side by side.
 
-    python -m benchmarks.fleet_hours [--fleet lognormal] [--clients 12] [--rounds 20] [--modes sim real]
+    python -m benchmarks.fleet_hours [--fleet lognormal] [--clients 12] [--rounds 20] [--async-rounds 60]
+                                     [--modes sim real]
                                      [--methods fedavg fedbuff feddle] [--out benchmarks/results/fleet-hours]
 
 On one fleet (common/fleet.py, drawn by seed 0) and one task (digits, Dirichlet 0.5, the presets' CNN, seed 0):
 synchronous FedAvg runs ``--rounds`` rounds of half the fleet; FedBuff and Feddle-ID keep the whole fleet busy, step
-every half-fleet of arrivals (``buffer-size``) and run twice as many rounds (the same number of steps' worth of
-time at twice the updates: they need more updates to reach what FedAvg reaches, and the question is how long
-that takes):
+every half-fleet of arrivals (``buffer-size``) and run ``--async-rounds`` rounds of that many arrivals (they need
+more updates to reach what FedAvg reaches; the question is how long that takes):
 
 - **sim**: the in-process engine, device time from the profiles (runtime's module docstring): FedAvg on the virtual
   clock with no delay (a barrier: a round lasts as long as its slowest device), FedBuff and Feddle-ID on the device
@@ -46,13 +46,13 @@ METHODS = {"fedavg": {"preset": "fedavg-digits", "clock": "virtual", "delay-sigm
            "feddle": {"preset": "feddle-digits", "delay-sigma": 0.0}}
 
 
-def overrides(method: str, mode: str, fleet: str, clients: int, rounds: int) -> dict[str, Any]:
+def overrides(method: str, mode: str, fleet: str, clients: int, rounds: int, async_rounds: int) -> dict[str, Any]:
     half = clients // 2
     run = {**METHODS[method], "num-clients": clients, "clients-per-round": half, "num-rounds": rounds,
            "eval-every": 1, "fleet": fleet, "seed": 0, "checkpoint-every": 0}
     if method != "fedavg":
         run.update({"clock": "device" if mode == "sim" else "wall", "concurrency": clients, "buffer-size": half,
-                    "num-rounds": 2 * rounds})
+                    "num-rounds": async_rounds})
     return run
 
 
@@ -68,7 +68,7 @@ def curve(run: Path, mode: str) -> list[tuple[float, float]]:
 
 
 def measure(method: str, mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    run = {**overrides(method, mode, args.fleet, args.clients, args.rounds), "output-dir": str(work),
+    run = {**overrides(method, mode, args.fleet, args.clients, args.rounds, args.async_rounds), "output-dir": str(work),
            "run-name": f"{method}-{mode}"}
     if mode == "sim":
         path = run_inprocess(run)
@@ -79,8 +79,8 @@ def measure(method: str, mode: str, args: argparse.Namespace, work: Path) -> dic
     fleet = json.loads((path / "fleet.json").read_text()) if (path / "fleet.json").exists() else None
     trains = [t for t in device_timings(sorted((path / "flower-logs").glob("superexec-clientapp-*.log")))
               if t["message"] == "train"] if mode == "real" else []
-    return {"key": f"{args.fleet}/{args.clients}/{args.rounds}/{method}/{mode}", "method": method, "mode": mode,
-            "fleet": args.fleet, "clients": args.clients, "rounds": args.rounds, "curve": curve(path, mode),
+    return {"key": key(args, method, mode), "method": method, "mode": mode, "fleet": args.fleet,
+            "clients": args.clients, "rounds": run["num-rounds"], "curve": curve(path, mode),
             "final-accuracy": summary["final-test-accuracy"], "accepted": summary["total-accepted"],
             "lost": summary["total-failures"] + summary["total-timeouts"] + summary["total-vanished"],
             "bytes": sum(r.get("bytes-down", 0) + r.get("bytes-up", 0) for r in rows),
@@ -88,6 +88,12 @@ def measure(method: str, mode: str, args: argparse.Namespace, work: Path) -> dic
             # the host kept each device at its profile's pace only where the device's work ended before the pace did
             "host-behind": sum(t.get("paced-s", 0.0) < 0.01 for t in trains) / len(trains) if trains else None,
             "work-s-median": statistics.median(t["work-s"] for t in trains) if trains else None}
+
+
+def key(args: argparse.Namespace, method: str, mode: str) -> str:
+    """A run's key in runs.jsonl: its fleet, fleet size, method, rounds and mode."""
+    rounds = args.rounds if method == "fedavg" else args.async_rounds
+    return f"{args.fleet}/{args.clients}/{method}/{rounds}/{mode}"
 
 
 def time_to(curve: list[list[float]], target: float) -> float | None:
@@ -130,7 +136,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fleet", default="lognormal")
     parser.add_argument("--clients", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=20, help="synchronous FedAvg's rounds")
+    parser.add_argument("--async-rounds", type=int, default=60, help="FedBuff's and Feddle-ID's rounds")
     parser.add_argument("--modes", nargs="+", default=["sim", "real"], choices=["sim", "real"])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--target", type=float, default=None)
@@ -142,17 +149,17 @@ def main(argv: list[str] | None = None) -> None:
         if runs.exists() else {}
     for mode in args.modes:
         for method in args.methods:
-            key = f"{args.fleet}/{args.clients}/{args.rounds}/{method}/{mode}"
-            if key in done:
+            if key(args, method, mode) in done:
                 continue
             with tempfile.TemporaryDirectory(prefix="fleet-hours-") as work:
                 result = measure(method, mode, args, Path(work))
             with runs.open("a") as f:
                 f.write(json.dumps(result) + "\n")
-            done[key] = result
-            print(f"{key}: final accuracy {result['final-accuracy']:.3f}, {result['curve'][-1][0]:.0f} s", flush=True)
-    prefix = f"{args.fleet}/{args.clients}/{args.rounds}/"
-    print(table([r for k, r in done.items() if k.startswith(prefix)], args.target))
+            done[result["key"]] = result
+            print(f"{result['key']}: final accuracy {result['final-accuracy']:.3f}, {result['curve'][-1][0]:.0f} s",
+                  flush=True)
+    keys = {key(args, method, mode) for method in METHODS for mode in ("sim", "real")}
+    print(table([r for k, r in done.items() if k in keys], args.target))
 
 
 if __name__ == "__main__":
