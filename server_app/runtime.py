@@ -565,7 +565,7 @@ class Runner:
                         self._dispatch(replacement, rnd, virtual=True)
                         sampled.update(replacement)
                         entry.sampled += len(replacement)
-            self.device_t = barrier
+            self.device_t = max(self.device_t, barrier)  # (device time may have jumped to a device coming online)
             on_round(self._close_round(entry, accepted, started))
 
     def _run_wall(self, first_round: int, num_rounds: int, on_round: Callable[[RoundLog], None]) -> None:

@@ -167,3 +167,17 @@ def test_an_offline_device_is_never_dispatched_to_and_one_vanishing_mid_message_
     assert any(e["client"] == 0 for e in vanished) and not any(
         e["client"] == 0 and e["outcome"] == "accepted" for e in ev)
     assert summary["total-accepted"] + len(vanished) == 8 * 2 and summary["total-failures"] == 0  # 8 rounds of 2
+
+
+def test_the_virtual_clocks_device_time_never_goes_back_when_it_waits_for_a_device(small_run, tmp_path):
+    # nobody is online from 10 s to 500 s: a round that finds no idle device online waits for the first to return
+    windows = {c: [(0.0, 10.0), (500.0 + 10 * c, 1e6)] for c in range(4)}
+    path = trace_fleet(tmp_path, windows, **{**CONSTANT, "down-bytes-per-s": 0, "up-bytes-per-s": 0})  # ~5 s each
+    out, _ = small_run("waits", **{**SMALL, "strategy": "fedbuff", "buffer-size": 2, "server-lr": 1.0,
+                                   "clients-per-round": 2, "delay-sigma": 2.0, "num-rounds": 24, "fleet": path})
+    times = [r["device-t"] for r in rows(out)]
+    assert times == sorted(times) and times[-1] > 500
+    assert any(r["device-t"] < 10 for r in rows(out)[1:]) and any(e["outcome"] == "vanished" for e in events(out))
+    fleet = load_fleet(path, 4, seed=0)
+    for e in events(out):
+        assert fleet.devices[e["client"]].online(e["device-start"]), e
