@@ -17,6 +17,7 @@ built-ins below) and in a user's YAML file::
         up-bytes-per-s: {lognormal: {median: 5.0e5, sigma: 0.9}}
         latency-s: 0.05
         memory-mb: 2048
+        cpus: 1                          # a CPU quota on a real fleet (the simulation's speed is the line above)
         online-s: {exponential: 900}     # availability: online and offline windows, drawn in turn
         offline-s: {exponential: 300}
       - name: board
@@ -64,6 +65,7 @@ class DeviceProfile:
     latency_s: float = 0.0  # one way
     drop: float = 0.0  # real fleets: the chance a segment is lost (hybridfl/shaper.py; the simulation ignores it)
     memory_mb: int = 0  # the device's memory for the ClientApp (real fleets; 0 = no limit)
+    cpus: float = 0.0  # the device's cores for the ClientApp (real fleets: a CPU quota; 0 = none)
     windows: tuple[tuple[float, float], ...] = ()
 
     def message_s(self, examples: int, down_bytes: int, up_bytes: int) -> float:
@@ -103,7 +105,7 @@ def _transfer_s(nbytes: int, rate: float) -> float:
 
 # -- fleets as data --------------------------------------------------------------------------------
 _VALUE_KEYS = ("compute-s-per-example", "overhead-s", "down-bytes-per-s", "up-bytes-per-s", "latency-s", "drop",
-               "memory-mb")
+               "memory-mb", "cpus")
 _CLASS_KEYS = {"name", "share", "online-s", "offline-s", "trace", *_VALUE_KEYS}
 HORIZON_S = 30 * 24 * 3600.0  # windows are drawn this far ahead (a month of device time)
 
@@ -129,10 +131,11 @@ FLEETS: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True)
 class Fleet:
-    """Every client's :class:`DeviceProfile` (``devices[c]``), and the fleet's name."""
+    """Every client's :class:`DeviceProfile` (``devices[c]``), the fleet's name and the seed it was drawn with."""
 
     name: str
     devices: tuple[DeviceProfile, ...] = field(repr=False)
+    seed: int = 0
 
     def __len__(self) -> int:
         return len(self.devices)
@@ -140,7 +143,13 @@ class Fleet:
     @property
     def ideal(self) -> bool:
         """True when no device costs time or goes offline: today's fleet."""
-        return all(d == DeviceProfile(name=d.name, memory_mb=d.memory_mb) for d in self.devices)
+        return all(d == DeviceProfile(name=d.name, memory_mb=d.memory_mb, cpus=d.cpus) for d in self.devices)
+
+    @property
+    def limited(self) -> bool:
+        """True when a real fleet has something to apply: a device costs time, goes offline, or has a memory limit
+        or a CPU quota."""
+        return not self.ideal or any(d.memory_mb or d.cpus for d in self.devices)
 
 
 def fleet_names() -> list[str]:
@@ -195,7 +204,7 @@ def make_fleet(name: str, spec: Any, num_clients: int, seed: int, base: Path | N
         else:
             windows = ()
         devices.append(DeviceProfile(name=str(cls.get("name", f"class-{i}")), windows=windows, **values))
-    return Fleet(name, tuple(devices))
+    return Fleet(name, tuple(devices), seed)
 
 
 def _number(fleet: str, i: int, key: str, v: Any, low: float = 0.0) -> float:

@@ -4,6 +4,11 @@ checked) for the demo, its native twin (tools/compose_twin.py) and the real-engi
     python -m hybridfl.compose demo [--plain-http] [--gpu] [--host-network] [--no-build] [KEY=VALUE ...]  # Docker
     python -m hybridfl.compose check [--plain-http] [--gpu] [--host-network]                # the files' structure
     python -m hybridfl.compose flwr [--plain-http] FLWR-ARGS ...          # the operator's flwr, e.g. `flwr ls`
+    python -m hybridfl.compose demo --fleet FLEET --nodes N ...     # N SuperNodes made a fleet's devices
+
+``--fleet`` (a built-in fleet or a fleet file, common/fleet.py) adds a generated compose file
+(hybridfl/compose_fleet.py, written to ``outputs/compose/fleet.yml``): each device's link shaped, its ClientApp's
+memory and cores limited, its work paced, and the demo switches devices off and on by their windows.
 
 The deployment is secure by default (docker/compose.yml: TLS, SuperNode authentication, a SuperExec secret per
 Runtime API); ``--plain-http`` adds ``plain-http.yml`` and warns. The demo makes the certificates, keys and secrets,
@@ -28,12 +33,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
 from common.errors import ConfigError
+from common.fleet import Fleet, load_fleet
 from hybridfl.bundle import PROJECT_DIR
+from hybridfl.compose_fleet import ComposeSchedule, write_fleet_file
 from hybridfl.job import MAIN_JOB, parse_overrides
 from hybridfl.pki import make_pki
 from hybridfl.processes import (
@@ -57,6 +64,7 @@ SUPERLINK, SERVERAPP, OUTPUTS = "superlink", "superexec-serverapp", "outputs"
 CERTS = COMPOSE_DIR / "certs"
 OPERATOR = "operator"  # the operator's `flwr`, in the server's network namespace
 IMAGE_UID = 49999  # the user `app` of Flower's images
+FLEET_FILE = PROJECT_DIR / "outputs" / "compose" / "fleet.yml"  # the demo's generated fleet file
 
 
 class ComposeError(ValueError):
@@ -309,17 +317,20 @@ def operator(dc: list[str]) -> Flwr:
                            *(["-v", f"{folder.resolve()}:/project:ro"] if folder else []), OPERATOR]
 
 
-def demo(files: list[Path], overrides: dict[str, Any], build: bool = True) -> Path:
+def demo(files: list[Path], overrides: dict[str, Any], build: bool = True, fleet: Fleet | None = None) -> Path:
     """``docker compose up`` the files (building the app image unless `build` is False: the images there are
     used): the certificates, keys and secrets made, the SuperLink alone first to register the SuperNodes' keys; run
     the job; copy its outputs to ./outputs/compose. The operator's `flwr` runs in the server's namespace
     (:func:`operator`). The deployment stays up for more runs; interrupted (Ctrl-C, SIGTERM) at any point, it is
-    taken down (its volumes kept) before the interrupt goes on. Needs a Docker engine."""
+    taken down (its volumes kept) before the interrupt goes on. With `fleet` (the files include its
+    :func:`fleet_file`), its devices are switched off and on by their windows from the run's first round, and what
+    they did is written to the run's ``fleet.json``. Needs a Docker engine."""
     compose = load(files)
     env = flower_env(PROJECT_DIR / ".flwr-compose")
     dc = compose_argv(files)
     flwr = operator(dc)
     up = [*dc, "up", "-d", "--wait", *(["--build"] if build else ["--no-build", "--pull", "never"])]
+    run_config = demo_run_config(compose, overrides)  # a bad one fails before anything starts
     certificates(compose, CERTS)
     if os.geteuid() == 0:  # the images run as app (UID 49999): let them read their keys and secrets
         hand_to_images(compose, CERTS)
@@ -329,8 +340,12 @@ def demo(files: list[Path], overrides: dict[str, Any], build: bool = True) -> Pa
             if key := auth_key(compose["services"][node]["command"]):
                 register_supernode(env, CONNECTION, Path(f"{key}.pub"), flwr)
         _sh(up, env)
-        run_config = demo_run_config(compose, overrides)
-        run_id, status = flwr_run(env, CONNECTION, run_config, flwr=flwr)
+        schedule = None if fleet is None or not fleet.limited else follow_fleet(fleet, dc, env, compose, run_config)
+        try:
+            run_id, status = flwr_run(env, CONNECTION, run_config, flwr=flwr)
+        finally:
+            if schedule is not None:
+                schedule.halt()
     except (KeyboardInterrupt, SystemExit):
         print("interrupted: taking the deployment down (docker compose down; its volumes are kept)",
               file=sys.stderr, flush=True)
@@ -340,11 +355,33 @@ def demo(files: list[Path], overrides: dict[str, Any], build: bool = True) -> Pa
     local = PROJECT_DIR / "outputs" / "compose"
     local.mkdir(parents=True, exist_ok=True)
     _sh(dc + ["cp", f"{SERVERAPP}:{run_config['output-dir']}/{run_config['run-name']}", str(local)], env)
+    if schedule is not None:
+        schedule.close(local / run_config["run-name"], docker_restarts(dc, env))
     check_completed(run_id, status, local / run_config["run-name"])
     plain = "--plain-http " if COMPOSE_DIR / "plain-http.yml" in files else ""  # the operator's connection
     print(f"the deployment stays up for more runs (`python -m hybridfl.compose flwr {plain}run . {CONNECTION} "
           f"--stream`: the operator's flwr); `{shlex.join([*dc, 'down'])}` stops it", flush=True)
     return local / run_config["run-name"]
+
+
+def follow_fleet(fleet: Fleet, dc: list[str], env: dict[str, str], compose: dict[str, Any],
+                 run_config: dict[str, Any]) -> ComposeSchedule:
+    """The fleet's schedule on the deployment (`dc`), from the run's first round (its ``metrics.jsonl`` appears in
+    the ServerApp's container), and Docker's OOM events of its project counted."""
+    schedule = ComposeSchedule(fleet, dc, env)
+    metrics = f"{run_config['output-dir']}/{run_config['run-name']}/metrics.jsonl"
+    schedule.follow(lambda: subprocess.run([*dc, "exec", "-T", SERVERAPP, "test", "-e", metrics], env=env,
+                                           capture_output=True, check=False).returncode == 0)
+    schedule.follow_events(["docker"], compose.get("name", "hybridfl"))
+    return schedule
+
+
+def docker_restarts(dc: list[str], env: dict[str, str]) -> dict[str, int]:
+    """Docker's restart count of each service's container (a crash or an OOM kill its restart policy restarted)."""
+    ids = subprocess.run([*dc, "ps", "-a", "-q"], env=env, capture_output=True, text=True, check=False).stdout.split()
+    out = subprocess.run(["docker", "inspect", "-f", '{{index .Config.Labels "com.docker.compose.service"}} '
+                          "{{.RestartCount}}", *ids], env=env, capture_output=True, text=True, check=False).stdout
+    return {name: int(count) for name, count in (line.split() for line in out.splitlines() if line.count(" ") == 1)}
 
 
 def _sh(cmd: list[str], env: dict[str, str]) -> None:
@@ -362,20 +399,41 @@ def file_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flower-devices", action="store_true",
                         help="add docker/flower-devices.yml: Flower's own flower-supernode and flower-superexec on "
                              "each device instead of the warm ones")
+    parser.add_argument("--fleet", metavar="FLEET",
+                        help="make the SuperNodes a fleet's devices: a built-in fleet or a fleet file "
+                             "(docs/tutorials/fleet.md; hybridfl/compose_fleet.py)")
+    parser.add_argument("--nodes", type=int, default=2, metavar="N", help="with --fleet: the fleet's size (default 2)")
 
 
-def read_command_line(parser: argparse.ArgumentParser, argv: list[str] | None
-                      ) -> tuple[argparse.Namespace, list[Path], dict[str, Any], dict[str, Any]] | None:
-    """`parser` (with :func:`file_flags` added) on `argv`: the flags, the compose files they chose, their merge and
-    the ``KEY=VALUE`` overrides; None, the error printed in one line, when the files or an override are bad. This
-    command's and the twin's (tools/compose_twin.py)."""
+class CommandLine(NamedTuple):
+    args: argparse.Namespace
+    files: list[Path]  # the compose files, in order
+    compose: dict[str, Any]  # their merge
+    overrides: dict[str, Any]  # the run config's KEY=VALUEs
+    fleet: Fleet | None  # --fleet, drawn for --nodes devices with the run's seed
+
+
+def read_command_line(parser: argparse.ArgumentParser, argv: list[str] | None,
+                      fleet_file: Path = FLEET_FILE) -> CommandLine | None:
+    """`parser` (with :func:`file_flags` added) on `argv`; with ``--fleet``, its compose file written to `fleet_file`
+    and added, and the run's ``fleet`` set. None, the error printed in one line, when the files, the fleet or an
+    override are bad. This command's and the twin's (tools/compose_twin.py)."""
     file_flags(parser)
     args = parser.parse_intermixed_args(argv)
     if args.plain_http:
         print(PLAIN_HTTP_WARNING, file=sys.stderr)
     files = compose_files(args.plain_http, args.gpu, args.host_network, args.flower_devices)
     try:
-        return args, files, load(files), parse_overrides(args.overrides)
+        overrides, fleet = parse_overrides(args.overrides), None
+        if args.fleet:
+            if args.nodes < 1:
+                raise ConfigError("--nodes", args.nodes, "an integer >= 1")
+            user_file = Path(args.fleet).resolve() if Path(args.fleet).is_file() else None
+            seed = load_config({"preset": MAIN_JOB, **overrides}).seed
+            fleet = load_fleet(str(user_file or args.fleet), args.nodes, seed)
+            files = [*files, write_fleet_file(fleet_file, load(files), fleet, user_file)]
+            overrides.setdefault("fleet", str(user_file or args.fleet))
+        return CommandLine(args, files, load(files), overrides, fleet)
     except (ComposeError, ConfigError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None
@@ -402,13 +460,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-build", action="store_true", help="demo: run the images the engine has (no build)")
     if (read := read_command_line(parser, argv)) is None:
         return 2
-    args, files, compose, overrides = read
+    args, files, compose, overrides, fleet = read
     if args.mode == "check":
         print(f"{', '.join(f.name for f in files)}: {len(compose['services'])} services, start order "
               f"{' -> '.join(start_order(compose['services']))}")
         return 0
     try:
-        return run_and_report(lambda: demo(files, overrides, build=not args.no_build))
+        return run_and_report(lambda: demo(files, overrides, build=not args.no_build, fleet=fleet))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

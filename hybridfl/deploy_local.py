@@ -122,7 +122,7 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
     state = [] if database is None else ["--database", str(private_file(database))]
     to_link = ["--insecure"] if ca is None else ["--root-certificates", str(ca)]
     supernode_cmd, executor_cmd = EXECUTORS[executor]
-    real = None if fleet.ideal else RealFleet(fleet, port, free_port, configs[0].seed)
+    real = None if not fleet.limited else RealFleet(fleet, port, free_port)
     try:
         with ProcessGroup(prepared[0][1] / "flower-logs", env) as procs:
             link = procs.start("superlink", ["flower-superlink", *link_security, *runtime_api(secret["superlink"]),

@@ -8,9 +8,9 @@ hybridfl/deploy_local.py with every node made the device its profile draws:
 * **its compute**: the node's ClientApp replies no sooner than the profile's ``overhead-s`` + examples ×
   ``compute-s-per-example`` (node config, client_app/work.py), so a fleet of slow devices runs on one fast host
   as long as the host keeps up (its own work is what the pacing cannot hide);
-* **its memory**: the node's processes (SuperNode, ClientApp executor and what they start) share a memory cgroup
-  limited to ``memory-mb``; a device the kernel kills for it is counted (``oom-kills``) and started again, and the
-  run goes on without its update;
+* **its memory and cores**: the node's processes (SuperNode, ClientApp executor and what they start) share a memory
+  cgroup limited to ``memory-mb`` and a CPU cgroup with a quota of ``cpus`` cores; a device the kernel kills for
+  its memory is counted (``oom-kills``) and started again, and the run goes on without its update;
 * **its availability**: from the run's first round (the moment its ``metrics.jsonl`` appears: device time 0 in
   the simulation too) a scheduler stops each node when its online window ends (SIGTERM: the device's app is closed,
   its message in flight is lost, its SuperNode leaves the SuperLink) and starts it again when the next begins. Every
@@ -44,50 +44,85 @@ REJOIN_WAIT_S = 5.0
 COUNTS = ("starts", "stops", "crashes", "refused-joins", "oom-kills")
 
 
-class MemoryCgroup:
-    """A device's memory cgroup (v2 where the unified hierarchy has the memory controller, else v1's); ``None`` from
-    :meth:`make` when neither can be written here (the reason in :attr:`unavailable`)."""
+class DeviceCgroup:
+    """A device's cgroups: memory limited to ``memory-mb`` and CPU time to ``cpus`` cores (a CFS quota per 100 ms
+    period), in the unified hierarchy (v2) where it has the controller, else in v1's own hierarchy for it; ``None``
+    from :meth:`make` when they cannot be written here (the reason in :attr:`unavailable`)."""
 
     unavailable = ""
+    PERIOD_US = 100_000  # the kernel's default CFS period
 
-    def __init__(self, path: Path, v2: bool) -> None:
-        self.path, self.v2 = path, v2
+    def __init__(self, memory: Path | None, cpu: Path | None, v2: bool) -> None:
+        self.memory, self.cpu, self.v2 = memory, cpu, v2
 
     @classmethod
-    def make(cls, name: str, limit_mb: int) -> MemoryCgroup | None:
-        v2 = "memory" in _read(CGROUP_ROOT / "cgroup.controllers").split()
-        parent = CGROUP_ROOT if v2 else CGROUP_ROOT / "memory"
+    def make(cls, name: str, memory_mb: int = 0, cpus: float = 0.0) -> DeviceCgroup | None:
+        controllers = _read(CGROUP_ROOT / "cgroup.controllers").split()
+        v2 = {"memory", "cpu"} <= set(controllers)
+        memory = cpu = None
         try:
-            path = parent / "hybridfl" / name
-            path.mkdir(parents=True, exist_ok=True)
-            (path / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit_mb * 2**20))
-            if not v2:  # no swap either, where the kernel accounts it: the limit is the device's memory
-                with open(path / "memory.memsw.limit_in_bytes", "w") as f:
-                    f.write(str(limit_mb * 2**20))
+            if memory_mb:
+                memory = cls._mkdir(CGROUP_ROOT if v2 else CGROUP_ROOT / "memory", name)
+                limit = str(memory_mb * 2**20)
+                (memory / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(limit)
+                if not v2:  # no swap either, where the kernel accounts it: the limit is the device's memory
+                    with open(memory / "memory.memsw.limit_in_bytes", "w") as f:
+                        f.write(limit)
+            if cpus:
+                cpu = cls._mkdir(CGROUP_ROOT if v2 else CGROUP_ROOT / "cpu", name)
+                quota = str(max(1000, round(cpus * cls.PERIOD_US)))
+                if v2:
+                    (cpu / "cpu.max").write_text(f"{quota} {cls.PERIOD_US}")
+                else:
+                    (cpu / "cpu.cfs_period_us").write_text(str(cls.PERIOD_US))
+                    (cpu / "cpu.cfs_quota_us").write_text(quota)
         except OSError as err:
-            cls.unavailable = f"no writable memory cgroup here ({err.strerror}: {err.filename})"
+            cls.unavailable = f"no writable cgroup here ({err.strerror}: {err.filename})"
+            cls(memory, cpu, v2).remove()
             return None
-        return cls(path, v2)
+        return cls(memory, cpu, v2)
+
+    @staticmethod
+    def _mkdir(parent: Path, name: str) -> Path:
+        path = parent / "hybridfl" / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
 
     def add(self, pid: int) -> None:
-        """Put process `pid` in the cgroup (its children, started later, are born in it)."""
-        try:
-            (self.path / "cgroup.procs").write_text(str(pid))
-        except OSError:  # it ended already
-            pass
+        """Put process `pid` in the cgroups (its children, started later, are born in them)."""
+        for path in {self.memory, self.cpu} - {None}:
+            try:
+                (path / "cgroup.procs").write_text(str(pid))
+            except OSError:  # it ended already
+                pass
 
     def oom_kills(self) -> int:
-        text = _read(self.path / ("memory.events" if self.v2 else "memory.oom_control"))
+        if self.memory is None:
+            return 0
+        text = _read(self.memory / ("memory.events" if self.v2 else "memory.oom_control"))
         return int(dict(line.split() for line in text.splitlines() if line.count(" ") == 1).get("oom_kill", 0))
 
     def peak_bytes(self) -> int:
-        return int(_read(self.path / ("memory.peak" if self.v2 else "memory.max_usage_in_bytes")) or 0)
+        if self.memory is None:
+            return 0
+        return int(_read(self.memory / ("memory.peak" if self.v2 else "memory.max_usage_in_bytes")) or 0)
+
+    def cpu_quota(self) -> float:
+        """The cores the quota allows, as the kernel holds it (0: none)."""
+        if self.cpu is None:
+            return 0.0
+        if self.v2:
+            quota, period = _read(self.cpu / "cpu.max").split()
+        else:
+            quota, period = _read(self.cpu / "cpu.cfs_quota_us"), _read(self.cpu / "cpu.cfs_period_us")
+        return 0.0 if quota.strip() in ("max", "-1") else int(quota) / int(period)
 
     def remove(self) -> None:
-        try:
-            self.path.rmdir()
-        except OSError:
-            pass
+        for path in {self.memory, self.cpu} - {None}:
+            try:
+                path.rmdir()
+            except OSError:
+                pass
 
 
 def _read(path: Path) -> str:
@@ -97,7 +132,101 @@ def _read(path: Path) -> str:
         return ""
 
 
-class RealFleet:
+def pacing(device: DeviceProfile) -> str:
+    """A device's pacing as its SuperNode's node config (client_app/work.py)."""
+    return f"compute-s-per-example={device.compute_s_per_example!r} overhead-s={device.overhead_s!r}"
+
+
+def link_seed(fleet: Fleet, i: int) -> int:
+    """Device i's link's loss draws' seed (hybridfl/shaper.py), from the run's."""
+    return fleet.seed * 1000 + i
+
+
+def profile(device: DeviceProfile) -> dict[str, Any]:
+    """A device's profile as ``fleet.json`` reports it (its windows counted, not listed)."""
+    return {**{k: v for k, v in asdict(device).items() if k != "windows"}, "online-windows": len(device.windows)}
+
+
+class Schedule:
+    """A fleet's availability windows applied to real devices, from the run's first round on (device time 0 in the
+    simulation too): ``stop(i)`` when device i's window ends, ``start(i)`` when its next begins. Where the devices'
+    supervisor is this process (:meth:`ended`), a device whose processes ended by themselves (a crash, an OOM kill)
+    is started again while it is online; one that ends within :data:`JOIN_S` of its start was refused by the
+    SuperLink, and waits :data:`REJOIN_WAIT_S`. ``counts[i]`` says what happened to device i."""
+
+    def __init__(self, fleet: Fleet, start: Callable[[int], None] | None = None,
+                 stop: Callable[[int], None] | None = None) -> None:
+        self.fleet, self.start, self.stop = fleet, start, stop
+        self.counts = [dict.fromkeys(COUNTS, 0) for _ in fleet.devices]
+        self._not_before: dict[int, float] = {}  # device time before which device i is not started again
+        self._started_at: dict[int, float] = {}
+        self._running: set[int] = set()
+        self._halt = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def started(self, i: int) -> None:
+        """Device i was started (by the deployment, or by :meth:`start`): count it."""
+        self._running.add(i)
+        self._started_at[i] = time.monotonic()
+        self.counts[i]["starts"] += 1
+
+    def ended(self, i: int) -> bool:
+        """Whether device i's processes ended by themselves; False where another supervisor restarts them."""
+        return False
+
+    def follow(self, begun: Callable[[], bool]) -> None:
+        """Apply the windows in a thread, from the moment `begun()` (polled) is first true."""
+        def loop() -> None:
+            while not begun() and not self._halt.wait(TICK_S):
+                pass
+            t0 = time.monotonic()
+            while not self._halt.wait(TICK_S):
+                for i, device in enumerate(self.fleet.devices):
+                    with self._lock:
+                        self._tick(i, device, time.monotonic() - t0)
+
+        self._thread = threading.Thread(target=loop, name="fleet-schedule", daemon=True)
+        self._thread.start()
+
+    def _tick(self, i: int, device: DeviceProfile, t: float) -> None:
+        running = i in self._running
+        if running and self.ended(i):
+            refused = time.monotonic() - self._started_at[i] < JOIN_S
+            self.counts[i]["refused-joins" if refused else "crashes"] += 1
+            self._stopped(i)
+            self._not_before[i] = t + (REJOIN_WAIT_S if refused else 0.0)
+            running = False
+        if running and not device.online(t):
+            self.counts[i]["stops"] += 1
+            self._stopped(i)
+        elif not running and device.online(t) and t >= self._not_before.get(i, 0.0):
+            self.start(i)
+            if i not in self._running:  # a start that does not report itself
+                self.started(i)
+
+    def _stopped(self, i: int) -> None:
+        self.stop(i)
+        self._running.discard(i)
+
+    def write(self, report: dict[str, Any], run_folder: Path | None, counted: tuple[str, ...] = COUNTS
+              ) -> dict[str, Any]:
+        """`report` with the totals of its devices' `counted` keys, written to `run_folder`'s ``fleet.json`` (None:
+        not written)."""
+        report["total"] = {k: sum(d[k] for d in report["devices"]) for k in counted}
+        if run_folder is not None and run_folder.is_dir():
+            (run_folder / "fleet.json").write_text(json.dumps(report, indent=2) + "\n")
+        return report
+
+    def halt(self) -> None:
+        """Stop the schedule (before the deployment's processes are stopped: it would start them again)."""
+        self._halt.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+class RealFleet(Schedule):
     """`fleet` on the local deployment whose SuperLink listens on `superlink_port` (see the module docstring).
 
     The deployment asks it for each node's SuperLink address (:meth:`address`) and node config (:meth:`node_config`),
@@ -105,21 +234,16 @@ class RealFleet:
     node i (:meth:`follow`); :meth:`close` stops the scheduler and the shaper and writes ``fleet.json``.
     """
 
-    def __init__(self, fleet: Fleet, superlink_port: int, ports: Callable[[], int], seed: int = 0) -> None:
-        self.fleet = fleet
+    def __init__(self, fleet: Fleet, superlink_port: int, ports: Callable[[], int]) -> None:
+        super().__init__(fleet)
         routes = [Route(superlink_port, Link(latency_s=d.latency_s, up_bytes_per_s=d.up_bytes_per_s,
-                                             down_bytes_per_s=d.down_bytes_per_s, drop=d.drop, seed=seed * 1000 + i),
+                                             down_bytes_per_s=d.down_bytes_per_s, drop=d.drop,
+                                             seed=link_seed(fleet, i)),
                         listen_port=ports()) for i, d in enumerate(fleet.devices)]
         self.shaper = Shaper(routes)
         self.ports = self.shaper.start()
-        self.cgroups: dict[int, MemoryCgroup | None] = {}
-        self.counts = [dict.fromkeys(COUNTS, 0) for _ in fleet.devices]
-        self._not_before: dict[int, float] = {}  # device time before which node i is not started again
-        self._started_at: dict[int, float] = {}
+        self.cgroups: dict[int, DeviceCgroup | None] = {}
         self._procs: dict[int, list[Any]] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
 
     def address(self, i: int) -> str:
         """Where node i reaches the SuperLink: its shaped link."""
@@ -127,63 +251,29 @@ class RealFleet:
 
     def node_config(self, i: int) -> str:
         """Node i's pacing (client_app/work.py)."""
-        d = self.fleet.devices[i]
-        return f"compute-s-per-example={d.compute_s_per_example!r} overhead-s={d.overhead_s!r}"
+        return pacing(self.fleet.devices[i])
 
-    def started(self, i: int, procs: list[Any]) -> None:
-        """Node i's processes (``Popen``s) were started: count the start, put them in its memory cgroup."""
+    def started(self, i: int, procs: list[Any] | None = None) -> None:
+        """Node i's processes (``Popen``s) were started: count the start, put them in its cgroups."""
         device = self.fleet.devices[i]
-        if device.memory_mb and i not in self.cgroups:
-            self.cgroups[i] = MemoryCgroup.make(f"{os.getpid()}-node-{i}", device.memory_mb)
-        for p in procs:
+        if (device.memory_mb or device.cpus) and i not in self.cgroups:
+            self.cgroups[i] = DeviceCgroup.make(f"{os.getpid()}-node-{i}", device.memory_mb, device.cpus)
+        for p in procs or []:
             if self.cgroups.get(i) is not None:
                 self.cgroups[i].add(p.pid)
-        self._procs[i] = procs
-        self._started_at[i] = time.monotonic()
-        self.counts[i]["starts"] += 1
+        self._procs[i] = procs or []
+        super().started(i)
 
-    def follow(self, run_folder: Path, start: Callable[[int], None], stop: Callable[[int], None]) -> None:
-        """Apply the availability windows from the run's first round on, in a thread: `stop(i)` when node i's
-        window ends, `start(i)` when the next begins; a node whose process ended (a crash, an OOM kill) is
-        started again while it is online."""
-        def loop() -> None:
-            metrics = run_folder / "metrics.jsonl"
-            while not metrics.exists() and not self._stop.wait(TICK_S):
-                pass
-            t0 = time.monotonic()
-            while not self._stop.wait(TICK_S):
-                t = time.monotonic() - t0
-                for i, device in enumerate(self.fleet.devices):
-                    with self._lock:
-                        self._tick(i, device, t, start, stop)
+    def ended(self, i: int) -> bool:
+        return any(p.poll() is not None for p in self._procs.get(i, []))
 
-        self._thread = threading.Thread(target=loop, name="fleet-schedule", daemon=True)
-        self._thread.start()
-
-    def _tick(self, i: int, device: DeviceProfile, t: float, start: Callable[[int], None],
-              stop: Callable[[int], None]) -> None:
-        procs = self._procs.get(i)
-        running = procs is not None
-        if running and any(p.poll() is not None for p in procs):  # a process of the device ended by itself
-            refused = time.monotonic() - self._started_at[i] < JOIN_S
-            self.counts[i]["refused-joins" if refused else "crashes"] += 1
-            stop(i)
-            self._procs.pop(i)
-            self._not_before[i] = t + (REJOIN_WAIT_S if refused else 0.0)
-            running = False
-        if running and not device.online(t):
-            self.counts[i]["stops"] += 1
-            stop(i)
-            self._procs.pop(i)
-        elif not running and device.online(t) and t >= self._not_before.get(i, 0.0):
-            start(i)
-
-    def halt(self) -> None:
-        """Stop the schedule (before the deployment's processes are stopped: it would start them again)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+    def follow(self, run_folder: Path, start: Callable[[int], None],  # type: ignore[override]
+               stop: Callable[[int], None]) -> None:
+        """Apply the availability windows from the run's first round on (its ``metrics.jsonl`` appears), in a
+        thread, starting and stopping node i with `start(i)` and `stop(i)`."""
+        self.start, self.stop = start, stop
+        metrics = run_folder / "metrics.jsonl"
+        super().follow(metrics.exists)
 
     def close(self, run_folder: Path | None) -> dict[str, Any]:
         """Once the deployment's processes are stopped: stop the schedule and the shaper, remove the cgroups, write
@@ -196,16 +286,12 @@ class RealFleet:
             cgroup = self.cgroups.get(i)
             if cgroup is not None:
                 self.counts[i]["oom-kills"] = cgroup.oom_kills()
-            devices.append({"node": i, "profile": {k: v for k, v in asdict(device).items() if k != "windows"},
-                            "online-windows": len(device.windows), **self.counts[i],
+            devices.append({"node": i, "profile": profile(device), **self.counts[i],
                             "peak-memory-mb": round(cgroup.peak_bytes() / 2**20, 1) if cgroup else None,
+                            "cpu-quota": cgroup.cpu_quota() if cgroup else None,
                             "link": links[i]})
-        report = {"fleet": self.fleet.name, "memory-limits": MemoryCgroup.unavailable or "applied",
-                  "devices": devices,
-                  "total": {k: sum(d[k] for d in devices) for k in COUNTS}}
         for cgroup in self.cgroups.values():
             if cgroup is not None:
                 cgroup.remove()
-        if run_folder is not None and run_folder.is_dir():
-            (run_folder / "fleet.json").write_text(json.dumps(report, indent=2) + "\n")
-        return report
+        return self.write({"fleet": self.fleet.name, "limits": DeviceCgroup.unavailable or "applied",
+                           "devices": devices}, run_folder)

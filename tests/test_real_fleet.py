@@ -16,7 +16,8 @@ from helpers import rows
 from common.fleet import DeviceProfile, Fleet
 from hybridfl import real_fleet
 from hybridfl.processes import free_port
-from hybridfl.real_fleet import MemoryCgroup, RealFleet
+from hybridfl.real_fleet import DeviceCgroup, RealFleet
+from tools.docs import bash_blocks
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -88,9 +89,9 @@ def test_each_node_reaches_the_superlink_through_its_own_shaped_link():
 
 
 def test_a_device_over_its_memory_is_killed_and_counted():
-    cgroup = MemoryCgroup.make(f"test-{os.getpid()}", 64)
+    cgroup = DeviceCgroup.make(f"test-{os.getpid()}", memory_mb=64)
     if cgroup is None:
-        pytest.skip(MemoryCgroup.unavailable)
+        pytest.skip(DeviceCgroup.unavailable)
     try:
         hog = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5); b = bytearray(300 * 2**20); "
                                                       "b[::4096] = b'x' * len(b[::4096])"])
@@ -102,14 +103,30 @@ def test_a_device_over_its_memory_is_killed_and_counted():
         cgroup.remove()
 
 
+def test_a_devices_cpu_quota_holds_its_processes_to_its_cores():
+    """A busy loop in a cgroup with a quota of a quarter core gets at most a quarter of the wall clock's CPU time
+    (the kernel's CFS accounting: a period's overrun is repaid in the next, so at most one period over)."""
+    cgroup = DeviceCgroup.make(f"test-cpu-{os.getpid()}", cpus=0.25)
+    if cgroup is None:
+        pytest.skip(DeviceCgroup.unavailable)
+    try:
+        assert cgroup.cpu_quota() == 0.25
+        spin = subprocess.Popen([sys.executable, "-c", "import os, sys, time\nsys.stdin.readline()\n"
+                                 "t = time.monotonic()\nwhile time.monotonic() - t < 2.0: pass\nu = os.times()\n"
+                                 "print(u.user + u.system, time.monotonic() - t)"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        cgroup.add(spin.pid)
+        cpu_s, wall_s = map(float, spin.communicate("go\n", timeout=60)[0].split())
+        assert cpu_s <= 0.25 * wall_s + 2 * DeviceCgroup.PERIOD_US / 1e6, (cpu_s, wall_s)
+    finally:
+        cgroup.remove()
+
+
 TUTORIAL = REPO / "docs" / "tutorials" / "fleet.md"
 
 
 def tutorial_commands(section: str) -> list[str]:
-    """The bash blocks of the tutorial's section `section` ("2.", "3."), as written."""
-    text = TUTORIAL.read_text()
-    part = text.split(f"\n## {section}")[1].split("\n## ")[0]
-    return [block.split("\n", 1)[1] for block in part.split("```bash")[1:] for block in [block.split("```")[0]]]
+    return bash_blocks(TUTORIAL, section)
 
 
 def run_as_user(commands: list[str], cwd: Path) -> None:
@@ -140,7 +157,7 @@ def test_the_tutorials_real_fleet_with_shaped_links_and_a_device_restarted_by_it
     node = report["devices"]
     assert (node[2]["stops"], node[2]["starts"]) == (1, 2) and report["total"]["crashes"] == 0
     assert all(d["link"]["bytes_down"] > 10**6 and d["link"]["bytes_up"] > 10**5 for d in node)  # every link used
-    if report["memory-limits"] == "applied":
+    if report["limits"] == "applied":
         assert all(0 < d["peak-memory-mb"] <= 1500 for d in node)
     events = rows(run, "events.jsonl")
     lost = [e for e in events if e["outcome"] != "accepted"]

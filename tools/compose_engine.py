@@ -29,6 +29,9 @@
    to any other user of the host; a stranger's upload over the edge's body limit is refused (413). compose.gpu.yml and
    plain-http.yml are validated by ``docker compose config`` (tests/test_compose.py compares them with the twin's
    reading, which runs plain-http.yml natively).
+   (f) A fleet (docs/tutorials/fleet.md, section 4, run as written): three devices as containers, each with its
+   shaper, memory and cores, one switched off and on by its windows, one whose training the kernel kills for its
+   memory, the run completed with the others' updates (hybridfl/compose_fleet.py).
 5. The demo as a user runs it (``make compose-demo HOST=1 ARGS=--no-build``), sent SIGTERM while its job streams:
    exit 143 within 60 s, none of its processes left, its deployment down and its volumes kept.
 
@@ -67,14 +70,17 @@ from typing import Any
 import httpx
 import psutil
 
+from common.fleet import load_fleet
 from hybridfl.bundle import PROJECT_DIR
 from hybridfl.compose import (
     COMPOSE_DIR,
     CONNECTION,
+    FLEET_FILE,
     IMAGE_UID,
     SERVERAPP,
     SUPERLINK,
     auth_key,
+    compose_files,
     demo_run_config,
     hand_to_images,
     load,
@@ -82,6 +88,7 @@ from hybridfl.compose import (
     superlink_port,
     supernodes,
 )
+from hybridfl.compose_fleet import SHAPER_PORT
 from hybridfl.pki import make_pki, node_key
 from hybridfl.processes import (
     acquire_task_anonymously,
@@ -95,6 +102,7 @@ from hybridfl.processes import (
     write_connection,
 )
 from tools import hostile_client, intruder
+from tools.docs import bash_blocks
 
 CACHE = Path(os.environ.get("HYBRIDFL_COMPOSE_CACHE", "/var/cache/hybridfl-compose"))  # kept between runs
 WHEELS = COMPOSE_DIR / "wheels"  # in the build context; git-ignored but for its README
@@ -102,7 +110,8 @@ BASE_IMAGE = "local/debian:bookworm-python"
 DOCKER = "/usr/bin/docker"  # the CLI of Debian's docker.io: the engine's version, BuildKit built in
 DOCKERD_FLAGS = ["--bridge=none", "--iptables=false", "--ip6tables=false", "--ip-forward=false", "--ip-masq=false",
                  "--storage-driver=overlay2", "--exec-opt", "native.cgroupdriver=cgroupfs"]
-HOST_PORTS = (8000, 9094, 9095)  # the edge's and the SuperNodes' ports, on the host's network
+# the edge's and the SuperNodes' ports, on the host's network (and (f)'s third SuperNode's and its devices' shapers')
+HOST_PORTS = (8000, 9094, 9095, 9096, *range(SHAPER_PORT, SHAPER_PORT + 3))
 MARKS = "/tmp/hybridfl-intruder"  # where the intruder's app would leave its marks, in each container
 WORKDIR = PROJECT_DIR / "outputs" / "compose-test"
 PASSED = "passed.json"
@@ -531,6 +540,62 @@ def secure_deployment(engine: Engine, workdir: Path, version: str, timings: dict
         for part in ("flower-s", "import-s", "data-s", "model-s", "work-s", "handler-s")} | {"messages": len(trains)}
 
 
+TUTORIAL = PROJECT_DIR / "docs" / "tutorials" / "fleet.md"
+
+
+def fleet_demo(engine: Engine, version: str, workdir: Path, timings: dict[str, Any]) -> None:
+    """(f) A fleet on the real engine, the tutorial's section "4. The fleet on Docker" run as written from a folder
+    of its own (the demo with ``--no-build``: the images were built above, from the wheelhouse): each device's link
+    through its shaper container, its ClientApp container limited to its memory and cores, device 2 switched off and
+    on by its windows, device 1's training processes killed by the kernel for its 600 MB (Docker's OOM events
+    counted, the messages failed), and the run going on to finished:completed. Then the deployment is taken down."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = {**engine.env, "FLWR_VERSION": version, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    log(f"the tutorial's section 4 ({TUTORIAL.name}), from {workdir}")
+    t = time.monotonic()
+    output = ""
+    for command in bash_blocks(TUTORIAL, "4."):
+        command = command.replace("python -m hybridfl.compose demo", "python -m hybridfl.compose demo --no-build")
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=workdir, env=env, capture_output=True,
+                              text=True, timeout=900)
+        output += done.stdout + done.stderr
+        (workdir / "tutorial.log").write_text(output)
+        check(done.returncode == 0, f"(f) the tutorial's fleet on Docker ran (exit {done.returncode}): "
+                                    f"{output[-1500:]}")
+    timings["fleet-demo-s"] = time.monotonic() - t
+    drawn = load_fleet(str(workdir / "fleet.yaml"), 3, 0)
+    dc = [DOCKER, "compose", *(a for f in compose_files(host=True) for a in ("-f", str(f))), "-f", str(FLEET_FILE)]
+    try:
+        check([d.name for d in drawn.devices] == ["steady", "small", "steady"],
+              f"(f) the fleet's draw by seed 0, as the tutorial says: {[d.name for d in drawn.devices]}")
+        local = PROJECT_DIR / "outputs" / "compose" / Path(re.findall(r"outputs in (\S+)", output)[-1]).name
+        report = json.loads((local / "fleet.json").read_text())
+        nodes = report["devices"]
+        check((nodes[2]["stops"], nodes[2]["starts"]) == (1, 2) and nodes[0]["stops"] == nodes[1]["stops"] == 0,
+              f"(f) device 2 was switched off and on by its windows, the others never: {nodes}")
+        check(nodes[1]["oom-kills"] >= 1 and nodes[0]["oom-kills"] == nodes[2]["oom-kills"] == 0,
+              f"(f) the small device's training was killed for its memory, and counted: "
+              f"{[n['oom-kills'] for n in nodes]}")
+        ids = [sh([*dc, "ps", "-a", "-q", f"superexec-clientapp-{i}"], env=env, quiet=True).stdout.split()[0]
+               for i in range(len(drawn))]
+        limits = sh([DOCKER, "inspect", "-f", "{{.HostConfig.Memory}} {{.HostConfig.NanoCpus}}", *ids], env=env,
+                    quiet=True).stdout.splitlines()
+        check(limits == [f"{d.memory_mb * 2**20} {int(d.cpus * 1e9)}" for d in drawn.devices],
+              f"(f) each ClientApp container holds its device's memory and cores: {limits}")
+        for i, device in enumerate(drawn.devices):
+            shaper = sh([*dc, "logs", "--no-color", f"shaper-{i}"], env=env, quiet=True).stdout
+            check(f"latency {device.latency_s:g} s" in shaper, f"(f) device {i}'s link is shaped: {shaper[-300:]}")
+        result = summary(local)
+        events = [json.loads(line) for line in (local / "events.jsonl").read_text().splitlines()]
+        failed = [e for e in events if e["client"] == 1 and "ClientApp stopped responding" in e.get("reason", "")]
+        check(len(failed) >= 1 and result["final-test-accuracy"] > 0.5,
+              f"(f) the small device's killed messages failed ({len(failed)}: Flower's error once their heartbeat "
+              f"expired) and the run went on, test accuracy {result['final-test-accuracy']:.3f}")
+        timings["fleet"] = report["total"]
+    finally:
+        sh([*dc, "down", "--volumes", "--remove-orphans", "--timeout", "20"], env=env, timeout=300, check=False)
+
+
 def demo_interrupted(engine: Engine, version: str, workdir: Path) -> None:
     """`make compose-demo HOST=1 ARGS=--no-build` as a user runs it (the images built above), sent SIGTERM while its
     job streams: it exits 143 within 60 s, leaves no process of its own and no container running, and keeps its
@@ -734,6 +799,7 @@ def compose_test(workdir: Path, keep_engine: bool = False) -> dict[str, Any]:
             log(f"image {image}: {source}")
         gpu_config(engine, version)
         secure_deployment(engine, workdir, version, timings)
+        fleet_demo(engine, version, workdir / "fleet", timings)
         t = time.monotonic()
         demo_interrupted(engine, version, workdir / "demo")
         timings["demo-interrupted-s"] = time.monotonic() - t

@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder for volumes, FLWR_HOMEs and logs")
     if (read := read_command_line(parser, argv)) is None:
         return 2
-    args, files, _, overrides = read
+    args, files, _, overrides, _ = read
     return run_and_report(lambda: twin(files, [overrides], args.workdir.resolve())[0][0])
 
 
