@@ -58,6 +58,7 @@ from common.config import COUNT, POSITIVE, OneOf, Range, check_options, option
 from common.fleet import Fleet, fleet_names
 from common.protocol import STRATEGY
 from server_app.evaluation import weighted_mean
+from server_app.replies import ReplyPuller
 from server_app.wire import MAX_COUNT, Dispatcher, NodeDirectory, RejectedReply, parse_reply
 from strategies.base import Payload, Strategy, Unusable, Update
 
@@ -207,6 +208,7 @@ class Runner:
         self.runtime = runtime if runtime is not None else RuntimeConfig()
         check_options(self.runtime)
         self.grid, self.strategy = grid, strategy
+        self.replies = ReplyPuller(grid)
         self.directory = NodeDirectory(grid, strategy.num_clients or MAX_COUNT)
         self.client_sizes = dict(client_sizes or {})
         self.fleet = None if fleet is None or fleet.ideal else fleet
@@ -355,7 +357,7 @@ class Runner:
         waiting = [f.message_id for f in flights if f.message_id not in self._replies]
         if not waiting:
             return False
-        got = list(self.grid.pull_messages(waiting))
+        got = self.replies.pull(waiting)
         for m in got:
             self._replies[m.metadata.reply_to_message_id] = m
         now = time.perf_counter()
@@ -363,6 +365,7 @@ class Runner:
         late = [f for f in flights if f.message_id not in self._replies and now - f.sent_at > timeout]
         for f in late:
             self._replies[f.message_id] = None
+            self.replies.discard(f.message_id)
         return bool(got or late)
 
     def _hand_over(self, flight: Flight, reply: Message | None, rnd: int, entry: RoundLog,
@@ -542,6 +545,7 @@ class Runner:
             log(INFO, "%d dispatched updates still in flight at the end are discarded", len(self.flights))
         # their models and replies are not kept through the final evaluation, nor the copy of the last good state
         self.flights, self._replies, self._good = {}, {}, None
+        self.replies.close()
 
     def _run_virtual(self, first_round: int, num_rounds: int, on_round: Callable[[RoundLog], None]) -> None:
         for rnd in range(first_round, num_rounds + 1):

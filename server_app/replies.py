@@ -1,0 +1,121 @@
+"""Replies pulled from Flower's SuperLink so that one device's upload holds only its own reply.
+
+Flower 1.42's ``Grid.pull_messages`` (flwr/superlink/grid/http_grid.py) asks the SuperLink for the replies it holds
+(the SuperLink hands each reply out once and forgets it) and then pulls each reply's objects in turn, every missing
+object retried after 1 s, doubling to 10 s, for up to 500 tries or two hours. A SuperNode registers its reply before
+it uploads the reply's objects, so a reply still uploading holds every other reply of that call: on a narrow link
+for the seconds of its upload plus the backoff's overshoot; from a device switched off mid-upload until the
+SuperLink's object session expires (measured: 185 s, BENCHMARKS "A heterogeneous fleet"). :class:`ReplyPuller` takes
+the same steps with each reply's objects pulled in a thread of its own, retried from 50 ms doubling to 0.5 s: a
+reply is handed over as soon as its own objects are in, and a reply whose objects never come is Flower's own error
+reply (``MESSAGE_UNAVAILABLE``) once the SuperLink drops them or :data:`MAX_WAIT_S` passes.
+
+Flower internals it uses (pinned by tests/test_replies.py, which fails naming the one that moved):
+``HttpGrid._runtime_client`` (``PullMessages``, ``PullObject``, ``ConfirmMessageReceived``), ``HttpGrid._run``,
+``HttpGrid.node``, and ``flwr.supercore.inflatable``'s ``iterate_object_tree``, ``inflate_object_from_contents``,
+``make_pull_object_fn_protobuf``, ``ObjectPullError``, ``ObjectUnavailableError``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import Any
+
+from flwr.app import Message, Metadata
+from flwr.app.error import Error
+from flwr.app.message import make_message
+from flwr.common.constant import ErrorCode
+from flwr.proto.message_pb2 import ConfirmMessageReceivedRequest  # pylint: disable=E0611
+from flwr.proto.runtime_pb2 import PullAppMessagesRequest  # pylint: disable=E0611
+from flwr.serverapp import Grid
+from flwr.supercore.constant import SYSTEM_MESSAGE_TYPE
+from flwr.supercore.date import now
+from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
+from flwr.supercore.inflatable.inflatable_protobuf_utils import make_pull_object_fn_protobuf
+from flwr.supercore.inflatable.inflatable_utils import (
+    ObjectPullError,
+    ObjectUnavailableError,
+    inflate_object_from_contents,
+)
+from flwr.superlink.grid.http_grid import HttpGrid
+
+INITIAL_BACKOFF_S, BACKOFF_CAP_S = 0.05, 0.5  # an object still uploading is asked for again this soon
+MAX_WAIT_S = 600.0  # an object not in by then is given up (Flower's own pull waits up to two hours)
+
+
+class ReplyPuller:
+    """``pull(message_ids)``: the replies to `message_ids` whose objects are all in; the others keep downloading,
+    each in a daemon thread of its own, for a later call (:meth:`discard` a message given up). For a grid that is not
+    Flower's ``HttpGrid`` (the in-process engine's), its own ``pull_messages``."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+        self._http = isinstance(grid, HttpGrid)
+        self._downloading: dict[str, Future[Message]] = {}  # by the id of the message replied to
+        self._stop = threading.Event()
+
+    def pull(self, message_ids: Iterable[str]) -> list[Message]:
+        wanted = set(message_ids)
+        if not self._http:
+            return list(self.grid.pull_messages(wanted))
+        asked = sorted(wanted - set(self._downloading))
+        if asked:
+            res = self.grid._runtime_client.PullMessages(PullAppMessagesRequest(message_ids=asked))
+            for proto, tree in zip(res.messages_list, res.message_object_trees, strict=True):
+                future: Future[Message] = Future()
+                self._downloading[proto.metadata.reply_to_message_id] = future
+                threading.Thread(target=self._download, args=(proto, tree, future), name="reply-pull",
+                                 daemon=True).start()
+        done = [reply_to for reply_to in wanted & set(self._downloading) if self._downloading[reply_to].done()]
+        return [self._downloading.pop(reply_to).result() for reply_to in done]
+
+    def discard(self, message_id: str) -> None:
+        """Forget the reply to `message_id` (its flight was given up): its download is left to end by itself."""
+        self._downloading.pop(message_id, None)
+
+    def close(self) -> None:
+        """Stop every download (each ends at its next retry)."""
+        self._stop.set()
+
+    def _download(self, proto: Any, tree: Any, future: Future[Message]) -> None:
+        try:
+            future.set_result(self._inflated(proto, tree))
+        except Exception as err:  # noqa: BLE001 - raised again where the runtime takes the reply
+            future.set_exception(err)
+
+    def _inflated(self, proto: Any, tree: Any) -> Message:
+        """One reply's objects pulled (as Flower's pull_messages does, each retried with a shorter backoff), its
+        receipt confirmed, the message inflated; Flower's error reply where its objects cannot be pulled."""
+        grid, msg_id = self.grid, proto.metadata.message_id
+        run_id = grid._run.run_id
+        pull = make_pull_object_fn_protobuf(pull_object_protobuf=grid._runtime_client.PullObject, node=grid.node,
+                                            run_id=run_id)
+        contents: dict[str, bytes] = {}
+        try:
+            deadline = time.monotonic() + MAX_WAIT_S
+            for object_id in (t.object_id for t in iterate_object_tree(tree)):
+                delay = INITIAL_BACKOFF_S
+                while object_id not in contents:
+                    try:
+                        contents[object_id] = pull(object_id)
+                    except ObjectUnavailableError:
+                        if time.monotonic() > deadline or self._stop.wait(delay):
+                            raise ObjectPullError(object_id, "not uploaded in time") from None
+                        delay = min(2 * delay, BACKOFF_CAP_S)
+        except ObjectPullError as err:
+            return make_message(
+                metadata=Metadata(run_id=run_id, message_id="", src_node_id=grid.node.node_id,
+                                  dst_node_id=grid.node.node_id, message_type=SYSTEM_MESSAGE_TYPE, group_id="",
+                                  ttl=0, reply_to_message_id=proto.metadata.reply_to_message_id,
+                                  created_at=now().timestamp()),
+                error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE,
+                            reason=f"Reply message objects are unavailable (the device's upload did not complete): "
+                                   f"{err}"))
+        grid._runtime_client.ConfirmMessageReceived(
+            ConfirmMessageReceivedRequest(node=grid.node, run_id=run_id, message_object_id=msg_id))
+        message = inflate_object_from_contents(msg_id, contents)
+        message.metadata.__dict__["_message_id"] = msg_id
+        return message

@@ -1,0 +1,132 @@
+"""server_app/replies.py: replies pulled so that one device's upload holds only its own reply, against a SuperLink's
+Runtime API played by Flower's own message and object functions; and the Flower internals it relies on."""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import numpy as np
+from flwr.app import ArrayRecord, Message, Metadata, RecordDict
+from flwr.app.message import make_message
+from flwr.common.constant import ErrorCode
+from flwr.common.serde import message_to_proto
+from flwr.proto.message_pb2 import PullObjectResponse  # pylint: disable=E0611
+from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
+from flwr.proto.runtime_pb2 import PullAppMessagesResponse  # pylint: disable=E0611
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+from flwr.superlink.grid.http_grid import HttpGrid
+
+from server_app import replies
+from server_app.replies import ReplyPuller
+
+
+class FakeLink:
+    """A SuperLink's Runtime API holding replies; an object of `slow` becomes available after its `unavailable`
+    pulls (an upload in progress), an object of `gone` is never found (its device stopped mid-upload)."""
+
+    def __init__(self, replies_: dict[str, Message], slow: str = "", unavailable: int = 0, gone: str = "") -> None:
+        self.replies, self.objects, self.owner = {}, {}, {}
+        for reply_to, msg in replies_.items():
+            msg.metadata.__dict__["_message_id"] = msg.object_id
+            self.replies[reply_to] = (message_to_proto(msg), get_object_tree(msg))
+            for oid, obj in get_all_nested_objects(msg).items():
+                self.objects[oid] = obj.deflate()
+                self.owner[oid] = reply_to
+        self.slow, self.left, self.gone, self.confirmed = slow, unavailable, gone, []
+
+    def PullMessages(self, request):
+        found = [self.replies.pop(i) for i in request.message_ids if i in self.replies]  # handed out once
+        return PullAppMessagesResponse(messages_list=[p for p, _ in found],
+                                       message_object_trees=[t for _, t in found])
+
+    def PullObject(self, request):
+        owner = self.owner[request.object_id]
+        if owner == self.gone:
+            return PullObjectResponse(object_found=False, object_available=False)
+        if owner == self.slow and self.left > 0:
+            self.left -= 1
+            return PullObjectResponse(object_found=True, object_available=False)
+        return PullObjectResponse(object_found=True, object_available=True,
+                                  object_content=self.objects[request.object_id])
+
+    def ConfirmMessageReceived(self, request):
+        self.confirmed.append(request.message_object_id)
+
+
+def grid_on(link: FakeLink) -> HttpGrid:
+    grid = HttpGrid.__new__(HttpGrid)  # no connection: the fake link answers
+    grid._client, grid.node = link, Node(node_id=0)
+    grid._run = type("Run", (), {"run_id": 7})()
+    return grid
+
+
+def reply(reply_to: str, value: float) -> Message:
+    content = RecordDict({"arrays": ArrayRecord([np.full(3, value, dtype=np.float32)])})
+    metadata = Metadata(run_id=7, message_id="", src_node_id=1, dst_node_id=0, reply_to_message_id=reply_to,
+                        group_id="", ttl=3600.0, message_type="train", created_at=time.time())
+    return make_message(metadata=metadata, content=content)
+
+
+def collect(puller: ReplyPuller, ids: list[str], until: int, timeout: float = 10.0) -> list[Message]:
+    got: list[Message] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < until and time.monotonic() < deadline:
+        got += puller.pull(ids)
+        time.sleep(0.01)
+    return got
+
+
+def test_a_reply_still_uploading_holds_only_itself(monkeypatch) -> None:
+    monkeypatch.setattr(replies, "BACKOFF_CAP_S", 0.05)
+    link = FakeLink({"a": reply("a", 1.0), "b": reply("b", 2.0)}, slow="a", unavailable=40)  # a: ~2 s uploading
+    puller = ReplyPuller(grid_on(link))
+    first = collect(puller, ["a", "b"], until=1)
+    assert [m.metadata.reply_to_message_id for m in first] == ["b"]  # b's objects were in: b did not wait for a
+    assert float(first[0].content["arrays"].to_numpy_ndarrays()[0][0]) == 2.0
+    second = collect(puller, ["a", "b"], until=1)
+    assert [m.metadata.reply_to_message_id for m in second] == ["a"] and link.left == 0
+    assert float(second[0].content["arrays"].to_numpy_ndarrays()[0][0]) == 1.0
+    assert sorted(link.confirmed) == sorted(m.metadata.message_id for m in first + second)  # each receipt confirmed
+    assert puller.pull(["a", "b"]) == []  # the SuperLink handed each reply out once
+
+
+def test_a_reply_whose_objects_are_gone_is_flowers_error_reply_and_not_confirmed() -> None:
+    link = FakeLink({"a": reply("a", 1.0), "b": reply("b", 2.0)}, gone="a")
+    got = {m.metadata.reply_to_message_id: m for m in collect(ReplyPuller(grid_on(link)), ["a", "b"], until=2)}
+    assert got["a"].has_error() and got["a"].error.code == ErrorCode.MESSAGE_UNAVAILABLE
+    assert not got["b"].has_error() and link.confirmed == [got["b"].metadata.message_id]
+
+
+def test_a_discarded_flights_reply_is_never_handed_over(monkeypatch) -> None:
+    monkeypatch.setattr(replies, "BACKOFF_CAP_S", 0.05)
+    link = FakeLink({"a": reply("a", 1.0)}, slow="a", unavailable=5)
+    puller = ReplyPuller(grid_on(link))
+    assert puller.pull(["a"]) == []  # handed out by the SuperLink, downloading
+    puller.discard("a")  # the runtime gave its flight up
+    time.sleep(0.5)
+    assert puller.pull(["a"]) == []
+    puller.close()
+
+
+def test_the_flower_internals_the_puller_uses_are_where_it_expects_them() -> None:
+    """Flower 1.42's HttpGrid keeps its Runtime API client, node and run in these attributes, and its object
+    functions take these arguments: a Flower that moves one fails here, naming it."""
+    source = inspect.getsource(HttpGrid)
+    for attribute in ("def _runtime_client(self)", "self.node =", "self._run = run"):
+        assert attribute in source, f"flwr's HttpGrid no longer sets {attribute!r}: server_app/replies.py uses it"
+    from flwr.supercore.inflatable import inflatable_protobuf_utils, inflatable_utils
+    assert set(inspect.signature(inflatable_protobuf_utils.make_pull_object_fn_protobuf).parameters) == {
+        "pull_object_protobuf", "node", "run_id"}
+    for name in ("ObjectPullError", "ObjectUnavailableError", "inflate_object_from_contents"):
+        assert hasattr(inflatable_utils, name), f"flwr.supercore.inflatable.inflatable_utils.{name} is gone"
+    for name in ("PullMessages", "PullObject", "ConfirmMessageReceived"):
+        assert hasattr(HttpGrid.__init__.__globals__["RuntimeHttpClient"], name), f"RuntimeHttpClient.{name} is gone"
+
+
+def test_another_grid_is_pulled_by_its_own_pull_messages() -> None:
+    class Own:
+        def pull_messages(self, ids):
+            return [f"reply to {i}" for i in sorted(ids)]
+
+    assert ReplyPuller(Own()).pull(["x", "y"]) == ["reply to x", "reply to y"]
