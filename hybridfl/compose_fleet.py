@@ -2,7 +2,7 @@
 
     python -m hybridfl.compose demo --fleet lognormal --nodes 12 [--host-network] [KEY=VALUE ...]
 
-:func:`fleet_file` writes a compose file that goes after the others (``-f``): device i is three services,
+:func:`write_fleet_file` writes a compose file that goes after the others (``-f``): device i is three services,
 
 * ``shaper-i``: the device's network. A user-space shaper (hybridfl/shaper.py, mounted into the app image as the
   warm devices' programs are) listens on the device's own loopback, port ``SHAPER_PORT + i``, and relays to the
@@ -15,10 +15,11 @@
   (``cpus``), where the device trains. The SuperNode's container (its Fleet client, ~100 MB) is not limited:
   Compose limits a container, and the two containers of a device have no common parent Compose can name.
 
-Docker is the devices' supervisor: a device killed for its memory (an ``oom`` event, counted) is restarted by its
-restart policy, and Flower's SuperLink refuses it until its heartbeat window has passed (the container exits and is
-restarted again, with Docker's back-off). :class:`ComposeSchedule` stops and starts devices by their windows
-(``docker compose stop`` and ``start``, both containers) from the run's first round on and writes ``fleet.json``.
+Docker is the devices' supervisor (restart policies). The kernel's OOM killer picks a container's largest process:
+on a device too small for training, the message's process (an ``oom`` event, counted); Flower answers that message
+with an error once its heartbeat expires, and the device keeps its place in the run. :class:`ComposeSchedule` stops
+and starts devices by their windows (``docker compose stop`` and ``start``, both containers) from the run's first
+round on and writes ``fleet.json``.
 With ``--host-network`` every container of a device is on the host's network (ports still the device's own).
 """
 
@@ -155,6 +156,7 @@ class ComposeSchedule(Schedule):
 
     def _start(self, i: int) -> None:
         self._compose("start", NODE.format(i), EXECUTOR.format(i))
+        self.started(i)
 
     def _stop(self, i: int) -> None:
         self._compose("stop", "--timeout", "10", EXECUTOR.format(i), NODE.format(i))
@@ -173,14 +175,19 @@ class ComposeSchedule(Schedule):
         self._reader = threading.Thread(target=read, name="fleet-oom-events", daemon=True)
         self._reader.start()
 
-    def close(self, run_folder: Path | None, restarts: dict[str, int] | None = None) -> dict[str, Any]:
-        """Stop following; write ``fleet.json`` into `run_folder` (None: not written) with `restarts`, Docker's
-        restart count per service; return it."""
-        self.halt()
+    def halt(self) -> None:
+        """Stop the schedule and the OOM events' watcher (also where the run failed: no `docker events` is left)."""
+        super().halt()
         if self._events is not None:
             self._events.terminate()
             self._events.wait(10)
             self._reader.join(10)
+            self._events = None
+
+    def close(self, run_folder: Path | None, restarts: dict[str, int] | None = None) -> dict[str, Any]:
+        """Stop following; write ``fleet.json`` into `run_folder` (None: not written) with `restarts`, Docker's
+        restart count per service; return it."""
+        self.halt()
         restarts = restarts or {}
         devices = []
         for i, device in enumerate(self.fleet.devices):

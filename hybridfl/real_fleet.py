@@ -201,9 +201,7 @@ class Schedule:
             self.counts[i]["stops"] += 1
             self._stopped(i)
         elif not running and device.online(t) and t >= self._not_before.get(i, 0.0):
-            self.start(i)
-            if i not in self._running:  # a start that does not report itself
-                self.started(i)
+            self.start(i)  # which reports it: started(i)
 
     def _stopped(self, i: int) -> None:
         self.stop(i)

@@ -8,7 +8,8 @@ for the seconds of its upload plus the backoff's overshoot; from a device switch
 SuperLink's object session expires (measured: 185 s, BENCHMARKS "A heterogeneous fleet"). :class:`ReplyPuller` takes
 the same steps with each reply's objects pulled in a thread of its own, retried from 50 ms doubling to 0.5 s: a
 reply is handed over as soon as its own objects are in, and a reply whose objects never come is Flower's own error
-reply (``MESSAGE_UNAVAILABLE``) once the SuperLink drops them or :data:`MAX_WAIT_S` passes.
+reply (``MESSAGE_UNAVAILABLE``) once the SuperLink drops them or :data:`MAX_WAIT_S` passes; so is a reply
+whose objects do not inflate (a broken or hostile device's), counted by the runtime as a failed update.
 
 Flower internals it uses (pinned by tests/test_replies.py, which fails naming the one that moved):
 ``HttpGrid._runtime_client`` (``PullMessages``, ``PullObject``, ``ConfirmMessageReceived``), ``HttpGrid._run``,
@@ -55,7 +56,7 @@ class ReplyPuller:
         self.grid = grid
         self._http = isinstance(grid, HttpGrid)
         self._downloading: dict[str, Future[Message]] = {}  # by the id of the message replied to
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # this run's downloads end at their next retry once it is set
 
     def pull(self, message_ids: Iterable[str]) -> list[Message]:
         wanted = set(message_ids)
@@ -67,7 +68,7 @@ class ReplyPuller:
             for proto, tree in zip(res.messages_list, res.message_object_trees, strict=True):
                 future: Future[Message] = Future()
                 self._downloading[proto.metadata.reply_to_message_id] = future
-                threading.Thread(target=self._download, args=(proto, tree, future), name="reply-pull",
+                threading.Thread(target=self._download, args=(proto, tree, future, self._stop), name="reply-pull",
                                  daemon=True).start()
         done = [reply_to for reply_to in wanted & set(self._downloading) if self._downloading[reply_to].done()]
         return [self._downloading.pop(reply_to).result() for reply_to in done]
@@ -77,24 +78,22 @@ class ReplyPuller:
         self._downloading.pop(message_id, None)
 
     def close(self) -> None:
-        """Stop every download (each ends at its next retry)."""
+        """Stop every download of this run (each ends at its next retry); later pulls start afresh."""
         self._stop.set()
+        self._stop = threading.Event()
 
-    def _download(self, proto: Any, tree: Any, future: Future[Message]) -> None:
-        try:
-            future.set_result(self._inflated(proto, tree))
-        except Exception as err:  # noqa: BLE001 - raised again where the runtime takes the reply
-            future.set_exception(err)
-
-    def _inflated(self, proto: Any, tree: Any) -> Message:
+    def _download(self, proto: Any, tree: Any, future: Future[Message], stop: threading.Event) -> None:
         """One reply's objects pulled (as Flower's pull_messages does, each retried with a shorter backoff), its
-        receipt confirmed, the message inflated; Flower's error reply where its objects cannot be pulled."""
-        grid, msg_id = self.grid, proto.metadata.message_id
+        receipt confirmed, the message inflated. Whatever fails (objects never uploaded, objects a device made that
+        do not inflate, the SuperLink gone) is Flower's error reply for that message, which the runtime counts as a
+        failed update: a download never raises into the server."""
+        grid, reply_to = self.grid, proto.metadata.reply_to_message_id
         run_id = grid._run.run_id
-        pull = make_pull_object_fn_protobuf(pull_object_protobuf=grid._runtime_client.PullObject, node=grid.node,
-                                            run_id=run_id)
-        contents: dict[str, bytes] = {}
         try:
+            msg_id = proto.metadata.message_id
+            pull = make_pull_object_fn_protobuf(pull_object_protobuf=grid._runtime_client.PullObject,
+                                                node=grid.node, run_id=run_id)
+            contents: dict[str, bytes] = {}
             deadline = time.monotonic() + MAX_WAIT_S
             for object_id in (t.object_id for t in iterate_object_tree(tree)):
                 delay = INITIAL_BACKOFF_S
@@ -102,20 +101,19 @@ class ReplyPuller:
                     try:
                         contents[object_id] = pull(object_id)
                     except ObjectUnavailableError:
-                        if time.monotonic() > deadline or self._stop.wait(delay):
+                        if time.monotonic() > deadline or stop.wait(delay):
                             raise ObjectPullError(object_id, "not uploaded in time") from None
                         delay = min(2 * delay, BACKOFF_CAP_S)
-        except ObjectPullError as err:
-            return make_message(
+            message = inflate_object_from_contents(msg_id, contents)
+            message.metadata.__dict__["_message_id"] = msg_id
+            grid._runtime_client.ConfirmMessageReceived(
+                ConfirmMessageReceivedRequest(node=grid.node, run_id=run_id, message_object_id=msg_id))
+        except Exception as err:  # noqa: BLE001 - any failure is this reply's, counted by the runtime
+            message = make_message(
                 metadata=Metadata(run_id=run_id, message_id="", src_node_id=grid.node.node_id,
                                   dst_node_id=grid.node.node_id, message_type=SYSTEM_MESSAGE_TYPE, group_id="",
-                                  ttl=0, reply_to_message_id=proto.metadata.reply_to_message_id,
-                                  created_at=now().timestamp()),
+                                  ttl=0, reply_to_message_id=reply_to, created_at=now().timestamp()),
                 error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE,
-                            reason=f"Reply message objects are unavailable (the device's upload did not complete): "
-                                   f"{err}"))
-        grid._runtime_client.ConfirmMessageReceived(
-            ConfirmMessageReceivedRequest(node=grid.node, run_id=run_id, message_object_id=msg_id))
-        message = inflate_object_from_contents(msg_id, contents)
-        message.metadata.__dict__["_message_id"] = msg_id
-        return message
+                            reason=f"the reply could not be pulled from the SuperLink ({type(err).__name__}: "
+                                   f"{err})"))
+        future.set_result(message)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import needs_nginx
+from helpers import compose_cli, needs_nginx
 
 from hybridfl import processes
 from hybridfl.bundle import PROJECT_DIR
@@ -220,16 +220,6 @@ def test_the_volumes_are_handed_to_the_images_user_before_the_superlink_starts()
         assert any(v.startswith(f"{volume}:") and v.split(":")[1] in mounted for v in services[name]["volumes"])
 
 
-def _compose_cli() -> list[str]:
-    docker = shutil.which("docker")
-    if docker and subprocess.run([docker, "compose", "version"], capture_output=True, check=False).returncode == 0:
-        return [docker, "compose"]
-    reason = "no Docker Compose v2 plugin here (make compose-test installs it)"
-    if os.environ.get("CI"):
-        pytest.fail(reason + "; CI runs make compose-test first")
-    pytest.skip(reason)
-
-
 @pytest.mark.parametrize("plain, gpu, host, stock", [(False, False, False, False), (True, False, False, False),
                                                      (False, True, False, False), (True, False, True, False),
                                                      (False, False, True, False), (True, False, False, True)])
@@ -237,7 +227,7 @@ def test_the_twin_reads_the_files_as_compose_itself_does(plain, gpu, host, stock
     """`docker compose config` (compose's own parser and merge, no engine needed) against the twin's load: the
     same services, images, commands, entrypoints, container paths, dependencies and healthchecks."""
     files = compose_files(plain, gpu, host, flower_devices=stock)
-    out = subprocess.run([*_compose_cli(), *(a for f in files for a in ("-f", str(f))), "--profile", "operator",
+    out = subprocess.run([*compose_cli(), *(a for f in files for a in ("-f", str(f))), "--profile", "operator",
                           "config", "--format", "json"],
                          capture_output=True, text=True, check=True, env={**os.environ, "FLWR_VERSION": "1.42.0"})
     theirs = json.loads(out.stdout)["services"]

@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from test_compose import _compose_cli
+from helpers import compose_cli
 
 from common.fleet import DeviceProfile, Fleet
 from hybridfl.compose import compose_files, load, main, supernodes
@@ -57,7 +57,7 @@ def test_every_supernode_is_its_devices_reached_through_its_shaper_with_its_limi
 def test_compose_itself_reads_the_fleet_file_as_hybridfl_does(tmp_path) -> None:
     files = compose_files()
     fleet_file = write_fleet_file(tmp_path / "fleet.yml", load(files), FLEET)
-    out = subprocess.run([*_compose_cli(), *(a for f in [*files, fleet_file] for a in ("-f", str(f))), "--profile",
+    out = subprocess.run([*compose_cli(), *(a for f in [*files, fleet_file] for a in ("-f", str(f))), "--profile",
                           "operator", "config", "--format", "json"], capture_output=True, text=True, check=True,
                          env={**os.environ, "FLWR_VERSION": "1.42.0"})
     theirs, ours = json.loads(out.stdout)["services"], load([*files, fleet_file])["services"]

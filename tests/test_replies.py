@@ -25,7 +25,8 @@ class FakeLink:
     """A SuperLink's Runtime API holding replies; an object of `slow` becomes available after its `unavailable`
     pulls (an upload in progress), an object of `gone` is never found (its device stopped mid-upload)."""
 
-    def __init__(self, replies_: dict[str, Message], slow: str = "", unavailable: int = 0, gone: str = "") -> None:
+    def __init__(self, replies_: dict[str, Message], slow: str = "", unavailable: int = 0, gone: str = "",
+                 corrupt: str = "") -> None:
         self.replies, self.objects, self.owner = {}, {}, {}
         for reply_to, msg in replies_.items():
             msg.metadata.__dict__["_message_id"] = msg.object_id
@@ -33,7 +34,7 @@ class FakeLink:
             for oid, obj in get_all_nested_objects(msg).items():
                 self.objects[oid] = obj.deflate()
                 self.owner[oid] = reply_to
-        self.slow, self.left, self.gone, self.confirmed = slow, unavailable, gone, []
+        self.slow, self.left, self.gone, self.corrupt, self.confirmed = slow, unavailable, gone, corrupt, []
 
     def PullMessages(self, request):
         found = [self.replies.pop(i) for i in request.message_ids if i in self.replies]  # handed out once
@@ -47,8 +48,8 @@ class FakeLink:
         if owner == self.slow and self.left > 0:
             self.left -= 1
             return PullObjectResponse(object_found=True, object_available=False)
-        return PullObjectResponse(object_found=True, object_available=True,
-                                  object_content=self.objects[request.object_id])
+        content = b"\x00garbage" if owner == self.corrupt else self.objects[request.object_id]
+        return PullObjectResponse(object_found=True, object_available=True, object_content=content)
 
     def ConfirmMessageReceived(self, request):
         self.confirmed.append(request.message_object_id)
@@ -95,6 +96,16 @@ def test_a_reply_whose_objects_are_gone_is_flowers_error_reply_and_not_confirmed
     link = FakeLink({"a": reply("a", 1.0), "b": reply("b", 2.0)}, gone="a")
     got = {m.metadata.reply_to_message_id: m for m in collect(ReplyPuller(grid_on(link)), ["a", "b"], until=2)}
     assert got["a"].has_error() and got["a"].error.code == ErrorCode.MESSAGE_UNAVAILABLE
+    assert not got["b"].has_error() and link.confirmed == [got["b"].metadata.message_id]
+
+
+def test_a_reply_whose_objects_do_not_inflate_is_an_error_reply_not_an_exception() -> None:
+    """A broken or hostile device's objects: the puller answers Flower's error for that message (the runtime counts
+    a failed update) and hands the other reply over; nothing raises into the server."""
+    link = FakeLink({"a": reply("a", 1.0), "b": reply("b", 2.0)}, corrupt="a")
+    got = {m.metadata.reply_to_message_id: m for m in collect(ReplyPuller(grid_on(link)), ["a", "b"], until=2)}
+    assert got["a"].has_error() and got["a"].error.code == ErrorCode.MESSAGE_UNAVAILABLE
+    assert "could not be pulled" in got["a"].error.reason
     assert not got["b"].has_error() and link.confirmed == [got["b"].metadata.message_id]
 
 
