@@ -14,6 +14,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from common.protocol import NUM_EXAMPLES
+from server_app.replies import push
 from server_app.wire import MAX_COUNT, Dispatcher, NodeDirectory, RejectedReply, collect, parse_metrics, reply_number
 from strategies.base import Strategy
 
@@ -50,9 +51,9 @@ def client_evaluate(grid: Grid, directory: NodeDirectory, dispatcher: Dispatcher
     said = time.monotonic()
     for start in range(0, len(targets), wave):
         wave_targets = targets[start:start + wave]
-        msgs = [dispatcher.message(node, strategy.model_for(client), strategy.version, MessageType.EVALUATE)
-                for client, node in wave_targets]
-        asked = dict(zip(grid.push_messages(msgs), (client for client, _ in wave_targets)))
+        ids = push(grid, lambda: [dispatcher.message(node, strategy.model_for(client), strategy.version,
+                                                     MessageType.EVALUATE) for client, node in wave_targets])
+        asked = dict(zip(ids, (client for client, _ in wave_targets)))
         for reply in collect(grid, list(asked), timeout):
             try:
                 client, metrics = parse_metrics(reply)
@@ -67,7 +68,7 @@ def client_evaluate(grid: Grid, directory: NodeDirectory, dispatcher: Dispatcher
             results[client] = metrics
         if time.monotonic() - said >= PROGRESS_EVERY_S:
             said = time.monotonic()
-            log(INFO, "client evaluation: %d of %d clients asked, %d replied", start + len(msgs), len(targets),
+            log(INFO, "client evaluation: %d of %d clients asked, %d replied", start + len(wave_targets), len(targets),
                 len(results))
     return results, len(targets)
 

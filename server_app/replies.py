@@ -1,4 +1,5 @@
-"""Replies pulled from Flower's SuperLink so that one device's upload holds only its own reply.
+"""Messages to and from Flower's SuperLink: replies pulled so that one device's upload holds only its own reply,
+messages pushed again when the SuperLink loses their push.
 
 Flower 1.42's ``Grid.pull_messages`` (flwr/superlink/grid/http_grid.py) asks the SuperLink for the replies it holds
 (the SuperLink hands each reply out once and forgets it) and then pulls each reply's objects in turn, every missing
@@ -11,23 +12,30 @@ reply is handed over as soon as its own objects are in, and a reply whose object
 reply (``MESSAGE_UNAVAILABLE``) once the SuperLink drops them or :data:`MAX_WAIT_S` passes; so is a reply
 whose objects do not inflate (a broken or hostile device's), counted by the runtime as a failed update.
 
+:func:`push`: ``Grid.push_messages`` registers the messages, then uploads their objects in a push session; a
+SuperLink killed and restarted from its database during that upload answers an upload it had stored but not
+acknowledged with "stored: false", and Flower raises ``ObjectPushError`` out of the ServerApp (seen on the engine
+test's SuperLink restart). The messages are built and pushed again, a new session with new message ids.
+
 Flower internals it uses (pinned by tests/test_replies.py, which fails naming the one that moved):
 ``HttpGrid._runtime_client`` (``PullMessages``, ``PullObject``, ``ConfirmMessageReceived``), ``HttpGrid._run``,
 ``HttpGrid.node``, and ``flwr.supercore.inflatable``'s ``iterate_object_tree``, ``inflate_object_from_contents``,
-``make_pull_object_fn_protobuf``, ``ObjectPullError``, ``ObjectUnavailableError``.
+``make_pull_object_fn_protobuf``, ``ObjectPullError``, ``ObjectPushError``, ``ObjectUnavailableError``.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from logging import WARNING
 from typing import Any
 
 from flwr.app import Message, Metadata
 from flwr.app.error import Error
 from flwr.app.message import make_message
+from flwr.common import log
 from flwr.common.constant import ErrorCode
 from flwr.proto.message_pb2 import ConfirmMessageReceivedRequest  # pylint: disable=E0611
 from flwr.proto.runtime_pb2 import PullAppMessagesRequest  # pylint: disable=E0611
@@ -38,6 +46,7 @@ from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
 from flwr.supercore.inflatable.inflatable_protobuf_utils import make_pull_object_fn_protobuf
 from flwr.supercore.inflatable.inflatable_utils import (
     ObjectPullError,
+    ObjectPushError,
     ObjectUnavailableError,
     inflate_object_from_contents,
 )
@@ -45,6 +54,26 @@ from flwr.superlink.grid.http_grid import HttpGrid
 
 INITIAL_BACKOFF_S, BACKOFF_CAP_S = 0.05, 0.5  # an object still uploading is asked for again this soon
 MAX_WAIT_S = 600.0  # an object not in by then is given up (Flower's own pull waits up to two hours)
+PUSH_ATTEMPTS = 3  # a push whose session the SuperLink lost, tried this often (a restart takes one)
+
+
+def push(grid: Grid, build: Callable[[], list[Message]], attempts: int = PUSH_ATTEMPTS) -> list[str]:
+    """The ids of `build()`'s messages pushed to the SuperLink. A push whose objects the SuperLink refuses
+    (``ObjectPushError``: its push session lost with a restart) is built and pushed again, up to `attempts` times
+    in all; the messages registered by a failed push are left to the SuperLink, whose session expiry removes
+    them. Fresh messages, because a message's id is its content's hash: the same message cannot be stored twice."""
+    attempt = 1
+    while True:
+        msgs = build()
+        try:
+            return list(grid.push_messages(msgs))
+        except ObjectPushError as err:
+            if attempt == attempts:
+                raise RuntimeError(f"the SuperLink refused the objects of {len(msgs)} messages {attempts} times "
+                                   f"in a row: {err}") from err
+            attempt += 1
+            log(WARNING, "pushing %d messages failed (%s); pushing them again (attempt %d of %d)", len(msgs), err,
+                attempt, attempts)
 
 
 class ReplyPuller:

@@ -58,7 +58,7 @@ from common.config import COUNT, POSITIVE, OneOf, Range, check_options, option
 from common.fleet import Fleet, fleet_names
 from common.protocol import STRATEGY
 from server_app.evaluation import weighted_mean
-from server_app.replies import ReplyPuller
+from server_app.replies import ReplyPuller, push
 from server_app.wire import MAX_COUNT, Dispatcher, NodeDirectory, RejectedReply, parse_reply
 from strategies.base import Payload, Strategy, Unusable, Update
 
@@ -331,9 +331,8 @@ class Runner:
     def _push(self, flights: list[Flight]) -> None:
         if not flights:
             return
-        msgs = [self._message(f) for f in flights]
         now = time.perf_counter()
-        ids = list(self.grid.push_messages(msgs))
+        ids = push(self.grid, lambda: [self._message(f) for f in flights])
         self._pushed_in = time.perf_counter() - now
         for flight, mid in zip(flights, ids):
             flight.message_id, flight.sent_at = mid, now

@@ -37,6 +37,7 @@ from common.protocol import (
     VERSION,
 )
 from common.training import derive_seed
+from server_app.replies import push
 from strategies.base import Payload, Update
 
 POLL_INTERVAL_S = 0.05
@@ -161,9 +162,9 @@ class NodeDirectory:
         known = set(self.node_of.values()) | set(self._asked.values())
         new = sorted(nodes - known)
         if new:
-            msgs = [Message(RecordDict({CONFIG: ConfigRecord({})}), dst_node_id=n, message_type=MessageType.QUERY)
-                    for n in new]
-            self._asked.update(zip(self.grid.push_messages(msgs), new))
+            self._asked.update(zip(push(self.grid, lambda: [
+                Message(RecordDict({CONFIG: ConfigRecord({})}), dst_node_id=n, message_type=MessageType.QUERY)
+                for n in new]), new))
         for reply in collect(self.grid, list(self._asked), timeout=0.0):
             node = self._asked.pop(reply.metadata.reply_to_message_id)
             try:

@@ -129,7 +129,7 @@ def test_the_flower_internals_the_puller_uses_are_where_it_expects_them() -> Non
     from flwr.supercore.inflatable import inflatable_protobuf_utils, inflatable_utils
     assert set(inspect.signature(inflatable_protobuf_utils.make_pull_object_fn_protobuf).parameters) == {
         "pull_object_protobuf", "node", "run_id"}
-    for name in ("ObjectPullError", "ObjectUnavailableError", "inflate_object_from_contents"):
+    for name in ("ObjectPullError", "ObjectPushError", "ObjectUnavailableError", "inflate_object_from_contents"):
         assert hasattr(inflatable_utils, name), f"flwr.supercore.inflatable.inflatable_utils.{name} is gone"
     for name in ("PullMessages", "PullObject", "ConfirmMessageReceived"):
         assert hasattr(HttpGrid.__init__.__globals__["RuntimeHttpClient"], name), f"RuntimeHttpClient.{name} is gone"

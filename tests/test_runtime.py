@@ -12,6 +12,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
 
 from client_app.app import app as client_app
 from common.protocol import ARRAYS, BASE_VERSION, CONFIG, METRICS, NUM_EXAMPLES, PARTITION_ID, VERSION
@@ -154,6 +155,46 @@ class SilentGrid(InProcessGrid):
     def pull_messages(self, message_ids):
         return super().pull_messages([i for i in message_ids if i in self._pending
                                       and self._pending[i].metadata.message_type != MessageType.TRAIN])
+
+
+class LosingGrid(InProcessGrid):
+    """A SuperLink restarted during the pushes numbered in `lose`: the messages are registered (and never
+    answered: nobody asks for them), their objects refused, as Flower's HttpGrid raises it."""
+
+    def __init__(self, *args, lose: set[int], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lose, self.calls = lose, 0
+
+    def push_messages(self, messages):
+        self.calls += 1
+        ids = list(super().push_messages(messages))
+        if self.calls in self.lose:
+            raise ObjectPushError(ids[0], self._run.run_id, "a session the restarted SuperLink lost")
+        return ids
+
+
+def test_a_push_the_superlink_loses_is_pushed_again_and_the_run_ends_as_without_it(small_run, caplog):
+    """Queries, train and evaluation messages whose push failed once or twice in a row are built and pushed again:
+    the same events and model as the run without the failures; a push refused three times ends the run naming
+    it."""
+    run = {**ASYNC, "num-rounds": 6}
+    clean, clean_summary = small_run("clean", **run)
+    calls = LosingGrid(client_app, num_nodes=12, lose=set())
+    small_run("count", grid=calls, **run)
+    n = calls.calls  # the last: the final federated evaluation's, pushed after 4 failed tries in the lossy run
+    assert n > 6
+    lose = {1, 3, 4, 6, n + 4}  # the first query, one train push twice, another, the final evaluation
+    lost, lost_summary = small_run("lost", grid=LosingGrid(client_app, num_nodes=12, lose=lose), **run)
+    key = lambda e: (e["client"], e["base-version"], e["dispatch-round"], e["round"], e["outcome"])
+    assert [key(e) for e in events(lost)] == [key(e) for e in events(clean)]
+    assert digest(lost / "model.pt") == digest(clean / "model.pt")
+    untimed = lambda out: [{k: v for k, v in json.loads(line).items() if k != "seconds"}
+                           for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert untimed(lost) == untimed(clean)
+    assert lost_summary["client-eval"] == clean_summary["client-eval"] is not None
+    assert caplog.text.count("pushing them again") == len(lose)
+    with pytest.raises(RuntimeError, match="refused the objects of 3 messages 3 times in a row"):
+        small_run("refused", grid=LosingGrid(client_app, num_nodes=12, lose={4, 5, 6}), **run)
 
 
 def test_a_run_whose_every_dispatch_times_out_fails_naming_the_timeouts(small_run):
