@@ -13,9 +13,9 @@ reply (``MESSAGE_UNAVAILABLE``) once the SuperLink drops them or :data:`MAX_WAIT
 whose objects do not inflate (a broken or hostile device's), counted by the runtime as a failed update.
 
 :func:`push`: ``Grid.push_messages`` registers the messages, then uploads their objects in a push session; a
-SuperLink killed and restarted from its database during that upload answers an upload it had stored but not
-acknowledged with "stored: false", and Flower raises ``ObjectPushError`` out of the ServerApp (seen on the engine
-test's SuperLink restart). The messages are built and pushed again, a new session with new message ids.
+SuperLink killed and restarted from its database during that upload answered an upload with "stored: false"
+(most likely one stored but not acknowledged before the kill), and Flower raised ``ObjectPushError`` out of the
+ServerApp (seen once on the engine test's SuperLink restart). The messages are built and pushed again, a new session with new message ids.
 
 Flower internals it uses (pinned by tests/test_replies.py, which fails naming the one that moved):
 ``HttpGrid._runtime_client`` (``PullMessages``, ``PullObject``, ``ConfirmMessageReceived``), ``HttpGrid._run``,
