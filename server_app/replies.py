@@ -15,7 +15,8 @@ whose objects do not inflate (a broken or hostile device's), counted by the runt
 :func:`push`: ``Grid.push_messages`` registers the messages, then uploads their objects in a push session; a
 SuperLink killed and restarted from its database during that upload answered an upload with "stored: false"
 (most likely one stored but not acknowledged before the kill), and Flower raised ``ObjectPushError`` out of the
-ServerApp (seen once on the engine test's SuperLink restart). The messages are built and pushed again, a new session with new message ids.
+ServerApp (seen once on the engine test's SuperLink restart). The messages are built and pushed again: a new
+session, new message ids.
 
 Flower internals it uses (pinned by tests/test_replies.py, which fails naming the one that moved):
 ``HttpGrid._runtime_client`` (``PullMessages``, ``PullObject``, ``ConfirmMessageReceived``), ``HttpGrid._run``,
