@@ -274,6 +274,8 @@ def make_config(values: Mapping[str, Any]) -> RunConfig:
         bad = ("delay-sigma", cfg.delay_sigma) if cfg.delay_sigma > 0 else ("clock", cfg.clock)
         raise ConfigError(*bad, "no delay on the virtual clock with loop = 'flower' (Flower's rounds end with a "
                                 "barrier); use loop = 'hybridfl' for asynchrony")
+    if cfg.loop == "flower" and cfg.time_budget_s:
+        raise ConfigError("time-budget-s", cfg.time_budget_s, "0 with loop = 'flower' (Flower's loop runs num-rounds)")
     fleet = load_fleet(cfg.fleet, cfg.num_clients, cfg.seed)  # a bad fleet file fails here, at start
     if cfg.clock == "device" and fleet.ideal:
         raise ConfigError("clock", cfg.clock, f"a fleet whose devices cost time with clock = 'device' (fleet = "

@@ -90,7 +90,7 @@ class Run:
 
     def on_round(self, entry: RoundLog) -> None:
         cfg = self.cfg
-        last = entry.round == cfg.num_rounds
+        last = entry.round in (cfg.num_rounds, self.runner.final_round)
         if entry.round % cfg.eval_every == 0 or last:
             self.evaluate(entry)
         self.recorder.round(entry.to_dict())

@@ -100,6 +100,9 @@ class RuntimeConfig:
     max_update_ratio: float = option(100.0, Range(0), "an update whose ℓ2 norm exceeds this multiple of the model it "
                                      "started from (of 1, for a model of smaller norm) is rejected: a finite but huge "
                                      "update would leave a model every later client fails on (0 = no bound)")
+    time_budget_s: float = option(0.0, Range(0), "seconds of training after which the run ends with the round under "
+                                  "way, evaluated and saved as its last (0 = none; a resumed run counts from its "
+                                  "resumption): a deadline, or a load test's length")
 
 
 @dataclass
@@ -228,6 +231,8 @@ class Runner:
         self._reachable: set[int] = set()
         self._reachable_at = -1e9
         self._t0 = time.perf_counter()
+        self._deadline = float("inf")  # time-budget-s, from the start of run()
+        self.final_round: int | None = None  # the round that ends the run, once a loop has decided it
         self._strategy_steps: list[dict[str, float]] = []  # what each strategy step of the current round measured
         self._bytes_down = self._bytes_extra = 0  # payload bytes dispatched in the current round, and extra ones
         self.reply_to_dispatch: list[float] = []  # wall clock: seconds from a reply to the next dispatch
@@ -464,6 +469,13 @@ class Runner:
         self._strategy_steps, self._bytes_down, self._bytes_extra = [], 0, 0
         return RoundLog(rnd, self.strategy.version), []
 
+    def _is_last(self, rnd: int, num_rounds: int) -> bool:
+        """Whether round `rnd` ends the run: the last of `num_rounds`, or the one under way when ``time-budget-s``
+        ran out (kept in :attr:`final_round`, by which the ServerApp evaluates and saves it as the last)."""
+        if rnd == num_rounds or time.perf_counter() >= self._deadline:
+            self.final_round = rnd
+        return self.final_round == rnd
+
     def _close_round(self, entry: RoundLog, accepted: list[Update], started: float) -> RoundLog:
         self.strategy.close_round()
         if self.strategy.ready():
@@ -537,6 +549,7 @@ class Runner:
     def run(self, num_rounds: int, on_round: Callable[[RoundLog], None], first_round: int = 1) -> None:
         """Run rounds `first_round` .. `num_rounds`, calling `on_round` after each (evaluation, logging,
         checkpoints); flights restored from a checkpoint are sent again first."""
+        self._deadline = time.perf_counter() + (self.runtime.time_budget_s or float("inf"))
         self._resend()
         loop = {"virtual": self._run_virtual, "wall": self._run_wall, "device": self._run_device}[self.runtime.clock]
         loop(first_round, num_rounds, on_round)
@@ -569,7 +582,10 @@ class Runner:
                         sampled.update(replacement)
                         entry.sampled += len(replacement)
             self.device_t = max(self.device_t, barrier)  # (device time may have jumped to a device coming online)
+            last = self._is_last(rnd, num_rounds)
             on_round(self._close_round(entry, accepted, started))
+            if last:
+                return
 
     def _run_wall(self, first_round: int, num_rounds: int, on_round: Callable[[RoundLog], None]) -> None:
         rnd, started = first_round, time.perf_counter()
@@ -599,8 +615,9 @@ class Runner:
                     self.reply_parts["push"].append(self._pushed_in)
                     entry.sampled += 1
                 if entry.accepted + entry.failures + entry.rejected + entry.timeouts >= self.runtime.clients_per_round:
+                    last = self._is_last(rnd, num_rounds)
                     on_round(self._close_round(entry, accepted, started))
-                    if rnd == num_rounds:
+                    if last:
                         return
                     rnd, started = rnd + 1, time.perf_counter()
                     entry, accepted = self._open_round(rnd)
@@ -632,8 +649,9 @@ class Runner:
             self._hand_over(nxt, self._replies.pop(nxt.message_id), rnd, entry, accepted)
             if entry.accepted + entry.failures + entry.rejected + entry.timeouts + entry.vanished \
                     >= self.runtime.clients_per_round:
+                last = self._is_last(rnd, num_rounds)
                 on_round(self._close_round(entry, accepted, started))
-                if rnd == num_rounds:
+                if last:
                     return
                 rnd, started = rnd + 1, time.perf_counter()
                 entry, accepted = self._open_round(rnd)

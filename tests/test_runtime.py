@@ -157,6 +157,23 @@ class SilentGrid(InProcessGrid):
                                       and self._pending[i].metadata.message_type != MessageType.TRAIN])
 
 
+@pytest.mark.parametrize("clock", ["virtual", "wall"])
+def test_a_time_budget_ends_the_run_with_the_round_under_way_evaluated_and_saved(small_run, clock):
+    """time-budget-s ends a run of 100 000 rounds after its budget, in the round under way: that round is the last
+    line of metrics.jsonl, evaluated though eval-every never came, checkpointed, and the run ends with its summary."""
+    run = {**ASYNC, "clock": clock, "num-rounds": 100_000, "eval-every": 100_000, "checkpoint-every": 100_000,
+           "time-budget-s": 1.0, **({"concurrency": 3, "delay-sigma": 0.0} if clock == "wall" else {})}
+    out, summary = small_run(clock, client_app=wrap(zero_update), **run)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert 1 < rows[-1]["round"] < 100_000 and [r["round"] for r in rows if "test-accuracy" in r] == [
+        0, rows[-1]["round"]]
+    assert summary["train-seconds"] >= 1.0 and summary["final-version"] > 0
+    assert (out / "checkpoint.pt").exists()
+    from common.errors import ConfigError
+    with pytest.raises(ConfigError, match="time-budget-s.*0 with loop = 'flower'"):
+        small_run("flower", **{"loop": "flower", "time-budget-s": 5.0})
+
+
 class LosingGrid(InProcessGrid):
     """A SuperLink restarted during the pushes numbered in `lose`: the messages are registered (and never
     answered: nobody asks for them), their objects refused, as Flower's HttpGrid raises it."""
