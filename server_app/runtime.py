@@ -500,12 +500,13 @@ class Runner:
             time.sleep(min(1.0, self.runtime.wait_nodes_s))
 
     def latency_summary(self) -> dict[str, float]:
-        """Median and p95 of the wall clock's reply -> next-dispatch latency (empty for the virtual clock), and the
-        medians of its parts: the hand-over to the strategy, and Flower's push."""
+        """Median, p95 and p99 of the wall clock's reply -> next-dispatch latency (empty for the virtual clock), and
+        the medians of its parts: the hand-over to the strategy, and Flower's push."""
         if not self.reply_to_dispatch:
             return {}
         lat = np.asarray(self.reply_to_dispatch)
-        return {"median": float(np.median(lat)), "p95": float(np.percentile(lat, 95)), "count": int(lat.size),
+        return {"median": float(np.median(lat)), "p95": float(np.percentile(lat, 95)),
+                "p99": float(np.percentile(lat, 99)), "count": int(lat.size),
                 **{f"{part}-median": float(np.median(v)) for part, v in self.reply_parts.items()}}
 
     # -- the public API: a run, or one round at a time from another loop (Flower's) ---------------

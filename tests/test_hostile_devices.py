@@ -124,8 +124,8 @@ def test_a_registered_rogue_device_neither_crashes_nor_takes_over_a_deployed_run
                               "--only", *E2E_ROWS, "--forge-to", victim[1]], cwd=REPO)
         logs.append(procs.log_dir)
 
-    # two local epochs: the honest nodes' model is past 0.8 in these few rounds. The rogue leaves after its last train
-    # reply; were it still listed when the final evaluation is sent, its missing answer costs 120 s, not 600
+    # two local epochs: the honest nodes' model is past 0.8 in these few rounds. The rogue stays until the final
+    # evaluation shows its last train reply was taken (it answers that, badly); a missing answer would cost 120 s
     overrides: dict[str, Any] = {**RUN, "local-epochs": 2, "reply-timeout-s": 120.0,
                                  "num-rounds": len(E2E_ROWS), "eval-every": len(E2E_ROWS),
                                  "output-dir": str(tmp_path / "out"), "run-name": "rogue"}

@@ -51,9 +51,11 @@ class Server:
 
 
 @contextmanager
-def server(workdir: Path, with_edge: bool = True, nodes: int = 0, **sizes: int) -> Iterator[Server]:
-    """Start a :class:`Server` in `workdir` (certificates for `nodes` SuperNodes, logs, state), the edge rendered by
-    :func:`hybridfl.edge.write` with `sizes` (``fleet_size``, ``max_body_mib``); stop it all on the way out."""
+def server(workdir: Path, with_edge: bool = True, nodes: int = 0, database: bool = True,
+           **sizes: int) -> Iterator[Server]:
+    """Start a :class:`Server` in `workdir` (certificates for `nodes` SuperNodes, logs, state: SQLite, or Flower's
+    in-memory state without `database`), the edge rendered by :func:`hybridfl.edge.write` with `sizes`
+    (``fleet_size``, ``max_body_mib``); stop it all on the way out."""
     certs = make_pki(workdir / "certs", nodes=nodes)
     env = flower_env(workdir / "home")
     link_port = free_port()
@@ -61,7 +63,8 @@ def server(workdir: Path, with_edge: bool = True, nodes: int = 0, **sizes: int) 
         link = procs.start("superlink", [
             "flower-superlink", "--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile", str(certs / "server.crt"),
             "--ssl-keyfile", str(certs / "server.key"), "--enable-supernode-auth",
-            *runtime_api(certs / "superlink.secret"), "--database", str(workdir / "superlink.db"),
+            *runtime_api(certs / "superlink.secret"), *(["--database", str(workdir / "superlink.db")] if database
+                                                          else []),
             "--host", "127.0.0.1", "--port", str(link_port), "--disable-runtime-dependency-installation"])
         wait_healthy(link_port, link, 90, certs / "ca.crt")
         edge_port = None

@@ -49,6 +49,7 @@ from common.protocol import ARRAYS, BASE_VERSION, CONFIG, METRICS, NUM_EXAMPLES,
 from hybridfl.processes import terminated
 
 POLL_S = 0.1  # between pulls while nothing waits: a synchronous round's next message follows its last reply
+LINGER_S = 60.0  # the longest the rogue stays after its last reply, for the server to take it
 HONEST_EXAMPLES = 100  # what the rogue claims where it lies about something else
 HONEST_SCALE = 0.01  # per-coordinate size of an honest-looking delta
 
@@ -188,18 +189,24 @@ def run_rogue(superlink: str, root_certificates: Path, auth_key: Path, partition
               log: Path, replies: Sequence[BadReply] = BAD_REPLIES, timeout_s: float = 600.0,
               forge: tuple[int, str, str] | None = None) -> int:
     """Be the rogue device on the SuperLink at `superlink` (HTTPS verified against `root_certificates`, signed with
-    the registered private key `auth_key`, OpenSSH format) until every one of `replies` is sent or `timeout_s`
-    passed; returns how many were sent (each a line of `log`). `forge` (victim node, key, name): push
+    the registered private key `auth_key`, OpenSSH format) until every one of `replies` is sent and the server has
+    taken the last (it sends this device another message, answered; or :data:`LINGER_S` passed), or `timeout_s`
+    passed; returns how many were sent (each a line of `log`). A node that leaves marks its messages unavailable
+    at the SuperLink: leaving at once, a reply the server had not pulled yet became Flower's "Node Unavailable"
+    error. `forge` (victim node, key, name): push
     :func:`forged` of the first train message once."""
     private = load_ssh_private_key(auth_key.read_bytes(), password=None)
     deadline, sent, evaluations = time.monotonic() + timeout_s, 0, list(BAD_EVALUATIONS)
     with (http_request_response(superlink, False, str(root_certificates), (private, private.public_key()),
                                 max_retries=3, max_wait_time=60.0) as conn, log.open("a") as out):
         _, receive, send, _, _, pull_object, push_object, confirm = conn
-        while sent < len(replies) and time.monotonic() < deadline:
+        last_at = time.monotonic()  # when the last of `replies` was sent
+        while time.monotonic() < deadline and (sent < len(replies) or time.monotonic() < last_at + LINGER_S):
             if (got := receive()) is None:
                 time.sleep(POLL_S)
                 continue
+            if sent == len(replies):  # a message after the last reply: the server has taken it; answered below
+                deadline = 0.0
             header, tree = got
             run_id = header.metadata.run_id
             msg = pull_and_inflate_object_from_tree(tree, partial(pull_object, run_id), partial(confirm, run_id),
@@ -222,6 +229,7 @@ def run_rogue(superlink: str, root_certificates: Path, auth_key: Path, partition
             _push(Message(content, reply_to=header), send, push_object)
             if row is not None:
                 sent += 1
+                last_at = time.monotonic()
                 line = json.dumps({"reply": row.name, "version": int(msg.content[CONFIG][VERSION])})
                 out.write(line + "\n")
                 out.flush()
