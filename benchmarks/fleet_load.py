@@ -68,6 +68,9 @@ RAMP_S = 30.0  # the devices of a process start spread over this long (a fleet d
 GRACE_S = 120.0  # devices keep answering this long past the run's time: its last round and evaluation
 SAMPLE_S = 1.0
 STOP = threading.Event()  # a worker's devices leave (their nodes deactivated) once it is set: SIGTERM
+# hybridfl's ClientApp keeps its task (data, model) per process between messages (client_app/work.py), as a device
+# does: a process's devices run it one at a time
+CLIENT_APP = threading.Lock()
 # FedBuff on the wall clock, as the digits preset, for a fleet: every device one partition of digits, C updates
 # in flight, a step every C/2 arrivals
 RUN = {"preset": "fedbuff-digits", "clock": "wall", "delay-sigma": 0.0, "partitioner": "iid", "local-epochs": 1,
@@ -120,8 +123,9 @@ def device(i: int, n: int, address: str, ca: bytes, key: Path, until: float, rec
                 message.metadata.__dict__["_message_id"] = msg_id
                 confirm(run_id, msg_id)
                 context.run_id = run_id
-                started = time.monotonic()
-                reply = app(message, context)
+                with CLIENT_APP:
+                    started = time.monotonic()
+                    reply = app(message, context)
                 reply.metadata.__dict__["_message_id"] = reply.object_id
                 with no_object_id_recompute():
                     objects = get_all_nested_objects(reply)
