@@ -54,6 +54,7 @@ from flwr.supercore.inflatable.inflatable_utils import (
     pull_objects,
     push_object_contents_from_iterable,
 )
+from flwr.supernode import fleet_http_connection
 from flwr.supernode.fleet_http_connection import http_request_response
 
 from client_app.app import app
@@ -64,7 +65,9 @@ from tools import hostile_client
 
 CONNECTION = "fleet-load"
 IDLE_S = 3.0  # flower-supernode's wait after a pull that found nothing
-RAMP_S = 30.0  # the devices of a process start spread over this long (a fleet does not connect in one instant)
+RAMP_S = 30.0  # the devices start spread over this long, at least (a fleet does not connect in one instant) ...
+RAMP_S_PER_DEVICE = 0.1  # ... and at most 10 a second: 1000 at once left activations unanswered for 30 s
+RECONNECT_S = 10.0  # a device whose connection failed tries again after this long
 GRACE_S = 120.0  # devices keep answering this long past the run's time: its last round and evaluation
 SAMPLE_S = 1.0
 STOP = threading.Event()  # a worker's devices leave (their nodes deactivated) once it is set: SIGTERM
@@ -98,10 +101,32 @@ class Record:
         self.path.with_suffix(".pulls.npy").write_bytes(np.asarray(self.pulls, dtype=np.float32).tobytes())
 
 
+class Unreachable(Exception):
+    """Flower's connection gave up (where a SuperNode would exit its process)."""
+
+
+def _unreachable(code: int, message: str | None = None, **_: Any) -> None:
+    raise Unreachable(f"exit code {code}: {message}")
+
+
 def device(i: int, n: int, address: str, ca: bytes, key: Path, until: float, record: Record) -> None:
-    """Device `i` of `n` (partition i): connect as the holder of `key`, answer messages until `until`."""
+    """Device `i` of `n` (partition i), the holder of `key`: connected (again, after :data:`RECONNECT_S`, whenever
+    its connection fails) and answering messages until `until`."""
     private = serialization.load_ssh_private_key(key.read_bytes(), None)
     keys = (private, private.public_key())
+    while time.time() < until and not STOP.is_set():
+        try:
+            serve(i, n, address, ca, keys, until, record)
+            reason = "the connection ended (Flower logged why)"  # its context swallows an error in the loop
+        except Exception as err:  # noqa: BLE001 - a device that lost the SuperLink tries again, counted
+            reason = f"{type(err).__name__}: {err}"[:300]
+        if time.time() < until and not STOP.is_set():
+            record.event(device=i, event="disconnected", reason=reason)
+            STOP.wait(RECONNECT_S)
+
+
+def serve(i: int, n: int, address: str, ca: bytes, keys: tuple[Any, Any], until: float, record: Record) -> None:
+    """One connection of device `i`: Flower's SuperNode loop, its ClientApp run here."""
     with http_request_response(address, False, ca, authentication_keys=keys, max_wait_time=until - time.time()) as (
             node_id, receive, send, _, _, pull_object, push_object, confirm):
         record.event(device=i, event="connected", node=node_id)
@@ -147,15 +172,18 @@ def worker(first: int, count: int, n: int, address: str, certs: Path, until: flo
 
     torch.set_num_threads(1)
     signal.signal(signal.SIGTERM, lambda *_: STOP.set())
+    # Flower's connection ends the whole process when it cannot activate its node (flwr_exit): one device's
+    # failure here, which `device` counts and retries
+    fleet_http_connection.flwr_exit = _unreachable
     record = Record(log)
     ca = (certs / "ca.crt").read_bytes()
-    threads = []
+    threads, ramp = [], max(RAMP_S, RAMP_S_PER_DEVICE * n)
     for k, i in enumerate(range(first, first + count)):
         t = threading.Thread(target=device, args=(i, n, address, ca, certs / f"supernode-{i}", until, record),
                              name=f"device-{i}", daemon=True)
         t.start()
         threads.append(t)
-        STOP.wait(RAMP_S / count if k < count - 1 else 0.0)
+        STOP.wait(ramp / count if k < count - 1 else 0.0)
     for t in threads:
         t.join(max(0.0, until - time.time()) + 30.0)
     record.close()
@@ -251,7 +279,8 @@ def figures(run: Path, logs: list[Path], sampler: Sampler, registered_s: float, 
         "device-replies": {"train": sum(r["kind"] == "train" for r in replies),
                            "other": sum(r["kind"] != "train" for r in replies),
                            "errors": sum(r["error"] for r in replies),
-                           "failed": sum(d["event"] == "failed" for d in device)},
+                           "failed": sum(d["event"] == "failed" for d in device),
+                           "disconnections": sum(d["event"] == "disconnected" for d in device)},
         "processes-cost": sampler.figures(),
     }
 
@@ -293,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         serverapp = server.procs.start("superexec-serverapp", superexec(["--root-certificates", str(server.ca)],
                                                                         f"127.0.0.1:{server.link_port}",
                                                                         server.certs / "superlink.secret"))
-        until = time.time() + RAMP_S + 60.0 * args.minutes + GRACE_S + 60.0
+        until = time.time() + max(RAMP_S, RAMP_S_PER_DEVICE * args.devices) + 60.0 * args.minutes + GRACE_S + 60.0
         address = f"127.0.0.1:{server.edge_port if server.edge_port else server.link_port}"
         per = -(-args.devices // args.processes)
         logs = []

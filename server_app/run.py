@@ -99,6 +99,8 @@ class Run:
             acc += f" personal-accuracy {entry.personal['accuracy']:.4f}"
         done = entry.round - self.first_round + 1
         left = (time.perf_counter() - self.started) / done * (cfg.num_rounds - entry.round)
+        if cfg.time_budget_s:
+            left = min(left, max(0.0, cfg.time_budget_s - (time.perf_counter() - self.started)))
         fleet = f"; device time {entry.device_t:.1f}s, {entry.vanished} vanished" if cfg.fleet else ""
         log(INFO, "round %d/%d: %d updates accepted, %d clients dispatched, %d failed, %d rejected, %d timed out%s; "
             "model v%d; %.2fs, about %s left; %s", entry.round, cfg.num_rounds, entry.accepted, entry.sampled,
