@@ -52,6 +52,7 @@ import numpy as np
 import torch
 from flwr.app import Message, MessageType
 from flwr.common import log
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from common.config import COUNT, POSITIVE, OneOf, Range, check_options, option
@@ -230,6 +231,10 @@ class Runner:
         self._seq = 0
         self._reachable: set[int] = set()
         self._reachable_at = -1e9
+        # clients whose node the SuperLink answered for as unavailable, by when: out of the reachable ones until a
+        # node list read after that lists their node again (a cached list re-dispatched to a gone device at once,
+        # each message failing in milliseconds, until the run's failure budget was spent)
+        self._gone: dict[int, float] = {}
         self._t0 = time.perf_counter()
         self._deadline = float("inf")  # time-budget-s, from the start of run()
         self.final_round: int | None = None  # the round that ends the run, once a loop has decided it
@@ -272,10 +277,12 @@ class Runner:
     def _reachable_clients(self, refresh_every: float = 0.0) -> set[int]:
         """Clients whose node is connected now (node list re-read at most every `refresh_every` s)."""
         if time.perf_counter() - self._reachable_at >= refresh_every:
+            read_at = time.perf_counter()
             nodes = self.directory.poll()
             self._reachable = {c for c, n in self.directory.node_of.items() if n in nodes}
-            self._reachable_at = time.perf_counter()
-        return self._reachable
+            self._reachable_at = read_at
+            self._gone = {c: t for c, t in self._gone.items() if t >= read_at}
+        return self._reachable - set(self._gone)
 
     def _idle(self, exclude: set[int] = frozenset(), refresh_every: float = 0.0) -> list[int]:
         """Reachable clients with nothing in flight (in device time: whose device is online now)."""
@@ -403,6 +410,8 @@ class Runner:
                 outcome, reason = ("failure" if reply.has_error() else "rejected"), str(err)
                 if reply.has_error():
                     entry.failures += 1
+                    if reply.error.code == ErrorCode.NODE_UNAVAILABLE:
+                        self._gone[flight.client] = time.perf_counter()
                 else:
                     entry.rejected += 1
         if update is None or outcome != "accepted":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import time
 from collections import defaultdict
 
 import numpy as np
@@ -173,6 +174,49 @@ def test_a_time_budget_ends_the_run_with_the_round_under_way_evaluated_and_saved
     from common.errors import ConfigError
     with pytest.raises(ConfigError, match="time-budget-s.*0 with loop = 'flower'"):
         small_run("flower", **{"loop": "flower", "time-budget-s": 5.0})
+
+
+class StaleListGrid(InProcessGrid):
+    """The node of the `victim`-th context goes away when its first train message is taken, yet stays in the node
+    list (the SuperLink's list lags the node's end); each push to it records how many node lists had been read."""
+
+    def __init__(self, *args, victim: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.victim, self.lists, self.gone, self.pushed_at = list(self.contexts)[victim], 0, False, []
+
+    def get_node_ids(self):
+        self.lists += 1
+        return [*self.contexts, *([self.victim] if self.gone else [])]
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        self.pushed_at += [self.lists for m in messages if m.metadata.dst_node_id == self.victim
+                           and m.metadata.message_type == MessageType.TRAIN]
+        return super().push_messages(messages)
+
+    def pull_messages(self, message_ids):
+        due = [i for i in message_ids if i in self._pending]
+        if not self.gone and any(self._pending[i].metadata.dst_node_id == self.victim
+                                 and self._pending[i].metadata.message_type == MessageType.TRAIN for i in due):
+            self.gone = True
+            self.disconnect(self.victim)
+        return super().pull_messages(message_ids)
+
+
+def test_a_device_the_superlink_calls_unavailable_waits_for_a_fresh_node_list(small_run):
+    """A node answered for as unavailable is not sent another message until a node list read after that failure
+    lists it again (the wall clock re-reads the list at most every second: from its cached list a gone device got
+    message after message, each failing at once, until the run's failure budget was spent)."""
+    def slow(msg: Message, context: Context) -> Message:  # 60 updates on 3 nodes last 2 s at least: a refresh
+        time.sleep(0.1)
+        return zero_update(msg, context)
+
+    grid = StaleListGrid(wrap(slow), num_nodes=4, victim=2)  # every idle client is kept busy: the victim is re-sent
+    run = {**ASYNC, "num-clients": 4, "clients-per-round": 2, "buffer-size": 2, "num-rounds": 30, "clock": "wall",
+           "concurrency": 4, "delay-sigma": 0.0, "max-failed-fraction": 1.0}
+    _, summary = small_run("stale", grid=grid, **run)
+    assert grid.gone and len(grid.pushed_at) >= 2 and summary["total-failures"] >= 1
+    assert all(b > a for a, b in zip(grid.pushed_at, grid.pushed_at[1:])), grid.pushed_at
 
 
 class LosingGrid(InProcessGrid):
