@@ -197,8 +197,11 @@ class Engine:
                 raise RuntimeError(f"dockerd exited with code {self.proc.returncode}:\n{tail}")
             if self.docker("version", check=False, quiet=True).returncode == 0:
                 log(f"dockerd ready (PID {self.proc.pid}) in {timeout - (deadline - time.monotonic()):.1f} s")
-                for what in ("container", "volume"):  # anything an interrupted earlier run left in the data root
-                    self.docker(what, "prune", "--force", quiet=True)
+                # anything an earlier run left in the data root: containers running too (dockerd restarts those
+                # with a restart policy, whose bind mounts of a removed checkout then appear there as folders)
+                if left := self.docker("ps", "-a", "-q", quiet=True).stdout.split():
+                    self.docker("rm", "--force", "--volumes", *left, quiet=True)
+                self.docker("volume", "prune", "--force", quiet=True)
                 return
             time.sleep(0.5)
         raise RuntimeError(f"dockerd did not answer within {timeout:.0f} s")
@@ -325,7 +328,8 @@ class Deployment:
         self.spec = load([COMPOSE_DIR / n for n in names])
         for service in self.spec["services"].values():  # the files they mount: docker/'s own, the project's
             for source in (str(v).split(":", 1)[0] for v in service.get("volumes") or []):
-                if source.startswith(".") and (COMPOSE_DIR / source).is_file():
+                # (never the checkout's certificates, which a demo there made: this deployment makes its own)
+                if source.startswith(".") and not source.startswith("./certs/") and (COMPOSE_DIR / source).is_file():
                     (self.dir / source).resolve().parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(COMPOSE_DIR / source, self.dir / source)
         self.flwr_home = workdir / "flwr-home"  # the host's `flwr`, which (e) shows cannot reach the SuperLink
@@ -557,18 +561,18 @@ def fleet_demo(engine: Engine, version: str, workdir: Path, timings: dict[str, A
     log(f"the tutorial's section 4 ({TUTORIAL.name}), from {workdir}")
     t = time.monotonic()
     output = ""
-    for command in bash_blocks(TUTORIAL, "4."):
-        command = command.replace("python -m hybridfl.compose demo", "python -m hybridfl.compose demo --no-build")
-        done = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=workdir, env=env, capture_output=True,
-                              text=True, timeout=900)
-        output += done.stdout + done.stderr
-        (workdir / "tutorial.log").write_text(output)
-        check(done.returncode == 0, f"(f) the tutorial's fleet on Docker ran (exit {done.returncode}): "
-                                    f"{output[-1500:]}")
-    timings["fleet-demo-s"] = time.monotonic() - t
-    drawn = load_fleet(str(workdir / "fleet.yaml"), 3, 0)
     dc = [DOCKER, "compose", *(a for f in compose_files(host=True) for a in ("-f", str(f))), "-f", str(FLEET_FILE)]
-    try:
+    try:  # the demo leaves its deployment up, a failed run's too: taken down below whatever happens
+        for command in bash_blocks(TUTORIAL, "4."):
+            command = command.replace("python -m hybridfl.compose demo", "python -m hybridfl.compose demo --no-build")
+            done = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=workdir, env=env,
+                                  capture_output=True, text=True, timeout=900)
+            output += done.stdout + done.stderr
+            (workdir / "tutorial.log").write_text(output)
+            check(done.returncode == 0, f"(f) the tutorial's fleet on Docker ran (exit {done.returncode}): "
+                                        f"{output[-1500:]}")
+        timings["fleet-demo-s"] = time.monotonic() - t
+        drawn = load_fleet(str(workdir / "fleet.yaml"), 3, 0)
         check([d.name for d in drawn.devices] == ["steady", "small", "steady"],
               f"(f) the fleet's draw by seed 0, as the tutorial says: {[d.name for d in drawn.devices]}")
         local = PROJECT_DIR / "outputs" / "compose" / Path(re.findall(r"outputs in (\S+)", output)[-1]).name
