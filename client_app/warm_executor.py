@@ -18,6 +18,8 @@ pushes the reply, as ``flwr-clientapp`` does, then exits. So:
   memory stays bounded because every child exits. A child that dies mid-message (SIGKILL, out of memory) loses only
   its message: once its task's heartbeat expires (Flower's 30 s x patience 2) the SuperNode answers it with Flower's
   error "ClientApp stopped responding", as for a dead ``flwr-clientapp`` (tested).
+- A child whose executor died (SIGKILL) gets Flower's exit (its parent monitor's SIGINT), and ends itself if that
+  has not finished ORPHAN_GRACE_S later: Flower's exit waits on its retries first (over 30 s measured under load).
 - A FAB that a child installed whole is not unzipped and re-verified by the next children (marked by its SHA-256);
   one that a killed child left half installed is installed again (Flower would take its folder for installed).
 - Not kept across messages: the node's data and model (read from the node's partition cache, ~0.5 s) and a CUDA
@@ -46,9 +48,13 @@ from flwr.supercore.superexec.executor.types import ExecutionSpec, LaunchResult
 # hybridfl's own modules: the children import the app from the task's FAB, and a module imported here would shadow it.
 PRELOAD = ("torch", "numpy", "flwr.supernode.runtime.run_clientapp", "flwr.clientapp", "flwr.app")
 
+# Seconds a child whose executor died has for Flower's own exit (its task output pushed, its heartbeat stopped)
+# before the child ends itself: nothing it could still send has anyone to receive it.
+ORPHAN_GRACE_S = 5.0
+
 # The fork server, run as `python -P -c` (no folder put first on the import path): argv = the task and reply pipes'
-# file descriptors, a folder for its marks, then the modules to import. A task is a JSON line of run_clientapp's
-# arguments; the reply its pid.
+# file descriptors, a folder for its marks, ORPHAN_GRACE_S, then the modules to import. A task is a JSON line of
+# run_clientapp's arguments; the reply its pid.
 # Flower unzips the FAB and checks every file's hash on every message, although an installed FAB is then used as it
 # is (0.4 s per message for this project's 2.3 MB FAB); a child marks a FAB whose install it completed, by its
 # SHA-256, and later children use the install without unzipping it again. Flower also takes an app folder that
@@ -86,10 +92,10 @@ def install_once(content, install_dir=None, skip_prompt=False):
         return path
 """
 _SERVER = r"""
-import hashlib, importlib, json, os, signal, sys, traceback
+import hashlib, importlib, json, os, signal, sys, threading, time, traceback
 tasks, replies = os.fdopen(int(sys.argv[1]), "r"), os.fdopen(int(sys.argv[2]), "w")
 marks = sys.argv[3]
-for module in sys.argv[4:]:
+for module in sys.argv[5:]:
     importlib.import_module(module)
 from flwr.supernode.runtime import run_clientapp as runtime
 from flwr.supernode.runtime.run_clientapp import run_clientapp
@@ -97,6 +103,24 @@ install_from_fab = runtime.install_from_fab
 """ + _INSTALL + r"""
 runtime.install_from_fab = install_once
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
+ORPHAN_GRACE_S = float(sys.argv[4])
+
+
+def end_when_orphaned(parent):
+    # Flower's monitor raises SIGINT, whose handler runs once the main thread leaves its retry wait (up to 20 s) and
+    # then joins the heartbeat thread, which may wait for the retry lock the main thread holds: 14 s measured here,
+    # over 30 s under load. Its peer is gone, so after Flower's own exit had ORPHAN_GRACE_S the child ends.
+    while True:
+        time.sleep(0.2)
+        try:
+            os.kill(parent, 0)
+        except ProcessLookupError:
+            time.sleep(ORPHAN_GRACE_S)
+            print(f"warm executor: the executor (pid {parent}) ended {ORPHAN_GRACE_S:g} s ago and Flower's exit has "
+                  "not finished: the ClientApp ends", file=sys.stderr)
+            sys.stdout.flush(); sys.stderr.flush(); os._exit(1)
+
+
 print("ready", file=replies, flush=True)
 for line in tasks:
     task = json.loads(line)
@@ -108,6 +132,8 @@ for line in tasks:
         task["certificates"] = None if path is None else open(path, "rb").read()
         code = 1
         try:
+            if task.get("parent_pid") is not None:
+                threading.Thread(target=end_when_orphaned, args=(task["parent_pid"],), daemon=True).start()
             run_clientapp(**task)
         except SystemExit as done:  # run_clientapp ends with flwr_exit
             code = done.code if isinstance(done.code, int) else 1
@@ -144,7 +170,7 @@ class WarmExecutor(SubprocessExecutor):
         task_r, task_w = os.pipe()
         reply_r, reply_w = os.pipe()
         self._server = subprocess.Popen([sys.executable, "-P", "-c", _SERVER, str(task_r), str(reply_w),
-                                         self._marks.name, *PRELOAD], pass_fds=(task_r, reply_w))
+                                         self._marks.name, str(ORPHAN_GRACE_S), *PRELOAD], pass_fds=(task_r, reply_w))
         os.close(task_r)
         os.close(reply_w)
         self._tasks, self._replies = os.fdopen(task_w, "w"), os.fdopen(reply_r, "r")

@@ -26,7 +26,7 @@ from flwr.supercore.superexec.executor.types import ExecutionSpec, LaunchResult
 from helpers import flower_threads
 
 from client_app import supernode
-from client_app.warm_executor import PRELOAD, WarmExecutor
+from client_app.warm_executor import _SERVER, ORPHAN_GRACE_S, PRELOAD, WarmExecutor
 from hybridfl.bundle import PROJECT_DIR
 from hybridfl.deploy_local import deploy, deploy_runs
 from hybridfl.inprocess import run_inprocess
@@ -99,7 +99,8 @@ def test_the_paced_supernode_refuses_a_loop_it_was_not_written_for():
 
 def test_a_child_ends_when_its_executor_dies_as_flower_s_clientapp_does():
     """An executor killed (SIGKILL) while its child waits on a SuperNode that does not answer: the child, told the
-    executor's pid as Flower's `flwr-clientapp` is, ends within seconds, and the fork server with it; without it the
+    executor's pid as Flower's `flwr-clientapp` is, ends within ORPHAN_GRACE_S of the executor's end (plus a poll and
+    the time a loaded machine takes to schedule it), and the fork server with it; without the executor's pid the
     child retried for over a minute (measured), an orphan."""
     script = ("import os, time\nfrom flwr.supercore.constant import TaskType\n"
               "from flwr.supercore.superexec.executor.types import ExecutionSpec\n"
@@ -114,10 +115,50 @@ def test_a_child_ends_when_its_executor_dies_as_flower_s_clientapp_does():
     assert status == "accepted" and len(forks) == 1  # still trying to reach the SuperNode
     executor.kill()
     executor.wait()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 0.2 + ORPHAN_GRACE_S + 10
     while (left := alive(forks | {int(server)})) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left
+
+
+def test_a_child_whose_flower_exit_hangs_ends_itself_once_its_executor_is_gone(tmp_path):
+    """Flower's exit in a child whose executor died can wait on its retries (over 30 s measured under load): a child
+    whose ClientApp runtime ignores SIGINT and never returns still ends ORPHAN_GRACE_S after its executor, with a line
+    saying why, and not before."""
+    (tmp_path / "hung_runtime.py").write_text(
+        "import signal, time\nimport flwr.supernode.runtime.run_clientapp as runtime\n\n\n"
+        "def hang(**task):\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n    time.sleep(600)\n\n\n"
+        "runtime.run_clientapp = hang\n")
+    parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    task_r, task_w = os.pipe()
+    reply_r, reply_w = os.pipe()
+    with contextlib.ExitStack() as stack:
+        marks = stack.enter_context(__import__("tempfile").TemporaryDirectory())
+        server = subprocess.Popen([sys.executable, "-P", "-c", _SERVER, str(task_r), str(reply_w), marks,
+                                   str(ORPHAN_GRACE_S), "hung_runtime"], pass_fds=(task_r, reply_w),
+                                  stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+        stack.callback(server.kill)
+        os.close(task_r)
+        os.close(reply_w)
+        tasks, replies = os.fdopen(task_w, "w"), os.fdopen(reply_r, "r")
+        assert replies.readline().strip() == "ready"
+        print(json.dumps({"root_certificates_path": None, "parent_pid": parent.pid}), file=tasks, flush=True)
+        child = int(replies.readline())
+        time.sleep(1)
+        assert alive({child}) == {child}  # a live executor: the child runs on
+        parent.kill()
+        parent.wait()
+        gone = time.monotonic()
+        while alive({child}) and time.monotonic() < gone + 0.2 + ORPHAN_GRACE_S + 10:
+            time.sleep(0.1)
+        ended = time.monotonic() - gone
+        with contextlib.suppress(ProcessLookupError):  # one that did not end would hold the server's stderr open
+            os.kill(child, signal.SIGKILL)
+        tasks.close()
+        server.wait(timeout=60)
+        err = server.stderr.read()
+    assert ORPHAN_GRACE_S <= ended <= 0.2 + ORPHAN_GRACE_S + 10
+    assert f"the executor (pid {parent.pid}) ended" in err and "the ClientApp ends" in err
 
 
 def test_the_paced_supernode_on_another_loop_ends_with_one_line(tmp_path, monkeypatch):
@@ -189,13 +230,11 @@ def test_a_task_that_installs_its_apps_dependencies_goes_to_flowers_executor(mon
 def test_a_child_whose_app_raises_prints_its_traceback_in_the_nodes_log():
     """The fork server's child ends with os._exit (never the server's own cleanup): an exception that is not
     Flower's exit is printed first, as `flwr-clientapp` would print it, and the child exits 1."""
-    from client_app.warm_executor import _SERVER
-
     task_r, task_w = os.pipe()
     reply_r, reply_w = os.pipe()
     with contextlib.ExitStack() as stack:
         marks = stack.enter_context(__import__("tempfile").TemporaryDirectory())
-        server = subprocess.Popen([sys.executable, "-P", "-c", _SERVER, str(task_r), str(reply_w), marks],
+        server = subprocess.Popen([sys.executable, "-P", "-c", _SERVER, str(task_r), str(reply_w), marks, "5"],
                                   pass_fds=(task_r, reply_w), stderr=subprocess.PIPE, text=True)
         os.close(task_r)
         os.close(reply_w)
