@@ -384,7 +384,8 @@ class Runner:
         """Give `flight`'s reply (None: timed out) to the strategy, stepping whenever it is ready; False if
         the update is lost (error, unusable, late)."""
         self.flights.pop(flight.client, None)
-        event = {"round": rnd, "client": flight.client, "node": flight.node, "base-version": flight.version,
+        event = {"round": rnd, "client": flight.client, "node": flight.node, "message": flight.message_id,
+                 "base-version": flight.version,
                  "dispatch-round": flight.dispatch_round, "t": round(time.perf_counter() - self._t0, 4),
                  "device-start": round(flight.device_start, 4),
                  "device-t": round(self._device_now() if self.runtime.clock == "wall"
@@ -540,6 +541,7 @@ class Runner:
         by_request = {m.metadata.reply_to_message_id: m for m in replies}
         self.device_t = max([self.device_t, *(min(f.device_done, f.device_off) for _, f in current.outgoing)])
         for msg, flight in current.outgoing:
+            flight.message_id = msg.metadata.message_id  # Flower's loop pushed it
             self._hand_over(flight, by_request.get(msg.metadata.message_id), current.entry.round, current.entry,
                             current.accepted)
         return self._close_round(current.entry, current.accepted, current.started)

@@ -49,9 +49,9 @@ def needs_nginx(stream: bool = False) -> None:
 
 
 def rows(out: Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]:
-    """Lines of a run's jsonl file without what depends on timing (seconds, event times) or node ids, also in the
-    strategy steps of a round (``steps``)."""
-    drop = lambda k: "seconds" in k or k in ("t", "node")
+    """Lines of a run's jsonl file without what depends on timing (seconds, event times) or on Flower's ids (nodes,
+    messages), also in the strategy steps of a round (``steps``)."""
+    drop = lambda k: "seconds" in k or k in ("t", "node", "message")
     kept = lambda d: {k: [kept(s) for s in v] if k == "steps" else v for k, v in d.items() if not drop(k)}
     return [kept(json.loads(line)) for line in (out / name).read_text().splitlines()]
 

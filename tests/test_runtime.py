@@ -108,8 +108,12 @@ def test_no_node_ever_has_two_messages_in_flight(small_run, monkeypatch):
 
 
 def test_failed_work_is_dispatched_again_to_an_idle_client(small_run):
+    answered: dict[str, tuple[int, bool]] = {}  # message id: (client, answered with an update)
+
     def flaky(msg: Message, context: Context) -> Message:
-        if context.node_config["partition-id"] in (0, 1):
+        client = context.node_config["partition-id"]
+        answered[msg.metadata.message_id] = (client, client not in (0, 1))
+        if client in (0, 1):
             raise RuntimeError("device unavailable")
         return zero_update(msg, context)
 
@@ -119,6 +123,10 @@ def test_failed_work_is_dispatched_again_to_an_idle_client(small_run):
     # Each failure gets a replacement, so every step still merges 3 updates.
     assert all(r["accepted"] == 3 and r["sampled"] == 3 + r["failures"] for r in rows)
     assert summary["total-failures"] > 0 and summary["final-version"] == 10
+    # every event names the train message it answers (as a device's own log does): each message once, its client's
+    by_message = {e["message"]: e for e in events(out)}
+    assert len(by_message) == len(events(out)) == len(answered)
+    assert {m: (e["client"], e["outcome"] == "accepted") for m, e in by_message.items()} == answered
 
 
 def test_wall_clock_runs_to_the_requested_steps(small_run):
