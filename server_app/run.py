@@ -176,7 +176,7 @@ class Run:
             "run": self.out.name, "config": cfg.to_dict(), "strategy": self.strategy.describe(),
             "final-version": self.strategy.version, "client-eval": client_eval,
             "server-data": describe(self.server_data), "resumed-after-round": self.first_round - 1,
-            "reply-to-dispatch-s": self.runner.latency_summary(),
+            "reply-to-dispatch-s": self.runner.latency_summary(), "in-flight-at-end": self.runner.discarded,
             "wall-seconds": time.perf_counter() - self.t_start, "run-wall-seconds": self.run_seconds(),
             "train-seconds": train_seconds}, models,
             type(self.strategy).figures)

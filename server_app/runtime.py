@@ -227,6 +227,7 @@ class Runner:
         self._sample_rng = random.Random(seed)
         self._delay_rng = np.random.default_rng([seed, 2])
         self.flights: dict[int, Flight] = {}  # client -> its flight
+        self.discarded: list[str] = []  # the train messages still in flight when the run ended
         self._replies: dict[str, Message | None] = {}  # message id -> reply (None: timed out)
         self._seq = 0
         self._reachable: set[int] = set()
@@ -565,6 +566,7 @@ class Runner:
         self._resend()
         loop = {"virtual": self._run_virtual, "wall": self._run_wall, "device": self._run_device}[self.runtime.clock]
         loop(first_round, num_rounds, on_round)
+        self.discarded = [f.message_id for f in sorted(self.flights.values(), key=lambda f: f.seq)]
         if self.flights:
             log(INFO, "%d dispatched updates still in flight at the end are discarded", len(self.flights))
         # their models and replies are not kept through the final evaluation, nor the copy of the last good state

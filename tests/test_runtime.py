@@ -130,8 +130,17 @@ def test_failed_work_is_dispatched_again_to_an_idle_client(small_run):
 
 
 def test_wall_clock_runs_to_the_requested_steps(small_run):
-    _, summary = small_run("wall", client_app=wrap(zero_update),
+    sent: list[str] = []
+
+    def train(msg: Message, context: Context) -> Message:
+        sent.append(msg.metadata.message_id)
+        return zero_update(msg, context)
+
+    out, summary = small_run("wall", client_app=wrap(train),
                              **{**ASYNC, "clock": "wall", "concurrency": 5, "delay-sigma": 0.0})
+    # every train message has one fate: an event, or in flight when the run ended
+    fates = [e["message"] for e in events(out)] + summary["in-flight-at-end"]
+    assert sorted(fates) == sorted(set(fates)) and set(sent) <= set(fates) and summary["in-flight-at-end"]
     assert summary["final-version"] == 12  # 12 steps of 3 arrivals, FedBuff K = 3
     assert summary["total-accepted"] == 36
     assert summary["reply-to-dispatch-s"]["count"] >= 36

@@ -40,14 +40,28 @@ class Server:
     certs: Path
     link_port: int
     edge_port: int | None
+    commands: dict[str, tuple[list[str], dict[str, str] | None]]  # how "superlink" and "edge" were started
 
     @property
     def ca(self) -> Path:
         return self.certs / "ca.crt"
 
+    def pid(self, name: str) -> int:
+        """The pid of `name`'s latest process (a restart starts another under the same name)."""
+        return [p.pid for n, p in self.procs.procs if n == name][-1]
+
     @property
     def link_pid(self) -> int:
-        return next(p.pid for name, p in self.procs.procs if name == "superlink")
+        return self.pid("superlink")
+
+    def restart(self, name: str, pause_s: float = 2.0) -> None:
+        """Kill `name` ("superlink" or "edge") with SIGKILL, as a crash would, and start it again with the same
+        command after `pause_s` (the SuperLink resumes from its database; without one its runs are lost)."""
+        self.procs.kill(name)
+        time.sleep(pause_s)
+        cmd, env = self.commands[name]
+        proc = self.procs.start(name, cmd, env)
+        wait_healthy(self.link_port if name == "superlink" else self.edge_port, proc, 90, self.ca)
 
 
 @contextmanager
@@ -60,20 +74,22 @@ def server(workdir: Path, with_edge: bool = True, nodes: int = 0, database: bool
     env = flower_env(workdir / "home")
     link_port = free_port()
     with ProcessGroup(workdir / "logs", env) as procs:
-        link = procs.start("superlink", [
+        commands: dict[str, tuple[list[str], dict[str, str] | None]] = {"superlink": ([
             "flower-superlink", "--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile", str(certs / "server.crt"),
             "--ssl-keyfile", str(certs / "server.key"), "--enable-supernode-auth",
             *runtime_api(certs / "superlink.secret"), *(["--database", str(workdir / "superlink.db")] if database
                                                           else []),
-            "--host", "127.0.0.1", "--port", str(link_port), "--disable-runtime-dependency-installation"])
+            "--host", "127.0.0.1", "--port", str(link_port), "--disable-runtime-dependency-installation"], None)}
+        link = procs.start("superlink", *commands["superlink"])
         wait_healthy(link_port, link, 90, certs / "ca.crt")
         edge_port = None
         if with_edge:
             edge_port = free_port()
             conf = edge.write(workdir / "edge", certs, f"127.0.0.1:{link_port}", f"127.0.0.1:{edge_port}", **sizes)
-            nginx = procs.start("edge", edge.command(conf), {**env, "PATH": f"{env['PATH']}:/usr/sbin:/sbin"})
+            commands["edge"] = (edge.command(conf), {**env, "PATH": f"{env['PATH']}:/usr/sbin:/sbin"})
+            nginx = procs.start("edge", *commands["edge"])
             wait_healthy(edge_port, nginx, 30, certs / "ca.crt")
-        yield Server(procs, certs, link_port, edge_port)
+        yield Server(procs, certs, link_port, edge_port, commands)
 
 
 def rss_mib(pid: int) -> dict[str, float]:
