@@ -31,6 +31,8 @@ import signal
 import sys
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -209,13 +211,16 @@ def register(home: Path, certs: Path, n: int) -> float:
 
 
 class Sampler(threading.Thread):
-    """CPU time and RSS of named process trees, every :data:`SAMPLE_S`: mean CPU (% of one core) and peak RSS."""
+    """CPU time and RSS of named process trees, every :data:`SAMPLE_S`: mean CPU (% of one core), peak RSS, and the
+    RSS series from which :meth:`figures` states the growth per hour after warm-up. A root is looked up at every
+    sample (a restarted process is another pid)."""
 
-    def __init__(self, roots: dict[str, int]) -> None:
+    def __init__(self, roots: dict[str, Callable[[], int]], warm_up_s: float) -> None:
         super().__init__(daemon=True)
-        self.roots, self.stop = roots, threading.Event()
+        self.roots, self.warm_up_s, self.stop = roots, warm_up_s, threading.Event()
         self.cpu: dict[str, list[float]] = {k: [] for k in roots}
-        self.rss: dict[str, float] = dict.fromkeys(roots, 0.0)
+        self.series: dict[str, list[tuple[float, int, float]]] = {k: [] for k in roots}  # (t, pid, MiB)
+        self.t0 = time.monotonic()
 
     def tree(self, pid: int) -> list[psutil.Process]:
         try:
@@ -225,10 +230,10 @@ class Sampler(threading.Thread):
             return []
 
     def run(self) -> None:
-        last: dict[str, tuple[float, float]] = {}
+        last: dict[str, tuple[int, float, float]] = {}
         while not self.stop.wait(SAMPLE_S):
-            for name, pid in self.roots.items():
-                cpu = rss = 0.0
+            for name, root in self.roots.items():
+                pid, cpu, rss = root(), 0.0, 0.0
                 for proc in self.tree(pid):
                     try:
                         times, mem = proc.cpu_times(), proc.memory_info()
@@ -237,14 +242,29 @@ class Sampler(threading.Thread):
                     cpu += times.user + times.system + times.children_user + times.children_system
                     rss += mem.rss
                 now = time.monotonic()
-                if name in last:
-                    self.cpu[name].append(100 * (cpu - last[name][0]) / (now - last[name][1]))
-                last[name] = (cpu, now)
-                self.rss[name] = max(self.rss[name], rss / 2**20)
+                if name in last and last[name][0] == pid:  # not across a restart
+                    self.cpu[name].append(100 * (cpu - last[name][1]) / (now - last[name][2]))
+                last[name] = (pid, cpu, now)
+                if rss:
+                    self.series[name].append((now - self.t0, pid, rss / 2**20))
 
-    def figures(self) -> dict[str, dict[str, float]]:
+    def growth(self, name: str) -> float | None:
+        """RSS growth in % per hour of process `name`'s latest pid, after :attr:`warm_up_s` and its own first
+        minute: the slope of a least-squares line through its samples over their mean (None: under 5 minutes)."""
+        points = self.series[name]
+        if not points:
+            return None
+        pid, born = points[-1][1], min(t for t, p, _ in points if p == points[-1][1])
+        kept = np.array([(t, m) for t, p, m in points if p == pid and t >= max(self.warm_up_s, born + 60.0)])
+        if len(kept) < 2 or kept[-1, 0] - kept[0, 0] < 300.0:
+            return None
+        slope = np.polyfit(kept[:, 0], kept[:, 1], 1)[0]
+        return round(float(100 * slope * 3600 / kept[:, 1].mean()), 2)
+
+    def figures(self) -> dict[str, dict[str, float | None]]:
         return {name: {"cpu-mean-%": round(float(np.mean(v)), 1) if v else 0.0,
-                       "rss-peak-mib": round(self.rss[name], 1)} for name, v in self.cpu.items()}
+                       "rss-peak-mib": round(max((m for *_, m in self.series[name]), default=0.0), 1),
+                       "rss-growth-%-per-h": self.growth(name)} for name, v in self.cpu.items()}
 
 
 def pcts(values: np.ndarray) -> dict[str, float]:
@@ -254,8 +274,33 @@ def pcts(values: np.ndarray) -> dict[str, float]:
             "count": int(values.size)}
 
 
-def figures(run: Path, logs: list[Path], sampler: Sampler, registered_s: float, args: argparse.Namespace
-            ) -> dict[str, Any]:
+def reconcile(events: list[dict[str, Any]], in_flight: list[str], device: list[dict[str, Any]],
+              killed: set[int]) -> dict[str, Any]:
+    """Every train reply the devices logged, by message id, against the run's fates of its train messages (an
+    event each, or in flight when the run ended): each reply's fate by kind; ``reconciled`` when no message has two
+    fates, every reply has one, and no update was accepted that no device logged replying, except from devices of
+    a process killed (`killed`: its log may end between a reply's push and its line)."""
+    replied = {d["message"] for d in device if d["event"] == "replied" and d["kind"] == "train"}
+    fates: dict[str, list[str]] = {}
+    for e in events:
+        if "message" in e:  # a refused strategy step is no message's fate
+            fates.setdefault(e["message"], []).append(e["outcome"])
+    for m in in_flight:
+        fates.setdefault(m, []).append("in flight at the end")
+    twice = sorted(m for m, f in fates.items() if len(f) > 1)
+    unknown = [e for e in events if e.get("message") not in replied and e["outcome"] == "accepted"]
+    unexplained = [e for e in unknown if e["client"] not in killed]
+    replies = Counter(fates[m][0] if m in fates else "no fate" for m in replied)
+    return {"train-replies": len(replied), "by-fate": dict(replies),
+            "fates-without-a-device-reply": dict(Counter(f[0] for m, f in fates.items() if m not in replied)),
+            "accepted-from-a-killed-device-log": len(unknown) - len(unexplained),
+            "device-failures": sum(d["event"] == "failed" for d in device),
+            "two-fates": len(twice), "accepted-without-a-device-reply": len(unexplained),
+            "reconciled": not twice and not unexplained and "no fate" not in replies}
+
+
+def figures(run: Path, logs: list[Path], sampler: Sampler, registered_s: float, args: argparse.Namespace,
+            faults: list[dict[str, Any]], killed: set[int]) -> dict[str, Any]:
     """What item 2 of issue 69 asks, from the run's own files and the devices' logs."""
     summary = json.loads((run / "summary.json").read_text())
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
@@ -281,8 +326,84 @@ def figures(run: Path, logs: list[Path], sampler: Sampler, registered_s: float, 
                            "errors": sum(r["error"] for r in replies),
                            "failed": sum(d["event"] == "failed" for d in device),
                            "disconnections": sum(d["event"] == "disconnected" for d in device)},
+        "faults": faults, "reconciliation": reconcile(events, summary["in-flight-at-end"], device, killed),
         "processes-cost": sampler.figures(),
     }
+
+
+FAULTS = ("restart-superlink", "restart-edge", "drop-devices", "replace-devices")
+
+
+def fault(text: str) -> tuple[str, float]:
+    """``KIND@SECONDS`` (seconds after the devices start) of a ``--fault``."""
+    kind, _, at = text.partition("@")
+    try:
+        seconds = float(at)
+    except ValueError:
+        seconds = -1.0
+    if kind not in FAULTS or seconds < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: KIND@SECONDS, KIND one of {', '.join(FAULTS)}, SECONDS ≥ 0")
+    return kind, seconds
+
+
+class Workers:
+    """The device processes: started, killed for good (their devices vanish), or killed and started again with the
+    same devices and keys (they come back as new processes)."""
+
+    def __init__(self, server: hostile_client.Server, cmd: Callable[[int, int], list[str]], env: dict[str, str],
+                 n: int, processes: int) -> None:
+        self.server, self.cmd, self.env = server, cmd, env
+        per = -(-n // processes)
+        self.parts = [(first, min(per, n - first)) for first in range(0, n, per)]
+        self.names = {first: f"devices-{first}" for first, _ in self.parts}
+        self.killed: set[int] = set()  # the devices of every process killed
+        for first, count in self.parts:
+            server.procs.start(self.names[first], cmd(first, count), env)
+
+    def hit(self, kind: str) -> list[int]:
+        """Kill the last process not hit before; start its devices again for ``replace-devices``. Its devices."""
+        first, count = next(p for p in reversed(self.parts) if not self.names[p[0]].endswith(("-dropped", "-again")))
+        self.server.procs.kill(self.names[first])
+        devices = list(range(first, first + count))
+        self.killed |= set(devices)
+        if kind == "replace-devices":
+            self.names[first] += "-again"
+            self.server.procs.start(self.names[first], self.cmd(first, count), self.env)
+        else:
+            self.names[first] += "-dropped"
+        return devices
+
+    def stop(self) -> None:
+        """SIGTERM: the devices leave (nodes deactivated) and write their logs."""
+        procs = [p for name, p in self.server.procs.procs if name in self.names.values() and p.poll() is None]
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            proc.wait(90)
+
+
+def inject(schedule: list[tuple[str, float]], server: hostile_client.Server, workers: Workers, run: Path,
+           done: threading.Event, record: list[dict[str, Any]]) -> None:
+    """Each fault of `schedule` at its time after training started (the run's round 0 in `run`/metrics.jsonl:
+    every device connected), unless the run is `done` first; what was done, when and how long it took goes to
+    `record`."""
+    metrics = run / "metrics.jsonl"
+    while not (metrics.exists() and metrics.stat().st_size):
+        if done.wait(0.5):
+            return
+    t0 = time.monotonic()
+    for kind, at in sorted(schedule, key=lambda f: f[1]):
+        if done.wait(max(0.0, t0 + at - time.monotonic())):
+            return
+        started = time.monotonic()
+        entry: dict[str, Any] = {"fault": kind, "at-s": round(started - t0, 1)}
+        if kind.startswith("restart-"):
+            server.restart(kind.removeprefix("restart-"))
+        else:
+            entry["devices"] = len(workers.hit(kind))
+        entry["took-s"] = round(time.monotonic() - started, 1)
+        print(f"fault: {entry}", flush=True)
+        record.append(entry)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,6 +415,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--database", action="store_true", help="the SuperLink's state in SQLite, not in memory")
     parser.add_argument("--no-edge", action="store_true", help="devices straight to the SuperLink")
     parser.add_argument("--workdir", type=Path, default=None, help="default: outputs/fleet-load/<time>")
+    parser.add_argument("--fault", type=fault, action="append", default=[], metavar="KIND@SECONDS",
+                        help=f"a fault SECONDS after training starts (every device connected), KIND one of "
+                        f"{', '.join(FAULTS)}: the SuperLink or the edge killed (SIGKILL) and started again; the last "
+                        "device process killed for good, or killed and started again with the same devices "
+                        "(repeatable)")
     parser.add_argument("--worker", nargs=3, type=int, metavar=("FIRST", "COUNT", "N"), help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--until", type=float, help=argparse.SUPPRESS)
@@ -305,6 +431,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.devices < 2 or args.processes < 1 or args.concurrency < 1 or args.minutes <= 0:
         parser.error("--devices ≥ 2, --processes ≥ 1, --concurrency ≥ 1, --minutes > 0")
+    kinds = Counter(kind for kind, _ in args.fault)
+    if kinds["restart-superlink"] and not args.database:
+        parser.error("--fault restart-superlink needs --database (an in-memory SuperLink loses its runs)")
+    if kinds["restart-edge"] and args.no_edge:
+        parser.error("--fault restart-edge needs the edge (not --no-edge)")
+    if kinds["drop-devices"] + kinds["replace-devices"] >= min(args.processes, args.devices):
+        parser.error("--fault drop-devices / replace-devices: each hits another device process, and one must "
+                     "stay untouched: fewer than --processes of them")
     workdir = (args.workdir or Path("outputs") / "fleet-load" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "devices").mkdir(exist_ok=True)
@@ -324,30 +458,29 @@ def main(argv: list[str] | None = None) -> int:
                                                                         server.certs / "superlink.secret"))
         until = time.time() + max(RAMP_S, RAMP_S_PER_DEVICE * args.devices) + 60.0 * args.minutes + GRACE_S + 60.0
         address = f"127.0.0.1:{server.edge_port if server.edge_port else server.link_port}"
-        per = -(-args.devices // args.processes)
-        logs = []
-        for first in range(0, args.devices, per):
-            count = min(per, args.devices - first)
-            server.procs.start(f"devices-{first}", [
-                sys.executable, "-m", "benchmarks.fleet_load", "--worker", str(first), str(count), str(args.devices),
-                "--address", address, "--until", str(until), "--workdir", str(workdir)], {**env, "PYTHONPATH": str(
-                    Path(__file__).resolve().parents[1])})
-            logs.append(workdir / "devices" / f"devices-{first}.jsonl")
-        roots = {"superlink": server.link_pid, "serverapp": serverapp.pid}
+        workers = Workers(server, lambda first, count: [
+            sys.executable, "-m", "benchmarks.fleet_load", "--worker", str(first), str(count), str(args.devices),
+            "--address", address, "--until", str(until), "--workdir", str(workdir)],
+            {**env, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}, args.devices, args.processes)
+        logs = [workdir / "devices" / f"devices-{first}.jsonl" for first, _ in workers.parts]
+        roots = {"superlink": partial(server.pid, "superlink"), "serverapp": lambda: serverapp.pid}
         if server.edge_port:
-            roots["edge"] = next(p.pid for name, p in server.procs.procs if name == "edge")
-        sampler = Sampler(roots)
+            roots["edge"] = partial(server.pid, "edge")
+        sampler = Sampler(roots, warm_up_s=max(RAMP_S, RAMP_S_PER_DEVICE * args.devices) + 120.0)
         sampler.start()
-        run_id, status = flwr_run(env, CONNECTION, overrides, timeout=60.0 * args.minutes + 1800.0,
-                                  log=workdir / "flwr-run.log")
-        sampler.stop.set()
+        done, faults = threading.Event(), []
+        injector = threading.Thread(target=inject, args=(args.fault, server, workers, run, done, faults), daemon=True)
+        injector.start()
+        try:
+            run_id, status = flwr_run(env, CONNECTION, overrides, timeout=60.0 * args.minutes + 1800.0,
+                                      log=workdir / "flwr-run.log")
+        finally:
+            done.set()
+            sampler.stop.set()
+            injector.join(120)  # a restart under way finishes before anything stops
         check_completed(run_id, status, run)
-        devices = [proc for name, proc in server.procs.procs if name.startswith("devices-")]
-        for proc in devices:  # they would end by themselves at `until`: they leave now, and write their logs
-            proc.send_signal(signal.SIGTERM)
-        for proc in devices:
-            proc.wait(90)
-    result = figures(run, logs, sampler, registered_s, args)
+        workers.stop()  # they would end by themselves at `until`: they leave now
+    result = figures(run, logs, sampler, registered_s, args, faults, workers.killed)
     (workdir / "figures.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 0
