@@ -274,6 +274,24 @@ def pcts(values: np.ndarray) -> dict[str, float]:
             "count": int(values.size)}
 
 
+def flower_version() -> str:
+    """The version of the distribution whose ``flwr`` is imported: flwr, or flwr-nightly installed over it in a
+    separate environment (whose ``flwr.__version__`` still reads flwr's metadata)."""
+    import importlib.metadata
+
+    import flwr
+
+    here = Path(flwr.__file__).resolve()
+    for name in ("flwr-nightly", "flwr"):
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if Path(dist.locate_file("flwr/__init__.py")).resolve() == here:
+            return f"{name} {dist.version}"
+    return f"flwr {flwr.__version__}"
+
+
 def reconcile(events: list[dict[str, Any]], in_flight: list[str], device: list[dict[str, Any]],
               killed: set[int]) -> dict[str, Any]:
     """Every train reply the devices logged, by message id, against the run's fates of its train messages (an
@@ -312,7 +330,8 @@ def figures(run: Path, logs: list[Path], sampler: Sampler, registered_s: float, 
         outcomes[e["outcome"]] = outcomes.get(e["outcome"], 0) + 1
     replies = [d for d in device if d["event"] == "replied"]
     return {
-        "devices": args.devices, "processes": args.processes, "concurrency": args.concurrency,
+        "flower": flower_version(), "devices": args.devices, "processes": args.processes,
+        "concurrency": args.concurrency,
         "state": "sqlite" if args.database else "in-memory", "edge": not args.no_edge, "minutes": args.minutes,
         "connected": len({d["device"] for d in device if d["event"] == "connected"}),
         "register-s": round(registered_s, 1), "train-seconds": round(summary["train-seconds"], 1),

@@ -77,6 +77,16 @@ def push(grid: Grid, build: Callable[[], list[Message]], attempts: int = PUSH_AT
                 attempt, attempts)
 
 
+def pull_request(reply_to: list[str]) -> PullAppMessagesRequest:
+    """The ServerAppIo request for the replies to `reply_to`: Flower 1.42's ``message_ids``, or, on the 1.43
+    development line (benchmarks compare it, BENCHMARKS "A thousand devices"), its ``reply_to_message_ids`` list."""
+    if "reply_to_message_ids" in PullAppMessagesRequest.DESCRIPTOR.fields_by_name:
+        from flwr.proto.recorddict_pb2 import StringList  # pylint: disable=E0611
+
+        return PullAppMessagesRequest(reply_to_message_ids=StringList(vals=reply_to))
+    return PullAppMessagesRequest(message_ids=reply_to)
+
+
 class ReplyPuller:
     """``pull(message_ids)``: the replies to `message_ids` whose objects are all in; the others keep downloading,
     each in a daemon thread of its own, for a later call (:meth:`discard` a message given up). For a grid that is not
@@ -94,7 +104,7 @@ class ReplyPuller:
             return list(self.grid.pull_messages(wanted))
         asked = sorted(wanted - set(self._downloading))
         if asked:
-            res = self.grid._runtime_client.PullMessages(PullAppMessagesRequest(message_ids=asked))
+            res = self.grid._runtime_client.PullMessages(pull_request(asked))
             for proto, tree in zip(res.messages_list, res.message_object_trees, strict=True):
                 future: Future[Message] = Future()
                 self._downloading[proto.metadata.reply_to_message_id] = future
