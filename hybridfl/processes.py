@@ -191,9 +191,14 @@ class ProcessGroup:
         for proc in left:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()  # only the very process seen above: psutil checks that its PID was not reused
-        for _, p in self.procs:
+        for name, p in self.procs:
             _signal_group(p.pid, signal.SIGKILL)  # anything still in a group
-            p.wait()
+            if p.poll() is None:
+                p.kill()  # the process itself, whatever its group (a clean clone's CI saw a stop wait here for good)
+            try:
+                p.wait(grace)
+            except subprocess.TimeoutExpired:  # unkillable (uninterruptible sleep): said, not waited for forever
+                print(f"{name} (pid {p.pid}) did not end {grace:.0f} s after SIGKILL", file=sys.stderr, flush=True)
 
     def __enter__(self) -> ProcessGroup:
         # SIGTERM (a `kill`, a service manager, CI's timeout) unwinds like Ctrl-C, so that this group is stopped
