@@ -193,10 +193,8 @@ class ProcessGroup:
                 proc.kill()  # only the very process seen above: psutil checks that its PID was not reused
         for name, p in self.procs:
             _signal_group(p.pid, signal.SIGKILL)  # anything still in a group
-            if p.poll() is None:
-                p.kill()  # the process itself, whatever its group (a clean clone's CI saw a stop wait here for good)
             try:
-                p.wait(grace)
+                p.wait(grace)  # a clean clone's CI saw a launcher wait here for good (cause unknown): bounded
             except subprocess.TimeoutExpired:  # unkillable (uninterruptible sleep): said, not waited for forever
                 print(f"{name} (pid {p.pid}) did not end {grace:.0f} s after SIGKILL", file=sys.stderr, flush=True)
 
