@@ -1,7 +1,7 @@
 """A thousand devices on one SuperLink (issue 69): a fleet load generator, the load it holds, what it costs.
 
     python -m benchmarks.fleet_load --devices N --minutes M [--processes P] [--concurrency C] [--database]
-                                    [--no-edge] [--workdir DIR]
+                                    [--idle-s S] [--no-edge] [--fault KIND@SECONDS ...] [--workdir DIR]
 
 Starts on loopback a SuperLink with the compose file's security (TLS with a private CA, SuperNode authentication,
 process isolation; Flower's in-memory state, or SQLite with ``--database``), the edge in front of it (nginx,
@@ -66,7 +66,7 @@ from hybridfl.processes import check_completed, flower_env, flwr_run, write_conn
 from tools import hostile_client
 
 CONNECTION = "fleet-load"
-IDLE_S = 3.0  # flower-supernode's wait after a pull that found nothing
+IDLE_S = 3.0  # flower-supernode's wait after a pull that found nothing (--idle-s: a fleet paced slower)
 RAMP_S = 30.0  # the devices start spread over this long, at least (a fleet does not connect in one instant) ...
 RAMP_S_PER_DEVICE = 0.1  # ... and at most 10 a second: 1000 at once left activations unanswered for 30 s
 RECONNECT_S = 10.0  # a device whose connection failed tries again after this long
@@ -111,14 +111,15 @@ def _unreachable(code: int, message: str | None = None, **_: Any) -> None:
     raise Unreachable(f"exit code {code}: {message}")
 
 
-def device(i: int, n: int, address: str, ca: bytes, key: Path, until: float, record: Record) -> None:
+def device(i: int, n: int, address: str, ca: bytes, key: Path, until: float, record: Record,
+           idle_s: float = IDLE_S) -> None:
     """Device `i` of `n` (partition i), the holder of `key`: connected (again, after :data:`RECONNECT_S`, whenever
     its connection fails) and answering messages until `until`."""
     private = serialization.load_ssh_private_key(key.read_bytes(), None)
     keys = (private, private.public_key())
     while time.time() < until and not STOP.is_set():
         try:
-            serve(i, n, address, ca, keys, until, record)
+            serve(i, n, address, ca, keys, until, record, idle_s)
             reason = "the connection ended (Flower logged why)"  # its context swallows an error in the loop
         except Exception as err:  # noqa: BLE001 - a device that lost the SuperLink tries again, counted
             reason = f"{type(err).__name__}: {err}"[:300]
@@ -127,8 +128,10 @@ def device(i: int, n: int, address: str, ca: bytes, key: Path, until: float, rec
             STOP.wait(RECONNECT_S)
 
 
-def serve(i: int, n: int, address: str, ca: bytes, keys: tuple[Any, Any], until: float, record: Record) -> None:
-    """One connection of device `i`: Flower's SuperNode loop, its ClientApp run here."""
+def serve(i: int, n: int, address: str, ca: bytes, keys: tuple[Any, Any], until: float, record: Record,
+          idle_s: float) -> None:
+    """One connection of device `i`: Flower's SuperNode loop (`idle_s` after a pull that found nothing), its
+    ClientApp run here."""
     with http_request_response(address, False, ca, authentication_keys=keys, max_wait_time=until - time.time()) as (
             node_id, receive, send, _, _, pull_object, push_object, confirm):
         record.event(device=i, event="connected", node=node_id)
@@ -139,7 +142,7 @@ def serve(i: int, n: int, address: str, ca: bytes, keys: tuple[Any, Any], until:
             got = receive()
             record.pulls.append(time.monotonic() - asked)
             if got is None:
-                STOP.wait(max(0.0, min(IDLE_S, until - time.time())))
+                STOP.wait(max(0.0, min(idle_s, until - time.time())))
                 continue
             message, tree = got
             run_id, msg_id = message.metadata.run_id, message.metadata.message_id
@@ -168,7 +171,8 @@ def serve(i: int, n: int, address: str, ca: bytes, keys: tuple[Any, Any], until:
                              reason=f"{type(err).__name__}: {err}"[:300])
 
 
-def worker(first: int, count: int, n: int, address: str, certs: Path, until: float, log: Path) -> None:
+def worker(first: int, count: int, n: int, address: str, certs: Path, until: float, log: Path,
+           idle_s: float) -> None:
     """Devices `first` .. `first + count - 1` in this process, one thread each, started over :data:`RAMP_S`."""
     import torch
 
@@ -181,7 +185,7 @@ def worker(first: int, count: int, n: int, address: str, certs: Path, until: flo
     ca = (certs / "ca.crt").read_bytes()
     threads, ramp = [], max(RAMP_S, RAMP_S_PER_DEVICE * n)
     for k, i in enumerate(range(first, first + count)):
-        t = threading.Thread(target=device, args=(i, n, address, ca, certs / f"supernode-{i}", until, record),
+        t = threading.Thread(target=device, args=(i, n, address, ca, certs / f"supernode-{i}", until, record, idle_s),
                              name=f"device-{i}", daemon=True)
         t.start()
         threads.append(t)
@@ -330,7 +334,7 @@ def figures(run: Path, logs: list[Path], sampler: Sampler, registered_s: float, 
         outcomes[e["outcome"]] = outcomes.get(e["outcome"], 0) + 1
     replies = [d for d in device if d["event"] == "replied"]
     return {
-        "flower": flower_version(), "devices": args.devices, "processes": args.processes,
+        "flower": flower_version(), "devices": args.devices, "processes": args.processes, "idle-s": args.idle_s,
         "concurrency": args.concurrency,
         "state": "sqlite" if args.database else "in-memory", "edge": not args.no_edge, "minutes": args.minutes,
         "connected": len({d["device"] for d in device if d["event"] == "connected"}),
@@ -431,6 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=2.0)
     parser.add_argument("--processes", type=int, default=4, help="device processes (each one torch thread)")
     parser.add_argument("--concurrency", type=int, default=20, help="updates in flight (the wall clock's)")
+    parser.add_argument("--idle-s", type=float, default=IDLE_S, help="a device's wait after a pull that found "
+                        "nothing (Flower's SuperNode: 3 s)")
     parser.add_argument("--database", action="store_true", help="the SuperLink's state in SQLite, not in memory")
     parser.add_argument("--no-edge", action="store_true", help="devices straight to the SuperLink")
     parser.add_argument("--workdir", type=Path, default=None, help="default: outputs/fleet-load/<time>")
@@ -446,10 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         first, count, n = args.worker
         worker(first, count, n, args.address, args.workdir / "certs", args.until,
-               args.workdir / "devices" / f"devices-{first}.jsonl")
+               args.workdir / "devices" / f"devices-{first}.jsonl", args.idle_s)
         return 0
-    if args.devices < 2 or args.processes < 1 or args.concurrency < 1 or args.minutes <= 0:
-        parser.error("--devices ≥ 2, --processes ≥ 1, --concurrency ≥ 1, --minutes > 0")
+    if args.devices < 2 or args.processes < 1 or args.concurrency < 1 or args.minutes <= 0 or args.idle_s <= 0:
+        parser.error("--devices ≥ 2, --processes ≥ 1, --concurrency ≥ 1, --minutes > 0, --idle-s > 0")
     kinds = Counter(kind for kind, _ in args.fault)
     if kinds["restart-superlink"] and not args.database:
         parser.error("--fault restart-superlink needs --database (an in-memory SuperLink loses its runs)")
@@ -479,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         address = f"127.0.0.1:{server.edge_port if server.edge_port else server.link_port}"
         workers = Workers(server, lambda first, count: [
             sys.executable, "-m", "benchmarks.fleet_load", "--worker", str(first), str(count), str(args.devices),
-            "--address", address, "--until", str(until), "--workdir", str(workdir)],
+            "--address", address, "--until", str(until), "--workdir", str(workdir), "--idle-s", str(args.idle_s)],
             {**env, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}, args.devices, args.processes)
         logs = [workdir / "devices" / f"devices-{first}.jsonl" for first, _ in workers.parts]
         roots = {"superlink": partial(server.pid, "superlink"), "serverapp": lambda: serverapp.pid}

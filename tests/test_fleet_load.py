@@ -60,3 +60,19 @@ def test_reconciliation_finds_a_reply_with_two_fates_one_with_none_and_an_update
     assert not unsent["reconciled"] and unsent["accepted-without-a-device-reply"] == 1
     killed = reconcile(events, ["c"], [_device("b"), _device("c")], {0})
     assert killed["reconciled"] and killed["accepted-from-a-killed-device-log"] == 1
+
+
+def test_a_profile_summary_leaves_out_idle_threads_and_counts_each_frame_once_per_sample(tmp_path, capsys):
+    """benchmarks/pyspy_summary.py: a sample whose innermost frame is a wait is idle; a frame that appears twice on
+    one stack counts once for that sample."""
+    from benchmarks import pyspy_summary
+
+    profile = tmp_path / "p.txt"
+    profile.write_text("main (a.py:1);wait_loop (threading.py:1);Condition.wait (threading.py:327) 6\n"
+                       "main (a.py:1);handle (flwr/x.py:2);handle (flwr/x.py:2);verify (flwr/y.py:3) 3\n"
+                       "main (a.py:1);handle (flwr/x.py:2) 1\n")
+    total, busy, own, within = pyspy_summary.summarise(profile.read_text().splitlines())
+    assert (total, busy) == (10, 4) and own == {"verify (flwr/y.py:3)": 3, "handle (flwr/x.py:2)": 1}
+    assert within["handle (flwr/x.py:2)"] == 4 and "Condition.wait (threading.py:327)" not in within
+    assert pyspy_summary.main([str(profile)]) == 0
+    assert "10 samples, 4 busy (40.0 %)" in capsys.readouterr().out
