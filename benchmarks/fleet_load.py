@@ -420,10 +420,13 @@ def inject(schedule: list[tuple[str, float]], server: hostile_client.Server, wor
             return
         started = time.monotonic()
         entry: dict[str, Any] = {"fault": kind, "at-s": round(started - t0, 1)}
-        if kind.startswith("restart-"):
-            server.restart(kind.removeprefix("restart-"))
-        else:
-            entry["devices"] = len(workers.hit(kind))
+        try:
+            if kind.startswith("restart-"):
+                server.restart(kind.removeprefix("restart-"))
+            else:
+                entry["devices"] = len(workers.hit(kind))
+        except Exception as err:  # noqa: BLE001 - a fault that failed is recorded with the run's figures, not lost
+            entry["error"] = f"{type(err).__name__}: {err}"[:300]
         entry["took-s"] = round(time.monotonic() - started, 1)
         print(f"fault: {entry}", flush=True)
         record.append(entry)

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from helpers import needs_nginx
 
@@ -76,3 +77,81 @@ def test_a_profile_summary_leaves_out_idle_threads_and_counts_each_frame_once_pe
     assert within["handle (flwr/x.py:2)"] == 4 and "Condition.wait (threading.py:327)" not in within
     assert pyspy_summary.main([str(profile)]) == 0
     assert "10 samples, 4 busy (40.0 %)" in capsys.readouterr().out
+
+
+def test_a_fault_is_kind_at_seconds_and_a_fault_the_setup_cannot_take_fails_at_start(capsys):
+    """`--fault KIND@SECONDS`: an unknown kind or a bad time is refused naming what is allowed; a SuperLink restart
+    without --database (its runs would be lost) and more device faults than untouched processes fail before anything
+    starts."""
+    import argparse
+
+    from benchmarks.fleet_load import fault, main
+
+    assert fault("restart-edge@12.5") == ("restart-edge", 12.5)
+    for bad in ("reboot@3", "restart-edge", "restart-edge@-1"):
+        with pytest.raises(argparse.ArgumentTypeError, match="restart-superlink, restart-edge"):
+            fault(bad)
+    for argv, said in ((["--fault", "restart-superlink@5"], "needs --database"),
+                       (["--processes", "2", "--fault", "drop-devices@1", "--fault", "replace-devices@2"],
+                        "fewer than --processes")):
+        with pytest.raises(SystemExit) as stopped:
+            main(argv)
+        assert stopped.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_device_faults_hit_a_new_process_each_and_a_replaced_one_starts_again():
+    """Workers.hit: the last process not hit yet is killed; `replace-devices` starts its devices again under a new
+    name, `drop-devices` does not; every device of a killed process is counted as killed."""
+    from benchmarks.fleet_load import Workers
+
+    class Procs:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, str]] = []
+
+        def start(self, name, cmd, env=None):
+            self.calls.append(("start", name))
+
+        def kill(self, name):
+            self.calls.append(("kill", name))
+
+    server = type("S", (), {"procs": Procs()})()
+    workers = Workers(server, lambda first, count: [str(first), str(count)], {}, 10, 3)
+    assert workers.parts == [(0, 4), (4, 4), (8, 2)]
+    assert workers.hit("replace-devices") == [8, 9]
+    assert workers.hit("drop-devices") == [4, 5, 6, 7]
+    assert server.procs.calls[3:] == [("kill", "devices-8"), ("start", "devices-8-again"), ("kill", "devices-4")]
+    assert workers.killed == {4, 5, 6, 7, 8, 9} and workers.names[4] == "devices-4-dropped"
+
+
+def test_memory_growth_is_the_latest_process_slope_after_warm_up_per_hour():
+    """Sampler.growth: % per hour of the mean, from the latest pid's samples after the warm-up and its first minute;
+    None for under 5 minutes of them."""
+    from benchmarks.fleet_load import Sampler
+
+    sampler = Sampler({"superlink": lambda: 1}, warm_up_s=100.0)
+    old = [(t, 1, 500.0 + t) for t in range(0, 400, 10)]  # a process that grew fast, then was restarted
+    new = [(t, 2, 100.0 + (t - 400) / 360) for t in range(400, 1400, 10)]  # 10 MiB per hour around ~101 MiB
+    sampler.series["superlink"] = old + new
+    growth = sampler.growth("superlink")
+    mean = np.mean([m for t, _, m in new if t >= 460])
+    assert growth == pytest.approx(100 * 10 / mean, abs=0.01)
+    sampler.series["superlink"] = new[:30]
+    assert sampler.growth("superlink") is None
+
+
+def test_the_reply_pull_request_follows_the_fields_flower_s_proto_has(monkeypatch):
+    """Flower 1.42's ServerAppIo pull asks by `message_ids`; the 1.43 development line's by a `reply_to_message_ids`
+    list (what benchmarks/fleet_load.py runs against flwr-nightly)."""
+    from server_app import replies
+
+    assert list(replies.pull_request(["a", "b"]).message_ids) == ["a", "b"]
+
+    class Newer:
+        DESCRIPTOR = type("D", (), {"fields_by_name": {"reply_to_message_ids": None}})
+
+        def __init__(self, **fields):
+            self.fields = fields
+
+    monkeypatch.setattr(replies, "PullAppMessagesRequest", Newer)
+    asked = replies.pull_request(["a"]).fields["reply_to_message_ids"]
+    assert list(asked.vals) == ["a"]
