@@ -121,6 +121,26 @@ def test_a_child_ends_when_its_executor_dies_as_flower_s_clientapp_does():
     assert not left
 
 
+@contextlib.contextmanager
+def fork_server(*modules: str, env: dict[str, str] | None = None):
+    """The warm executor's fork server started by hand, importing `modules`: (the server, its task pipe, its reply
+    pipe), ready; killed on the way out."""
+    task_r, task_w = os.pipe()
+    reply_r, reply_w = os.pipe()
+    with __import__("tempfile").TemporaryDirectory() as marks:
+        server = subprocess.Popen([sys.executable, "-P", "-c", _SERVER, str(task_r), str(reply_w), marks,
+                                   str(ORPHAN_GRACE_S), *modules], pass_fds=(task_r, reply_w),
+                                  stderr=subprocess.PIPE, text=True, env=env)
+        os.close(task_r)
+        os.close(reply_w)
+        tasks, replies = os.fdopen(task_w, "w"), os.fdopen(reply_r, "r")
+        try:
+            assert replies.readline().strip() == "ready"
+            yield server, tasks, replies
+        finally:
+            server.kill()
+
+
 def test_a_child_whose_flower_exit_hangs_ends_itself_once_its_executor_is_gone(tmp_path):
     """Flower's exit in a child whose executor died can wait on its retries (over 30 s measured under load): a child
     whose ClientApp runtime ignores SIGINT and never returns still ends ORPHAN_GRACE_S after its executor, with a line
@@ -130,18 +150,7 @@ def test_a_child_whose_flower_exit_hangs_ends_itself_once_its_executor_is_gone(t
         "def hang(**task):\n    signal.signal(signal.SIGINT, signal.SIG_IGN)\n    time.sleep(600)\n\n\n"
         "runtime.run_clientapp = hang\n")
     parent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-    task_r, task_w = os.pipe()
-    reply_r, reply_w = os.pipe()
-    with contextlib.ExitStack() as stack:
-        marks = stack.enter_context(__import__("tempfile").TemporaryDirectory())
-        server = subprocess.Popen([sys.executable, "-P", "-c", _SERVER, str(task_r), str(reply_w), marks,
-                                   str(ORPHAN_GRACE_S), "hung_runtime"], pass_fds=(task_r, reply_w),
-                                  stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)})
-        stack.callback(server.kill)
-        os.close(task_r)
-        os.close(reply_w)
-        tasks, replies = os.fdopen(task_w, "w"), os.fdopen(reply_r, "r")
-        assert replies.readline().strip() == "ready"
+    with fork_server("hung_runtime", env={**os.environ, "PYTHONPATH": str(tmp_path)}) as (server, tasks, replies):
         print(json.dumps({"root_certificates_path": None, "parent_pid": parent.pid}), file=tasks, flush=True)
         child = int(replies.readline())
         time.sleep(1)
@@ -230,16 +239,7 @@ def test_a_task_that_installs_its_apps_dependencies_goes_to_flowers_executor(mon
 def test_a_child_whose_app_raises_prints_its_traceback_in_the_nodes_log():
     """The fork server's child ends with os._exit (never the server's own cleanup): an exception that is not
     Flower's exit is printed first, as `flwr-clientapp` would print it, and the child exits 1."""
-    task_r, task_w = os.pipe()
-    reply_r, reply_w = os.pipe()
-    with contextlib.ExitStack() as stack:
-        marks = stack.enter_context(__import__("tempfile").TemporaryDirectory())
-        server = subprocess.Popen([sys.executable, "-P", "-c", _SERVER, str(task_r), str(reply_w), marks, "5"],
-                                  pass_fds=(task_r, reply_w), stderr=subprocess.PIPE, text=True)
-        os.close(task_r)
-        os.close(reply_w)
-        tasks, replies = os.fdopen(task_w, "w"), os.fdopen(reply_r, "r")
-        assert replies.readline().strip() == "ready"
+    with fork_server() as (server, tasks, replies):
         # run_clientapp(**task) with an argument it does not take: a TypeError inside the child
         print(json.dumps({"root_certificates_path": None, "not_an_argument": 1}), file=tasks, flush=True)
         assert replies.readline().strip().isdigit()
