@@ -146,6 +146,7 @@ def serve(i: int, n: int, address: str, ca: bytes, keys: tuple[Any, Any], until:
                 continue
             message, tree = got
             run_id, msg_id = message.metadata.run_id, message.metadata.message_id
+            stage = "pull"  # then "train", then "push" once the SuperLink registered the reply
             try:
                 contents = pull_objects([t.object_id for t in iterate_object_tree(tree)],
                                         partial(pull_object, run_id), max_time=60.0)
@@ -153,6 +154,7 @@ def serve(i: int, n: int, address: str, ca: bytes, keys: tuple[Any, Any], until:
                 message.metadata.__dict__["_message_id"] = msg_id
                 confirm(run_id, msg_id)
                 context.run_id = run_id
+                stage = "train"
                 with CLIENT_APP:
                     started = time.monotonic()
                     reply = app(message, context)
@@ -160,6 +162,7 @@ def serve(i: int, n: int, address: str, ca: bytes, keys: tuple[Any, Any], until:
                 with no_object_id_recompute():
                     objects = get_all_nested_objects(reply)
                     to_push, session = send(reply, get_object_tree(reply), time.monotonic() - started)
+                    stage = "push"
                     push_object_contents_from_iterable(
                         ((o, objects[o].deflate()) for o in objects if o in to_push),
                         partial(push_object, run_id, session))
@@ -168,7 +171,7 @@ def serve(i: int, n: int, address: str, ca: bytes, keys: tuple[Any, Any], until:
                              seconds=round(time.monotonic() - started, 4))
             except Exception as err:  # noqa: BLE001 - a device's failure is counted, the device goes on
                 record.event(device=i, event="failed", kind=message.metadata.message_type, message=msg_id,
-                             reason=f"{type(err).__name__}: {err}"[:300])
+                             stage=stage, reason=f"{type(err).__name__}: {err}"[:300])
 
 
 def worker(first: int, count: int, n: int, address: str, certs: Path, until: float, log: Path,
@@ -298,23 +301,29 @@ def flower_version() -> str:
 
 def reconcile(events: list[dict[str, Any]], in_flight: list[str], device: list[dict[str, Any]],
               killed: set[int]) -> dict[str, Any]:
-    """Every train reply the devices logged, by message id, against the run's fates of its train messages (an
-    event each, or in flight when the run ended): each reply's fate by kind; ``reconciled`` when no message has two
-    fates, every reply has one, and no update was accepted that no device logged replying, except from devices of
-    a process killed (`killed`: its log may end between a reply's push and its line)."""
+    """Every train reply the devices sent, by message id, against the run's fates of its train messages (an event
+    each, or in flight when the run ended): each reply's fate by kind; ``reconciled`` when no message has two fates,
+    every reply has one, and no update was accepted that no device logged sending, except from devices of a process
+    killed (`killed`: its log may end between a reply's push and its line). A reply is sent once the SuperLink
+    registered it: logged replied, or failed while its objects were pushed (a SuperLink killed mid-upload may have
+    stored them and not said so: their fates, e.g. accepted, are also counted apart as ``push-failed``)."""
     replied = {d["message"] for d in device if d["event"] == "replied" and d["kind"] == "train"}
+    push_failed = {d["message"] for d in device
+                   if d["event"] == "failed" and d["kind"] == "train" and d.get("stage") == "push"} - replied
     fates: dict[str, list[str]] = {}
     for e in events:
         if "message" in e:  # a refused strategy step is no message's fate
             fates.setdefault(e["message"], []).append(e["outcome"])
     for m in in_flight:
         fates.setdefault(m, []).append("in flight at the end")
+    sent = replied | push_failed
     twice = sorted(m for m, f in fates.items() if len(f) > 1)
-    unknown = [e for e in events if e.get("message") not in replied and e["outcome"] == "accepted"]
+    unknown = [e for e in events if e.get("message") not in sent and e["outcome"] == "accepted"]
     unexplained = [e for e in unknown if e["client"] not in killed]
-    replies = Counter(fates[m][0] if m in fates else "no fate" for m in replied)
-    return {"train-replies": len(replied), "by-fate": dict(replies),
-            "fates-without-a-device-reply": dict(Counter(f[0] for m, f in fates.items() if m not in replied)),
+    replies = Counter(fates[m][0] if m in fates else "no fate" for m in sent)
+    return {"train-replies": len(sent), "by-fate": dict(replies),
+            "push-failed": dict(Counter(fates[m][0] if m in fates else "no fate" for m in push_failed)),
+            "fates-without-a-device-reply": dict(Counter(f[0] for m, f in fates.items() if m not in sent)),
             "accepted-from-a-killed-device-log": len(unknown) - len(unexplained),
             "device-failures": sum(d["event"] == "failed" for d in device),
             "two-fates": len(twice), "accepted-without-a-device-reply": len(unexplained),

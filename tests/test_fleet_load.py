@@ -38,12 +38,12 @@ def test_fifty_devices_through_a_superlink_restart_have_every_reply_reconciled(t
     accepted = [e for e in events if e["outcome"] == "accepted"]
     assert max(e["t"] for e in accepted) > restart["at-s"] + restart["took-s"] + 5  # it trained on after it
     check = figures["reconciliation"]
-    assert check["reconciled"] and check["train-replies"] >= check["by-fate"]["accepted"] == len(accepted) > 0
+    assert check["reconciled"] and check["train-replies"] >= check["by-fate"]["accepted"] == len(accepted) > 0, check
     assert "train-seconds" in figures and figures["pull-s"]["count"] > 0
 
 
-def _device(message: str, kind: str = "train") -> dict:
-    return {"event": "replied", "kind": kind, "message": message, "device": 0}
+def _device(message: str, kind: str = "train", event: str = "replied", **fields: str) -> dict:
+    return {"event": event, "kind": kind, "message": message, "device": 0, **fields}
 
 
 def test_reconciliation_finds_a_reply_with_two_fates_one_with_none_and_an_update_no_device_sent():
@@ -61,6 +61,14 @@ def test_reconciliation_finds_a_reply_with_two_fates_one_with_none_and_an_update
     assert not unsent["reconciled"] and unsent["accepted-without-a-device-reply"] == 1
     killed = reconcile(events, ["c"], [_device("b"), _device("c")], {0})
     assert killed["reconciled"] and killed["accepted-from-a-killed-device-log"] == 1
+    # a device whose push failed after the SuperLink registered its reply (seen through a SuperLink restart: the
+    # objects were stored, the acknowledgement lost) sent it; failing before the push, it did not
+    pushed = reconcile(events, ["c"], [_device("a", event="failed", stage="push"), _device("b"), _device("c")], set())
+    assert pushed["reconciled"] and pushed["push-failed"] == {"accepted": 1} and pushed["by-fate"]["accepted"] == 1
+    trained = reconcile(events, ["c"], [_device("a", event="failed", stage="train"), _device("b"), _device("c")], set())
+    assert not trained["reconciled"] and trained["accepted-without-a-device-reply"] == 1
+    lost = reconcile(events[1:], [], [_device("a", event="failed", stage="push"), _device("b")], set())
+    assert not lost["reconciled"] and lost["push-failed"] == {"no fate": 1}
 
 
 def test_a_profile_summary_leaves_out_idle_threads_and_counts_each_frame_once_per_sample(tmp_path, capsys):
