@@ -143,13 +143,22 @@ def collect(grid: Grid, message_ids: Iterable[str], timeout: float, poll: float 
     return replies
 
 
-class NodeDirectory:
-    """Which node holds which client partition, learned by a ``query`` message to each new node."""
+# A query's answer is a few bytes: one not in by then is lost, or queued behind a SuperLink's backlog (asking again
+# then costs one small message per such node and minute, well under wait-nodes-s's default of 120 s)
+ASK_AGAIN_S = 60.0
 
-    def __init__(self, grid: Grid, num_clients: int = MAX_COUNT) -> None:
+
+class NodeDirectory:
+    """Which node holds which client partition, learned by a ``query`` message to each new node. A node without a
+    usable answer within `ask_again_s` is asked again: Flower's SuperNode drops a message whose objects it failed to
+    pull and never answers it (300 load-test devices that gave up after 60 s lost 41 queries: the run then waited
+    for them until wait-nodes-s ended it); one whose answer was refused is not asked again sooner."""
+
+    def __init__(self, grid: Grid, num_clients: int = MAX_COUNT, ask_again_s: float = ASK_AGAIN_S) -> None:
         self.grid, self.num_clients = grid, num_clients  # a node naming a partition outside [0, num_clients) is ignored
+        self.ask_again_s = ask_again_s
         self.node_of: dict[int, int] = {}  # client (partition id) -> node id
-        self._asked: dict[str, int] = {}  # query message id -> node id
+        self._asked: dict[str, tuple[int, float]] = {}  # query message id -> (node id, when asked)
 
     @property
     def clients(self) -> list[int]:
@@ -158,15 +167,18 @@ class NodeDirectory:
     def poll(self) -> set[int]:
         """Ask connected nodes not yet known which partition they hold, record the answers that are in
         (without waiting), and return the ids of the nodes connected now."""
-        nodes = set(self.grid.get_node_ids())
-        known = set(self.node_of.values()) | set(self._asked.values())
+        nodes, now = set(self.grid.get_node_ids()), time.monotonic()
+        for m in [m for m, (node, asked) in self._asked.items() if node not in nodes or now - asked > self.ask_again_s]:
+            del self._asked[m]  # the node is gone, or is asked again below
+        known = set(self.node_of.values()) | {node for node, _ in self._asked.values()}
         new = sorted(nodes - known)
         if new:
             self._asked.update(zip(push(self.grid, lambda: [
                 Message(RecordDict({CONFIG: ConfigRecord({})}), dst_node_id=n, message_type=MessageType.QUERY)
-                for n in new]), new))
+                for n in new]), ((n, now) for n in new)))
         for reply in collect(self.grid, list(self._asked), timeout=0.0):
-            node = self._asked.pop(reply.metadata.reply_to_message_id)
+            # a node that did not describe itself usably is asked again only once its query's time is up
+            node, _ = self._asked[reply.metadata.reply_to_message_id]
             try:
                 client, _ = parse_metrics(reply)
             except RejectedReply as err:
@@ -181,6 +193,7 @@ class NodeDirectory:
                     client, self.node_of[client])
                 continue
             self.node_of[client] = node  # a restarted SuperNode comes back under a new node id
+            del self._asked[reply.metadata.reply_to_message_id]
         return nodes
 
     def wait_for(self, count: int, timeout: float, poll: float = POLL_INTERVAL_S) -> None:

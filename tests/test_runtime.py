@@ -349,3 +349,49 @@ def test_a_server_trained_run_learns_without_a_client_update(small_run):
     assert summary["final-version"] == 2 and summary["total-accepted"] == 0
     with pytest.raises(RuntimeError, match=r"the run accepted no update in 2 rounds .*still on its way"):
         small_run("fedbuff", strategy="fedbuff", **job)
+
+
+class ForgetfulGrid(InProcessGrid):
+    """Its first node drops the first query it is sent, as Flower's SuperNode drops a message whose objects it could
+    not pull (never answering it); its second node answers its first query with no partition id (a broken device)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.first, self.second = list(self.contexts)
+        self.queries: list[int] = []
+
+    def push_messages(self, messages):
+        ids = list(super().push_messages(messages))
+        for i in ids:
+            node = self._pending[i].metadata.dst_node_id
+            self.queries.append(node)
+            if node == self.first and self.queries.count(node) == 1:
+                del self._pending[i]
+        return ids
+
+    def pull_messages(self, message_ids):
+        replies = list(super().pull_messages(message_ids))
+        for reply in replies:
+            if reply.metadata.src_node_id == self.second and self.queries.count(self.second) == 1:
+                del reply.content[METRICS][PARTITION_ID]
+        return replies
+
+
+def test_a_node_without_a_usable_answer_is_asked_again_once_its_query_s_time_is_up():
+    """The node directory asks a node again when its query's answer is lost or refused, after `ask_again_s` and not
+    sooner: both nodes are known after their second query, one query each before that time; never asking again,
+    the wait for both fails naming the one that answered."""
+    from server_app.wire import NodeDirectory
+
+    grid = ForgetfulGrid(client_app, num_nodes=2)
+    directory = NodeDirectory(grid, 2, ask_again_s=0.5)
+    started = time.monotonic()
+    for _ in range(5):
+        directory.poll()
+    assert directory.clients == [] and sorted(grid.queries) == sorted([grid.first, grid.second])
+    directory.wait_for(2, timeout=10.0, poll=0.05)
+    assert time.monotonic() - started >= 0.5 and directory.clients == [0, 1]
+    assert sorted(grid.queries) == sorted([grid.first, grid.second] * 2)
+    never = NodeDirectory(ForgetfulGrid(client_app, num_nodes=2), 2, ask_again_s=math.inf)
+    with pytest.raises(RuntimeError, match=r"only 0 of 2 clients connected within 1s \(partitions \[\]\)"):
+        never.wait_for(2, timeout=1.0, poll=0.05)
