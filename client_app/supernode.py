@@ -1,6 +1,6 @@
 """A SuperNode that asks for its next message soon after it answers: Flower's SuperNode with its two fixed waits paced.
 
-    python -m client_app.supernode [flower-supernode's flags]
+    python -m client_app.supernode [--idle-wait-s S] [flower-supernode's flags]
 
 Flower 1.42's SuperNode loop (``flwr/supernode/start_client_internal.py``) asks the SuperLink for one message, waits
 for its ClientApp's reply checking every 0.5 s, pushes it, asks again, and **sleeps 3 s whenever nothing is waiting**.
@@ -14,7 +14,8 @@ the two waits paced:
 
 - after each reply it pushes, the idle wait starts at ``FIRST_WAIT_S`` and doubles up to Flower's 3 s: a node asks
   about seven more times in the 3 s after a reply, then as Flower's does; a node without work costs the SuperLink
-  what it costs under Flower;
+  what it costs under Flower; ``--idle-wait-s S`` makes that ceiling S (a large fleet's idle asks are most of its
+  SuperLink's load: docs/how-to/sizing.md);
 - the check for its own ClientApp's reply (a read of the node's in-memory state, no network) runs every
   ``LOCAL_CHECK_S`` instead of 0.5 s.
 
@@ -26,6 +27,7 @@ version staler. What it uses of Flower is checked when it starts (:func:`pace`) 
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import inspect
 import sys
@@ -45,16 +47,17 @@ LOOP = "flwr.supernode.start_client_internal"
 class Pacer:
     """Stands in for the loop module's ``time``: its two fixed sleeps paced, everything else the real module."""
 
-    def __init__(self, first_wait_s: float = FIRST_WAIT_S, local_check_s: float = LOCAL_CHECK_S) -> None:
-        self.first_wait_s, self.local_check_s = first_wait_s, local_check_s
-        self.next_wait_s = IDLE_WAIT_S
+    def __init__(self, first_wait_s: float = FIRST_WAIT_S, local_check_s: float = LOCAL_CHECK_S,
+                 idle_wait_s: float = IDLE_WAIT_S) -> None:
+        self.first_wait_s, self.local_check_s, self.idle_wait_s = first_wait_s, local_check_s, idle_wait_s
+        self.next_wait_s = idle_wait_s
 
     def replied(self) -> None:
         self.next_wait_s = self.first_wait_s
 
     def sleep(self, seconds: float) -> None:
         if seconds == IDLE_WAIT_S:
-            seconds, self.next_wait_s = self.next_wait_s, min(2 * self.next_wait_s, IDLE_WAIT_S)
+            seconds, self.next_wait_s = self.next_wait_s, min(2 * self.next_wait_s, self.idle_wait_s)
         elif seconds == REPLY_CHECK_S:
             seconds = self.local_check_s
         time.sleep(seconds)
@@ -82,10 +85,15 @@ def pace(loop: ModuleType, pacer: Pacer) -> None:
 
 
 def main() -> None:
-    """``flower-supernode`` with its waits paced; exit 1 with one line if this Flower's loop is not the one it
-    paces."""
+    """``flower-supernode`` with its waits paced (``--idle-wait-s``, taken out of its flags, the idle ceiling); exit 2
+    naming a bad ``--idle-wait-s``, 1 with one line if this Flower's loop is not the one it paces."""
+    parser = argparse.ArgumentParser(prog="python -m client_app.supernode", add_help=False, allow_abbrev=False)
+    parser.add_argument("--idle-wait-s", type=float, default=IDLE_WAIT_S)
+    ours, sys.argv[1:] = parser.parse_known_args(sys.argv[1:])
+    if not 0 < ours.idle_wait_s < float("inf"):
+        parser.error(f"--idle-wait-s {ours.idle_wait_s:g}: seconds, > 0 (Flower's SuperNode: {IDLE_WAIT_S:g})")
     try:
-        pace(importlib.import_module(LOOP), Pacer())
+        pace(importlib.import_module(LOOP), Pacer(idle_wait_s=ours.idle_wait_s))
     except RuntimeError as err:
         sys.exit(f"error: {err}")
     from flwr.supernode.cli import flower_supernode

@@ -86,6 +86,34 @@ def test_the_paced_supernode_asks_again_soon_after_a_reply_and_then_as_flower_do
     assert pushed == ["replies"] and paced.next_wait_s == supernode.FIRST_WAIT_S
 
 
+def test_the_paced_supernode_s_idle_ceiling_is_its_flag_and_the_rest_are_flowers(monkeypatch, capsys):
+    """`--idle-wait-s 10`: idle asks every 10 s, after a reply 0.05 s doubling up to 10 s; the flag is taken out of
+    flower-supernode's own, which reach it in their order; a bad value exits 2 naming it, before Flower starts."""
+    slept: list[float] = []
+    monkeypatch.setattr(supernode.time, "sleep", slept.append)
+    pacer = supernode.Pacer(idle_wait_s=10.0)
+    pacer.sleep(3)
+    pacer.replied()
+    for _ in range(10):
+        pacer.sleep(3)
+    assert slept == [10, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 10, 10]
+
+    import flwr.supernode.cli
+
+    got: list[tuple[list[str], float]] = []
+    monkeypatch.setattr(supernode, "pace", lambda loop, paced: got.append((list(sys.argv[1:]), paced.idle_wait_s)))
+    monkeypatch.setattr(flwr.supernode.cli, "flower_supernode", lambda: None)
+    monkeypatch.setattr(sys, "argv", ["supernode", "--superlink", "127.0.0.1:1", "--idle-wait-s", "10",
+                                      "--insecure", "--node-config", "partition-id=0"])
+    supernode.main()
+    assert got == [(["--superlink", "127.0.0.1:1", "--insecure", "--node-config", "partition-id=0"], 10.0)]
+    for bad in ("0", "-1", "inf", "soon"):
+        monkeypatch.setattr(sys, "argv", ["supernode", "--idle-wait-s", bad])
+        with pytest.raises(SystemExit) as done:
+            supernode.main()
+        assert done.value.code == 2 and len(got) == 1 and "--idle-wait-s" in capsys.readouterr().err
+
+
 def test_the_paced_supernode_refuses_a_loop_it_was_not_written_for():
     """A Flower whose SuperNode loop no longer has the waits: a clear error naming what moved, not a silent no-op."""
     fake = types.ModuleType("flwr.supernode.start_client_internal")
