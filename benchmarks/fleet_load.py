@@ -1,7 +1,8 @@
 """A thousand devices on one SuperLink (issue 69): a fleet load generator, the load it holds, what it costs.
 
     python -m benchmarks.fleet_load --devices N --minutes M [--processes P] [--concurrency C] [--database]
-                                    [--idle-s S] [--no-edge] [--fault KIND@SECONDS ...] [--workdir DIR]
+                                    [--idle-s S] [--no-edge] [--fault KIND@SECONDS ...] [--resume-steps K]
+                                    [--workdir DIR]
 
 Starts on loopback a SuperLink with the compose file's security (TLS with a private CA, SuperNode authentication,
 process isolation; Flower's in-memory state, or SQLite with ``--database``), the edge in front of it (nginx,
@@ -19,7 +20,8 @@ ends by itself at the end of the run's time (and a grace), every wait in it is b
 Printed (and written to <workdir>/figures.json): updates accepted per second, the ServerApp's reply→dispatch latency
 (p50, p99: the runtime's own, summary.json), the devices' pull latency (p50, p99 of every Fleet ``PullMessages``),
 CPU (mean, % of one core) and peak RSS of the SuperLink, the ServerApp and the edge, and the devices' replies against
-the run's outcomes.
+the run's outcomes, reconciled by message id. With ``--resume-steps K`` the run, once completed, is resumed from its
+checkpoint for K more steps on the same SuperLink and devices, as ``hybridfl resume`` would.
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ IDLE_S = 3.0  # flower-supernode's wait after a pull that found nothing (--idle-
 RAMP_S = 30.0  # the devices start spread over this long, at least (a fleet does not connect in one instant) ...
 RAMP_S_PER_DEVICE = 0.1  # ... and at most 10 a second: 1000 at once left activations unanswered for 30 s
 RECONNECT_S = 10.0  # a device whose connection failed tries again after this long
+# a SuperLink saturated by devices connecting left the operator's `flwr ls` unanswered for 30 s (1000 devices) while
+# its run went on: the load generator waits this long before it calls the SuperLink gone
+UNREACHABLE_S = 300.0
+RESUME_S = 600.0  # a resumed run's bound (--resume-steps: a few steps)
 GRACE_S = 120.0  # devices keep answering this long past the run's time: its last round and evaluation
 SAMPLE_S = 1.0
 STOP = threading.Event()  # a worker's devices leave (their nodes deactivated) once it is set: SIGTERM
@@ -148,8 +154,10 @@ def serve(i: int, n: int, address: str, ca: bytes, keys: tuple[Any, Any], until:
             run_id, msg_id = message.metadata.run_id, message.metadata.message_id
             stage = "pull"  # then "train", then "push" once the SuperLink registered the reply
             try:
+                # as long as Flower's SuperNode waits (PULL_MAX_TIME: 2 h) within the device's time: a query's
+                # objects came after 60 s at 300 devices (the ServerApp uploads a message's objects after it lists it)
                 contents = pull_objects([t.object_id for t in iterate_object_tree(tree)],
-                                        partial(pull_object, run_id), max_time=60.0)
+                                        partial(pull_object, run_id), max_time=max(1.0, until - time.time()))
                 message = inflate_object_from_contents(msg_id, contents)
                 message.metadata.__dict__["_message_id"] = msg_id
                 confirm(run_id, msg_id)
@@ -330,12 +338,16 @@ def reconcile(events: list[dict[str, Any]], in_flight: list[str], device: list[d
             "reconciled": not twice and not unexplained and "no fate" not in replies}
 
 
-def figures(run: Path, logs: list[Path], sampler: Sampler, registered_s: float, args: argparse.Namespace,
-            faults: list[dict[str, Any]], killed: set[int]) -> dict[str, Any]:
-    """What item 2 of issue 69 asks, from the run's own files and the devices' logs."""
-    summary = json.loads((run / "summary.json").read_text())
+def figures(run: Path, summary: dict[str, Any], before: int, logs: list[Path], sampler: Sampler,
+            registered_s: float, args: argparse.Namespace, faults: list[dict[str, Any]], killed: set[int],
+            resumed: dict[str, Any] | None) -> dict[str, Any]:
+    """What item 2 of issue 69 asks, from the run's own files (`summary` and the first `before` events: the run
+    before any resume) and the devices' logs; the replies reconciled over the run and its resumed part."""
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-    device = [json.loads(line) for log in logs for line in log.read_text().splitlines()]
+    in_flight = summary["in-flight-at-end"] + (resumed or {}).get("in-flight-at-end", [])
+    reconciliation = reconcile(events, in_flight, device_lines(logs), killed)
+    events = events[:before]
+    device = device_lines(logs)
     pulls = np.concatenate([np.frombuffer(log.with_suffix(".pulls.npy").read_bytes(), dtype=np.float32)
                             for log in logs if log.with_suffix(".pulls.npy").exists()] or [np.zeros(0)])
     outcomes: dict[str, int] = {}
@@ -358,9 +370,29 @@ def figures(run: Path, logs: list[Path], sampler: Sampler, registered_s: float, 
                            "errors": sum(r["error"] for r in replies),
                            "failed": sum(d["event"] == "failed" for d in device),
                            "disconnections": sum(d["event"] == "disconnected" for d in device)},
-        "faults": faults, "reconciliation": reconcile(events, summary["in-flight-at-end"], device, killed),
+        "faults": faults, "reconciliation": reconciliation, "resumed": resumed,
         "processes-cost": sampler.figures(),
     }
+
+
+def device_lines(logs: list[Path]) -> list[dict[str, Any]]:
+    return [json.loads(line) for log in logs for line in log.read_text().splitlines()]
+
+
+def resume(run: Path, steps: int, env: dict[str, str], log: Path) -> dict[str, Any]:
+    """The run continued from its checkpoint for `steps` more steps (``hybridfl resume``'s overrides: the run folder
+    and a larger num-rounds), on the same SuperLink and devices: where it started, what it did, what it left out."""
+    metrics = (run / "metrics.jsonl").read_text().splitlines()
+    last = json.loads(metrics[-1])["round"]
+    overrides, _, _ = prepare({"resume": str(run), "num-rounds": last + steps})
+    run_id, status = flwr_run(env, CONNECTION, overrides, timeout=RESUME_S, log=log, unreachable_s=UNREACHABLE_S)
+    check_completed(run_id, status, run)
+    after = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()[len(metrics):]]
+    summary = json.loads((run / "summary.json").read_text())
+    return {"from-step": last, "resumed-after-round": summary["resumed-after-round"],
+            "steps": [after[0]["round"], after[-1]["round"]], "accepted": sum(m["accepted"] for m in after),
+            "final-test-accuracy": summary["final-test-accuracy"],
+            "in-flight-at-end": summary["in-flight-at-end"]}
 
 
 FAULTS = ("restart-superlink", "restart-edge", "drop-devices", "replace-devices")
@@ -450,6 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--idle-s", type=float, default=IDLE_S, help="a device's wait after a pull that found "
                         "nothing (Flower's SuperNode: 3 s)")
     parser.add_argument("--database", action="store_true", help="the SuperLink's state in SQLite, not in memory")
+    parser.add_argument("--resume-steps", type=int, default=0, help="after the run, resume it from its checkpoint "
+                        "for this many more steps, as `hybridfl resume` does (the devices stay)")
     parser.add_argument("--no-edge", action="store_true", help="devices straight to the SuperLink")
     parser.add_argument("--workdir", type=Path, default=None, help="default: outputs/fleet-load/<time>")
     parser.add_argument("--fault", type=fault, action="append", default=[], metavar="KIND@SECONDS",
@@ -466,8 +500,10 @@ def main(argv: list[str] | None = None) -> int:
         worker(first, count, n, args.address, args.workdir / "certs", args.until,
                args.workdir / "devices" / f"devices-{first}.jsonl", args.idle_s)
         return 0
-    if args.devices < 2 or args.processes < 1 or args.concurrency < 1 or args.minutes <= 0 or args.idle_s <= 0:
-        parser.error("--devices ≥ 2, --processes ≥ 1, --concurrency ≥ 1, --minutes > 0, --idle-s > 0")
+    if args.devices < 2 or args.processes < 1 or args.concurrency < 1 or args.minutes <= 0 or args.idle_s <= 0 \
+            or args.resume_steps < 0:
+        parser.error("--devices ≥ 2, --processes ≥ 1, --concurrency ≥ 1, --minutes > 0, --idle-s > 0, "
+                     "--resume-steps ≥ 0")
     kinds = Counter(kind for kind, _ in args.fault)
     if kinds["restart-superlink"] and not args.database:
         parser.error("--fault restart-superlink needs --database (an in-memory SuperLink loses its runs)")
@@ -493,7 +529,8 @@ def main(argv: list[str] | None = None) -> int:
         serverapp = server.procs.start("superexec-serverapp", superexec(["--root-certificates", str(server.ca)],
                                                                         f"127.0.0.1:{server.link_port}",
                                                                         server.certs / "superlink.secret"))
-        until = time.time() + max(RAMP_S, RAMP_S_PER_DEVICE * args.devices) + 60.0 * args.minutes + GRACE_S + 60.0
+        until = time.time() + max(RAMP_S, RAMP_S_PER_DEVICE * args.devices) + 60.0 * args.minutes + GRACE_S + 60.0 \
+            + (RESUME_S if args.resume_steps else 0.0)
         address = f"127.0.0.1:{server.edge_port if server.edge_port else server.link_port}"
         workers = Workers(server, lambda first, count: [
             sys.executable, "-m", "benchmarks.fleet_load", "--worker", str(first), str(count), str(args.devices),
@@ -510,17 +547,25 @@ def main(argv: list[str] | None = None) -> int:
         injector.start()
         try:
             run_id, status = flwr_run(env, CONNECTION, overrides, timeout=60.0 * args.minutes + 1800.0,
-                                      log=workdir / "flwr-run.log")
+                                      log=workdir / "flwr-run.log", unreachable_s=UNREACHABLE_S)
         finally:
             done.set()
             sampler.stop.set()
             injector.join(120)  # a restart under way finishes before anything stops
         check_completed(run_id, status, run)
+        summary = json.loads((run / "summary.json").read_text())
+        before = len((run / "events.jsonl").read_text().splitlines())
+        resumed = None
+        if args.resume_steps:
+            try:
+                resumed = resume(run, args.resume_steps, env, workdir / "flwr-run-resumed.log")
+            except Exception as err:  # noqa: BLE001 - the run's figures are written all the same, and this exits 1
+                resumed = {"error": f"{type(err).__name__}: {err}"[:500]}
         workers.stop()  # they would end by themselves at `until`: they leave now
-    result = figures(run, logs, sampler, registered_s, args, faults, workers.killed)
+    result = figures(run, summary, before, logs, sampler, registered_s, args, faults, workers.killed, resumed)
     (workdir / "figures.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
-    return 0
+    return 1 if resumed and "error" in resumed else 0
 
 
 if __name__ == "__main__":

@@ -318,12 +318,17 @@ def register_supernode(env: dict[str, str], connection: str, public_key: Path, f
     return int(reply["node-id"])
 
 
+UNREACHABLE_S = 30.0  # a SuperLink silent this long is gone, not restarting (a saturated one can be slower)
+
+
 def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
              federation_config: str | None = None, timeout: float | None = None,
-             app_dir: Path | None = None, flwr: Flwr = local_flwr, log: Path | None = None) -> tuple[int, str]:
+             app_dir: Path | None = None, flwr: Flwr = local_flwr, log: Path | None = None,
+             unreachable_s: float = UNREACHABLE_S) -> tuple[int, str]:
     """``flwr run . <connection> --stream`` in `app_dir` (None: hybridfl's own app, :func:`hybridfl.bundle.flower_app`;
     or a user's Flower app that runs hybridfl's apps: examples/tabular); returns (run id, its final status text).
     `timeout`: seconds before the run is given up on (a check's bound); None, a user's run: as long as it takes.
+    `unreachable_s`: how long the SuperLink may leave the run's status unanswered (:func:`final_status`).
 
     Output is streamed to this process's stdout as it comes, and appended to `log` where one is given (what the
     run's own processes said: a simulation's Ray, the ServerApp).
@@ -370,7 +375,7 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
         raise RuntimeError(f"flwr run did not finish within {timeout:.0f}s")
     if run_id is None:
         raise RuntimeError(f"flwr run did not start a run (exit code {proc.returncode})")
-    return run_id, final_status(env, connection, run_id, timeout, flwr=flwr)
+    return run_id, final_status(env, connection, run_id, timeout, unreachable_s, flwr=flwr)
 
 
 def run_status(env: dict[str, str], connection: str, run_id: int, flwr: Flwr = local_flwr) -> str:
@@ -385,7 +390,7 @@ def run_status(env: dict[str, str], connection: str, run_id: int, flwr: Flwr = l
 
 
 def final_status(env: dict[str, str], connection: str, run_id: int, timeout: float | None = None,
-                 unreachable_s: float = 30.0, flwr: Flwr = local_flwr) -> str:
+                 unreachable_s: float = UNREACHABLE_S, flwr: Flwr = local_flwr) -> str:
     """The run's status once it is ``finished:*``. ``flwr run --stream`` also returns when its connection
     drops (a SuperLink restarting with ``--database`` keeps the run going), so poll until the run ended, until
     `timeout` seconds (None: no bound), or until the SuperLink has not answered for `unreachable_s` (it is gone, not

@@ -21,13 +21,14 @@ REPO = PROJECT_DIR
 def test_fifty_devices_through_a_superlink_restart_have_every_reply_reconciled(tmp_path):
     """50 devices (Flower's Fleet client through the edge, registered keys) answer FedBuff for 2 minutes on a
     SuperLink with SQLite state, killed (SIGKILL) 30 s into training and started again: the run completes, trains
-    on after the restart, and each train reply a device logged has exactly one fate in the run (an event, or in
-    flight at the end), and no accepted update lacks a device's reply."""
+    on after the restart, and resumes from its checkpoint for 2 more steps; each train reply a device logged has
+    exactly one fate in the run and its resumed part (an event, or in flight at the end), and no accepted update
+    lacks a device's reply."""
     needs_nginx()
     work = tmp_path / "load"
     done = subprocess.run([sys.executable, "-m", "benchmarks.fleet_load", "--devices", "50", "--minutes", "2",
                            "--processes", "2", "--concurrency", "10", "--database",
-                           "--fault", "restart-superlink@30", "--workdir", str(work)],
+                           "--fault", "restart-superlink@30", "--resume-steps", "2", "--workdir", str(work)],
                           cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     figures = json.loads((work / "figures.json").read_text())
@@ -36,7 +37,12 @@ def test_fifty_devices_through_a_superlink_restart_have_every_reply_reconciled(t
     assert restart["fault"] == "restart-superlink"
     events = [json.loads(line) for line in (work / "runs" / "fleet-load" / "events.jsonl").read_text().splitlines()]
     accepted = [e for e in events if e["outcome"] == "accepted"]
-    assert max(e["t"] for e in accepted) > restart["at-s"] + restart["took-s"] + 5  # it trained on after it
+    resumed = figures["resumed"]
+    last = resumed["from-step"]
+    assert resumed["resumed-after-round"] == last and resumed["steps"] == [last + 1, last + 2], resumed
+    assert 0 < resumed["accepted"] < len(accepted) and max(e["round"] for e in accepted) == last + 2
+    first = [e for e in accepted if e["round"] <= last]
+    assert max(e["t"] for e in first) > restart["at-s"] + restart["took-s"] + 5  # it trained on after the restart
     check = figures["reconciliation"]
     assert check["reconciled"] and check["train-replies"] >= check["by-fate"]["accepted"] == len(accepted) > 0, check
     assert "train-seconds" in figures and figures["pull-s"]["count"] > 0
