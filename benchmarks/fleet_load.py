@@ -344,10 +344,10 @@ def figures(run: Path, summary: dict[str, Any], before: int, logs: list[Path], s
     """What item 2 of issue 69 asks, from the run's own files (`summary` and the first `before` events: the run
     before any resume) and the devices' logs; the replies reconciled over the run and its resumed part."""
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    device = [json.loads(line) for log in logs for line in log.read_text().splitlines()]
     in_flight = summary["in-flight-at-end"] + (resumed or {}).get("in-flight-at-end", [])
-    reconciliation = reconcile(events, in_flight, device_lines(logs), killed)
+    reconciliation = reconcile(events, in_flight, device, killed)
     events = events[:before]
-    device = device_lines(logs)
     pulls = np.concatenate([np.frombuffer(log.with_suffix(".pulls.npy").read_bytes(), dtype=np.float32)
                             for log in logs if log.with_suffix(".pulls.npy").exists()] or [np.zeros(0)])
     outcomes: dict[str, int] = {}
@@ -373,10 +373,6 @@ def figures(run: Path, summary: dict[str, Any], before: int, logs: list[Path], s
         "faults": faults, "reconciliation": reconciliation, "resumed": resumed,
         "processes-cost": sampler.figures(),
     }
-
-
-def device_lines(logs: list[Path]) -> list[dict[str, Any]]:
-    return [json.loads(line) for log in logs for line in log.read_text().splitlines()]
 
 
 def resume(run: Path, steps: int, env: dict[str, str], log: Path) -> dict[str, Any]:
