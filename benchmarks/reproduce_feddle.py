@@ -85,7 +85,7 @@ def preset(family: str, method: str, setting: tuple[float, int]) -> str:
 
 def methods(family: str) -> list[tuple[str, str, bool]]:
     """The family's rows: the papers' :data:`METHODS`, then those of :data:`VALIDATED` it has presets for."""
-    from server_app.config import preset_names
+    from server_app.presets import preset_names
 
     names = set(preset_names())
     return METHODS + [m for m in VALIDATED if preset(family, m[0], MAIN) in names]

@@ -228,7 +228,7 @@ SENTENCE_END = re.compile(r"(?<!App)(?<!Tab)(?<!Fig)(?<!Eq)(?<!Alg)(?<!Sec)(?<!a
 def describe(name: str) -> str:
     """A preset's one line: the first sentence of its leading comment, whole, else what it builds on and what it
     sets."""
-    from server_app.config import preset_file, preset_path
+    from server_app.presets import preset_file, preset_path
 
     comment = []
     for line in preset_path(name).read_text().splitlines():
@@ -247,7 +247,7 @@ def describe(name: str) -> str:
 @app.command()
 def presets(family: Annotated[str, typer.Argument(help="only presets whose name starts with this")] = "") -> None:
     """List the presets under configs/, each with its one-line description."""
-    from server_app.config import preset_names
+    from server_app.presets import preset_names
 
     names = [n for n in preset_names() if n.startswith(family)]
     width = max((len(n) for n in names), default=0)

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if differ else 0
     import torch
 
-    from server_app.config import preset_names
+    from server_app.presets import preset_names
 
     torch.set_num_threads(1)  # the digests of two commits compare only on the same threads
     print(json.dumps(digests(args.presets or preset_names(), args.rounds), indent=1))

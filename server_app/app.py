@@ -13,7 +13,8 @@ from typing import Any
 from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from server_app.config import RunConfig, load_config, option_specs, read_preset
+from server_app.config import RunConfig, load_config, option_specs
+from server_app.presets import read_preset
 from server_app.run import build_run
 
 app = ServerApp()

@@ -14,8 +14,9 @@ import torch
 
 from common.figures import Figure
 from common.user_code import is_import_path
-from server_app.config import RunConfig, read_preset
+from server_app.config import RunConfig
 from server_app.plots import write_plots
+from server_app.presets import read_preset
 from server_app.tracking import Tracker
 
 

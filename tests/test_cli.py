@@ -15,7 +15,7 @@ import pytest
 from hybridfl.bundle import PROJECT_DIR
 from hybridfl.cli import command_overrides, describe, main
 from hybridfl.job import MAIN_JOB
-from server_app.config import preset_names
+from server_app.presets import preset_names
 
 SHORT = ["num-rounds=2", "eval-every=1", "checkpoint-every=1"]
 

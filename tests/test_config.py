@@ -9,7 +9,8 @@ import pytest
 from common.config import ConfigError
 from hybridfl.bundle import PROJECT_DIR
 from hybridfl.config_table import REFERENCE, page_with_tables, pyproject_with_table
-from server_app.config import CONFIG_DIR, RunConfig, load_config, option_owners, option_specs, read_preset
+from server_app.config import RunConfig, load_config, option_owners, option_specs
+from server_app.presets import CONFIG_DIR, read_preset
 from strategies import STRATEGIES, FedBuff, build_strategy
 
 
@@ -101,7 +102,7 @@ def test_every_preset_loads(name):
 
 
 def test_a_preset_builds_on_its_bases_in_order_and_a_cycle_is_an_error(tmp_path, monkeypatch):
-    import server_app.config as C
+    import server_app.presets as C
 
     monkeypatch.setattr(C, "CONFIG_DIR", tmp_path)
     (tmp_path / "fam").mkdir()
@@ -161,7 +162,7 @@ def test_cross_field_checks():
 
 
 def test_bad_key_inside_a_preset_is_reported(tmp_path, monkeypatch):
-    monkeypatch.setattr("server_app.config.CONFIG_DIR", tmp_path)
+    monkeypatch.setattr("server_app.presets.CONFIG_DIR", tmp_path)
     (tmp_path / "broken.yaml").write_text("num-rounds: 3\nlearning-rate: 0.1\n")
     with pytest.raises(ConfigError, match="'learning-rate'"):
         load_config({"preset": "broken"})

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -18,8 +20,9 @@ ALLOWED = {"common": set(), "strategies": {"common"}, "client_app": {"common", "
            "server_app": {"common", "strategies"},
            "hybridfl": {"common", "strategies", "client_app", "server_app"}}
 # The one crossing: a device reads the preset its run names as the ServerApp reads it, to know which code the run
-# declared (client_app/declared.py; imported only for a message that names code)
-CROSSINGS = {("client_app.declared", "server_app.config")}
+# declared (client_app/declared.py; imported only for a message that names code). server_app/presets.py imports
+# nothing of the server (test below)
+CROSSINGS = {("client_app.declared", "server_app.presets")}
 
 
 def module_name(path: Path) -> str:
@@ -116,6 +119,21 @@ def test_each_package_imports_only_the_layers_below_it():
     wrong = sorted((m, i) for m, deps in graph().items() for i in deps
                    if i.split(".")[0] != m.split(".")[0] and i.split(".")[0] not in ALLOWED[m.split(".")[0]])
     assert set(wrong) <= CROSSINGS
+
+
+def test_a_device_checking_a_messages_code_imports_nothing_of_the_server():
+    """A device reads its run's preset for every message that names code (client_app/declared.py): through the
+    crossing it imports the presets alone, not the server's runtime and Flower's SuperLink (about 1 s a message on
+    a device, where Flower starts a process per message)."""
+    script = ("import sys; from client_app.declared import run_declared; "
+              "names = run_declared((('preset', 'feddle-digits'), ('model', 'my_pkg.nets:mlp'))); "
+              "print(sorted(names)); "
+              "print(sorted(m for m in sys.modules if m.startswith(('server_app', 'flwr.superlink', 'sqlalchemy'))))")
+    done = subprocess.run([sys.executable, "-c", script], cwd=PROJECT_DIR, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    declared, server = (ast.literal_eval(line) for line in done.stdout.splitlines())
+    assert declared == ["my_pkg.nets:mlp"]
+    assert server == ["server_app", "server_app.presets"]
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -70,7 +70,7 @@ def test_the_installed_wheel_runs_the_main_job_with_the_users_model_from_their_f
     that folder, and the run's outputs and Flower's home land under it. The folder is searched last: its own
     `yaml.py` and `common/` (names of an installed package and of hybridfl's own) shadow nothing."""
     where = subprocess.run([str(wheel_venv / "bin" / "python"), "-c",
-                            "import hybridfl, server_app.config as c; print(hybridfl.__file__); print(c.CONFIG_DIR)"],
+                            "import hybridfl, server_app.presets as c; print(hybridfl.__file__); print(c.CONFIG_DIR)"],
                            cwd=tmp_path, capture_output=True, text=True, check=True).stdout.split()
     assert all(Path(p).is_relative_to(wheel_venv) for p in where), where  # the wheel's code, not this checkout's
     hybridfl = str(wheel_venv / "bin" / "hybridfl")
