@@ -55,3 +55,9 @@ def small_run(tmp_path: Path):
         return out, json.loads((out / "summary.json").read_text())
 
     return run
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """End-to-end tests first (a stable sort): they are the suite's long ones, and `make test`'s workers
+    (pytest-xdist) take tests in this order, so one started near the end would keep the whole suite waiting on it."""
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
