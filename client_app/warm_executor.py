@@ -123,6 +123,11 @@ def end_when_orphaned(parent):
             sys.stdout.flush(); sys.stderr.flush(); os._exit(1)
 
 
+# What is imported so far stays out of the children's garbage collections: a collection touches every object it
+# tracks, and each page it touches is copied into the child (a child that trained and collected: 90 MB
+# more per child without this, measured in a container)
+import gc
+gc.freeze()
 print("ready", file=replies, flush=True)
 for line in tasks:
     task = json.loads(line)
