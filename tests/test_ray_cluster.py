@@ -116,9 +116,11 @@ class Nodes:
         self.process.wait()
 
 
-@pytest.fixture
-def two_nodes(tmp_path: Path) -> Iterator[Nodes]:
-    nodes = Nodes(tmp_path)
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
+    """One cluster for the module's tests (one worker runs them all: ONE_CLUSTER), started once: each start is a
+    dozen Ray processes' worth of CPU on CI's two cores. The test that kills its worker node comes last in the file."""
+    nodes = Nodes(tmp_path_factory.mktemp("ray-nodes"))
     try:
         yield nodes
     finally:
@@ -224,6 +226,23 @@ def _scores(report: str) -> list[str]:
 
 @ONE_CLUSTER
 @pytest.mark.e2e
+def test_a_sweep_driver_stopped_mid_sweep_exits_143_and_a_new_one_finishes_it(tmp_path: Path, two_nodes) -> None:
+    """SIGTERM to the driver while both nodes run: it exits 143 at once (Ray's driver exits 15 unless the command's
+    handler is put back), its tasks are cancelled; a driver started again records every run once."""
+    with _driver(tmp_path, two_nodes, checkpoints=1) as driver:
+        driver.send_signal(signal.SIGTERM)
+        out, _ = driver.communicate(timeout=60)
+    assert driver.returncode == 143, out[-4000:]
+    sweep = [HYBRIDFL, "sweep", str(tmp_path / "cluster.yaml"), "--ray", two_nodes.address]
+    again = subprocess.run(two_nodes.argv(sweep), cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                           env=DRIVER_ENV)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:] + two_nodes.log()
+    keys = _recorded(tmp_path)
+    assert sorted(keys) == sorted(set(keys)) and len(keys) == 4, keys
+
+
+@ONE_CLUSTER
+@pytest.mark.e2e
 def test_a_sweep_on_the_cluster_survives_its_worker_node_and_reports_what_jobs_2_reports(tmp_path: Path,
                                                                                           two_nodes) -> None:
     """Four runs, one per node at a time; the worker node is killed once both nodes' runs have a checkpoint: its
@@ -244,23 +263,6 @@ def test_a_sweep_on_the_cluster_survives_its_worker_node_and_reports_what_jobs_2
     assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
     reports = [(tmp_path / name / "runs.md").read_text() for name in ("cluster", "local")]
     assert _scores(reports[0]) == _scores(reports[1]) and len(_scores(reports[0])) == 4, reports
-
-
-@ONE_CLUSTER
-@pytest.mark.e2e
-def test_a_sweep_driver_stopped_mid_sweep_exits_143_and_a_new_one_finishes_it(tmp_path: Path, two_nodes) -> None:
-    """SIGTERM to the driver while both nodes run: it exits 143 at once (Ray's driver exits 15 unless the command's
-    handler is put back), its tasks are cancelled; a driver started again records every run once."""
-    with _driver(tmp_path, two_nodes, checkpoints=1) as driver:
-        driver.send_signal(signal.SIGTERM)
-        out, _ = driver.communicate(timeout=60)
-    assert driver.returncode == 143, out[-4000:]
-    sweep = [HYBRIDFL, "sweep", str(tmp_path / "cluster.yaml"), "--ray", two_nodes.address]
-    again = subprocess.run(two_nodes.argv(sweep), cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                           env=DRIVER_ENV)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:] + two_nodes.log()
-    keys = _recorded(tmp_path)
-    assert sorted(keys) == sorted(set(keys)) and len(keys) == 4, keys
 
 
 @pytest.mark.parametrize(("cpus", "gpus", "key", "allowed"), [
