@@ -55,7 +55,7 @@ def _strings(values: Iterable[Any]) -> Iterator[str]:
 @functools.lru_cache(maxsize=4)
 def run_declared(run_config: tuple[tuple[str, Any], ...]) -> frozenset[str]:
     """The import paths that the run's configuration at its start names (`run_config`'s items): among its values,
-    its ``method-options`` table's and its preset's (with its bases). Kept per run configuration: server_app.config
+    its ``method-options`` table's and its preset's (with its bases). Kept per run configuration: server_app.presets
     is imported once per process, and only for a message that names code at all."""
     from server_app.presets import read_preset, unpack_method_options
 

@@ -129,8 +129,6 @@ def client_config(cfg: RunConfig) -> dict[str, Any]:
     return {**{k: v for part in parts for k, v in part.items()}, **{key: cfg.options[key] for key in objective}}
 
 
-
-
 # Keys a resumed run may change: they do not touch what is computed (or, `device` and `cohort-training`, where and
 # how, to float rounding).
 MAY_CHANGE_ON_RESUME = frozenset({"num-rounds", "checkpoint-every", "eval-every", "max-failed-fraction",
