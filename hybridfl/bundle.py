@@ -1,16 +1,17 @@
 """The Flower app a launcher submits with ``flwr run``: hybridfl's ServerApp and ClientApp, with their packages.
 
-From a source checkout it is the checkout itself (its pyproject.toml declares the app, and ``flwr run .`` there runs
-the same one). An installed wheel has no such folder: the app is assembled in a temporary folder from the installed
-packages and a pyproject.toml generated from the code (``hybridfl.config_table``, the table tests/test_config.py
-keeps the checkout's equal to), then removed. Either way the FAB carries what a node needs: the app's packages and
-the presets.
+From a source checkout it is a copy of the checkout's app files (its pyproject.toml declares the app; the copy
+builds the very FAB that ``flwr run .`` there would, without Flower reading the .venv's files). An installed wheel
+has no such folder: the app is assembled from the installed packages and a pyproject.toml generated from the code
+(``hybridfl.config_table``, the table tests/test_config.py keeps the checkout's equal to). Either way the folder is
+temporary, and the FAB carries what a node needs: the app's packages and the presets.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 import shutil
 import tempfile
 import tomllib
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pathspec
 import tomli_w
 
 from common.user_code import OWN_PACKAGES
@@ -70,15 +72,45 @@ def app_config(app_dir: Path | None = None) -> dict[str, Any]:
         return tomllib.load(f)["tool"]["flwr"]["app"].get("config", {})
 
 
+def app_files(folder: Path) -> Iterator[Path]:
+    """The files under `folder` that ``flwr run`` could put in its FAB, relative: all but symbolic links and what
+    its .gitignore, Flower (``.venv``, ``.flwr``, ``__pycache__``) or git (``.git``) leave out, whose folders are not
+    entered. Flower 1.42's ``flwr run .`` resolves every file under the folder before filtering: in a checkout with
+    its .venv, 79 000 files and 9 s of CPU per run."""
+    ignore = pathspec.GitIgnoreSpec.from_lines([*IGNORED_BY_FLOWER, *_lines(folder / ".gitignore")])
+    for dirpath, dirnames, filenames in os.walk(folder):
+        here = Path(dirpath).relative_to(folder)
+        dirnames[:] = [d for d in dirnames if not (Path(dirpath, d).is_symlink()
+                                                    or ignore.match_file(f"{(here / d).as_posix()}/"))]
+        for name in filenames:
+            if not Path(dirpath, name).is_symlink() and not ignore.match_file((here / name).as_posix()):
+                yield here / name
+
+
+# flwr.supercore.constant.APP_PUBLISH_EXCLUDE_PATTERNS, and git's own folder (whose files no FAB takes)
+IGNORED_BY_FLOWER = (".venv/", ".flwr/", "__pycache__/", ".git/")
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.is_file() else []
+
+
 @contextmanager
 def flower_app(app_dir: Path | None = None) -> Iterator[Path]:
     """The folder of the Flower app `app_dir` (a user's) or, when None, of hybridfl's own, for as long as the block
-    runs."""
-    if app_dir is not None or (app_dir := source_checkout()) is not None:
+    runs. hybridfl's checkout is handed over as a copy of its :func:`app_files` (the same FAB, without Flower reading
+    its .venv); an installed hybridfl as its packages and a generated pyproject.toml."""
+    if app_dir is not None:
         yield app_dir
         return
     with tempfile.TemporaryDirectory(prefix="hybridfl-app-") as folder:
         root = Path(folder)
+        if (checkout := source_checkout()) is not None:
+            for path in app_files(checkout):
+                (root / path).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(checkout / path, root / path)
+            yield root
+            return
         for package in APP_PACKAGES:
             source = Path(importlib.import_module(package).__file__).parent
             shutil.copytree(source, root / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))

@@ -61,3 +61,46 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """End-to-end tests first (a stable sort): they are the suite's long ones, and `make test`'s workers
     (pytest-xdist) take tests in this order, so one started near the end would keep the whole suite waiting on it."""
     items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
+
+
+# CPU seconds per test, the test's own and its reaped subprocesses' (Flower's processes a test starts and stops):
+# on 2 cores the suite is CPU-bound, so pytest's wall-clock --durations rank a test by the load beside it; these
+# rank it by what it costs CI. Orphans reaped by init are missed, so a figure is a lower bound.
+_CPU_KEY = "cpu_s"
+
+
+def _cpu_now() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    item.stash[_cpu_started] = _cpu_now()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    if call.when == "teardown" and _cpu_started in item.stash:
+        outcome.get_result().user_properties.append((_CPU_KEY, _cpu_now() - item.stash[_cpu_started]))
+
+
+_cpu_started = pytest.StashKey[float]()
+_cpu_seen: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    for key, value in report.user_properties:
+        if key == _CPU_KEY:
+            _cpu_seen[report.nodeid] = value
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if not _cpu_seen:
+        return
+    slowest = sorted(_cpu_seen.items(), key=lambda kv: -kv[1])[:30]
+    terminalreporter.write_sep("=", f"most CPU seconds (of {sum(_cpu_seen.values()):.0f} s in {len(_cpu_seen)} tests)")
+    for nodeid, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:8.1f}s cpu  {nodeid}")

@@ -82,6 +82,7 @@ def test_the_tutorials_secured_deployment_runs_and_keeps_an_intruder_on_the_devi
                                         text=True, check=False).stdout
                 runs = json.loads(listed or "{}").get("runs", [])
                 run_id = next((int(r["run-id"]) for r in runs if r["status"].startswith("running")), None)
+                time.sleep(0 if run_id else 2)  # each `flwr ls` is a process of its own, ~2 s of CPU
             assert run_id is not None, "the operator's run did not start"
             marks = tmp_path / "marks"
             outcome = intruder.attempts(ports[8000], tmp_path / "certs" / "ca.crt", tmp_path / "intruder", run_id,
