@@ -28,8 +28,8 @@ not a board's. A round waits for both devices: the run's seconds are the emulate
 
 Models: ``digits``, the papers' CNN on scikit-learn's 8x8 digits (fedavg-digits); ``fmnist``, the Feddle protocol's
 CNN (width 16) on Fashion-MNIST (feddle-fmnist/fedavg-dir0.3-n5 on 1 % of the data; Debian's dataset-fashion-mnist,
-bound into the userland read-only); each 2 rounds of FedAvg on the 2 nodes, one local epoch, a short run. A table is
-printed and each device's row appended as a JSON line to `--out`.
+bound into the userland read-only); each `--rounds` (2) rounds of FedAvg on the 2 nodes, one local epoch, a short
+run. A table is printed and each device's row appended as a JSON line to `--out`.
 
 Needs root (chroot, mounts), debootstrap, qemu-user-static with binfmt-support (Debian: ``apt-get install
 qemu-user-static binfmt-support debootstrap dataset-fashion-mnist``) and PyPI and Debian's archive for the first
@@ -86,8 +86,8 @@ SAMPLE_S = 0.25
 # a train message's parts in the ClientApp's `device timing` line (client_app/app.py), summed over the run
 PARTS = ("flower-s", "import-s", "data-s", "model-s", "work-s")
 
-# name -> (what it trains, its run config): 2 rounds of FedAvg on 2 clients (one per node), one local epoch
-SHORT = {"num-clients": 2, "clients-per-round": 2, "num-rounds": 2, "local-epochs": 1, "eval-every": 1,
+# name -> (what it trains, its run config): FedAvg on 2 clients (one per node), one local epoch, --rounds rounds
+SHORT = {"num-clients": 2, "clients-per-round": 2, "local-epochs": 1, "eval-every": 1,
          "wait-nodes-s": 900.0, "reply-timeout-s": 1800.0}
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "digits": ("the papers' CNN on digits (8x8)", {"preset": "fedavg-digits", **SHORT}),
@@ -362,11 +362,12 @@ class Sampler:
         self._thread.join()
 
 
-def run_model(name: str, root: Path, x86: Path, work: Path) -> tuple[list[dict[str, Any]], float]:
+def run_model(name: str, root: Path, x86: Path, work: Path, rounds: int) -> tuple[list[dict[str, Any]], float]:
     """One short run with node 0 in the arm64 userland and node 1 native; the devices' rows and the run's seconds."""
     what, job = MODELS[name]
     home = work / f"home-{name}"
-    overrides, run_path, _ = prepare({**job, "output-dir": str(work / "runs"), "run-name": f"arm64-{name}"})
+    overrides, run_path, _ = prepare({**job, "num-rounds": rounds, "output-dir": str(work / "runs"),
+                                      "run-name": f"arm64-{name}"})
     env = flower_env(home)
     port, node_ports = free_port(), [free_port(), free_port()]
     pki, secret = make_pki(home / "pki", nodes=2), make_secrets(home / "pki", 2)
@@ -422,7 +423,7 @@ def run_model(name: str, root: Path, x86: Path, work: Path) -> tuple[list[dict[s
             "train-messages": len(trains), "train-handler-s": round(sum(d["handler-s"] for d in trains), 2),
             "train-work-s": round(sum(d.get("work-s", 0.0) for d in trains), 2),
             "train-s": {k: round(sum(d.get(k, 0.0) for d in trains), 2) for k in PARTS},
-            "run-s": round(seconds, 1), "run-id": run_id,
+            "run-s": round(seconds, 1), "rounds": rounds, "run-id": run_id,
         })
     return rows, seconds
 
@@ -446,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--cache", type=Path, default=CACHE, help="the userland, its venv, the wheels (reused)")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "arm64_device.jsonl")
+    parser.add_argument("--rounds", type=int, default=2, help="FedAvg rounds per run (CI: 1; an emulated round "
+                        "of digits takes ~100 s on 2 cores)")
     parser.add_argument("--skip-unsupported", action="store_true",
                         help="exit 0 saying why where this host cannot emulate an arm64 device (CI), not 1")
     args = parser.parse_args(argv)
@@ -474,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         install_project(root, x86, work, log)
         for name in models:
-            device_rows, seconds = run_model(name, root, x86, work)
+            device_rows, seconds = run_model(name, root, x86, work, args.rounds)
             print(f"{name}: completed in {seconds:.0f} s", flush=True)
             setup = {"setup-s": {k: round(v, 1) for k, v in steps.items()}}
             rows += [{**r, **sizes[r["device"]], **(setup if r["device"] == "arm64" else {})} for r in device_rows]

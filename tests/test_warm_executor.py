@@ -420,7 +420,7 @@ def test_a_warm_deployment_runs_as_in_process_and_survives_its_fork_server_s_dea
     with flower_threads():
         (first, second), _ = deploy_runs(runs, tmp_path / "home", executor="warm",
                                          on_started=kill_fork_servers_after_the_first_run,
-                                         app_dir=[PROJECT_DIR, EXAMPLE])
+                                         app_dir=[None, EXAMPLE])
         ref = run_inprocess({**runs[0], "run-name": "ref"})
     assert len(killed) == 2, "both nodes' fork servers were killed between the runs"
     summaries = [json.loads((run / "summary.json").read_text()) for run in (first, second)]
