@@ -76,6 +76,9 @@ class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig, T
     eval_every: int = option(1, COUNT, "evaluate on the server's test split every this many steps (and at the end)")
     checkpoint_every: int = option(10, Range(0), "write `checkpoint.pt` every this many steps and at the end "
                                    "(0 = never)")
+    plots: bool = option(True, None, "draw the run's plots when it ends (`accuracy.png`, `staleness.png`, the "
+                         "method's own); false for runs read only as numbers (a sweep's many: about half a CPU "
+                         "second each)")
     max_failed_fraction: float = option(0.8, Range(0, 1), "the run stops with an error (exit 1), quoting the first "
                                         "loss, once more than this fraction of its dispatches failed, were rejected "
                                         "or timed out, judged from `clients-per-round` dispatches on; 1 = never "

@@ -159,9 +159,10 @@ class Recorder:
                 for k in ("accepted", "failures", "rejected", "timeouts", "vanished")}
 
     def finish(self, summary: dict[str, Any], models: dict[str, dict[str, torch.Tensor]],
-               figures: Callable[[list[dict[str, Any]], list[dict[str, Any]]], dict[str, Figure]]) -> dict[str, Any]:
+               figures: Callable[[list[dict[str, Any]], list[dict[str, Any]]], dict[str, Figure]],
+               plots: bool = True) -> dict[str, Any]:
         """Write summary.json, ``model.pt`` (the headline model's ``state_dict``; ``models.pt`` holds all of
-        them by name when the strategy has several) and the plots, the method's own from
+        them by name when the strategy has several) and, with `plots`, the plots, the method's own from
         ``figures(rows, client_rows)`` (``Strategy.figures``); return the summary."""
         evals = [r for r in self.rows if "test-accuracy" in r]
         accs = [r["test-accuracy"] for r in evals]
@@ -187,7 +188,8 @@ class Recorder:
         torch.save(next(iter(models.values())), self.path / "model.pt")
         if len(models) > 1:
             torch.save(models, self.path / "models.pt")
-        write_plots(self.path, self.rows, self.staleness, figures(self.rows, self.client_rows))
+        if plots:
+            write_plots(self.path, self.rows, self.staleness, figures(self.rows, self.client_rows))
         self.tracker.finish(summary)
         return summary
 

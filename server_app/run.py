@@ -179,7 +179,7 @@ class Run:
             "reply-to-dispatch-s": self.runner.latency_summary(), "in-flight-at-end": self.runner.discarded,
             "wall-seconds": time.perf_counter() - self.t_start, "run-wall-seconds": self.run_seconds(),
             "train-seconds": train_seconds}, models,
-            type(self.strategy).figures)
+            type(self.strategy).figures, cfg.plots)
         log(INFO, "run %s finished: final test accuracy %.4f (max of last 5 evals %.4f); outputs in %s", self.out.name,
             summary["final-test-accuracy"], summary["max-last-5-evals"], self.out)
         if "personal-selected-accuracy" in summary:

@@ -40,7 +40,7 @@ CASES = [(name, {}) for name in NAMES] + [
 ]
 IDS = [name + "".join(f"-{k}={v}" for k, v in list(extra.items())[:1]) for name, extra in CASES]
 BASE = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 2, "num-rounds": 6, "local-epochs": 1,
-        "batch-size": 16, "central-size": 40, "checkpoint-every": 2}
+        "batch-size": 16, "central-size": 40, "checkpoint-every": 2, "plots": False}
 METHOD_KEYS = {"buffer-size": 2}  # given to the strategies that have them: a small buffer steps often
 ASYNC = {"delay-sigma": 1.5}  # updates cross step boundaries: checkpoints hold flights and half-full buffers
 

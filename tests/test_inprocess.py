@@ -38,6 +38,15 @@ def test_same_seed_gives_byte_identical_models_and_another_seed_does_not(small_r
     assert any(not torch.equal(ma[k], mc[k]) for k in ma)
 
 
+def test_a_run_without_plots_writes_the_same_files_and_numbers_but_no_image(small_run):
+    drawn, with_plots = small_run("drawn")
+    plain, without = small_run("plain", plots=False)
+    assert sorted(p.name for p in drawn.iterdir() if p.suffix != ".png") == sorted(p.name for p in plain.iterdir())
+    assert {"accuracy.png", "staleness.png"} <= {p.name for p in drawn.iterdir()}
+    assert digest(drawn / "model.pt") == digest(plain / "model.pt") and rows(drawn) == rows(plain)
+    assert without["config"]["plots"] is False and with_plots["config"]["plots"] is True
+
+
 def test_outputs_written(small_run):
     out, summary = small_run("outputs", **{"num-rounds": 4, "eval-every": 2})
     lines = rows(out)
