@@ -143,6 +143,7 @@ class ProcessGroup:
         self.log_dir, self.env = log_dir, env
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.pids: set[int] = set()
+        self.homes: set[Path] = set()
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, cmd: Sequence[str], env: dict[str, str] | None = None,
@@ -155,6 +156,7 @@ class ProcessGroup:
             home.mkdir(parents=True, exist_ok=True)
             # ... which is also the folder it runs in: never the user's, which Ray puts first on its workers' path
             env, cwd = {**self.env, "FLWR_HOME": str(home)}, cwd or home
+            self.homes.add(home)
         with interrupts_held():
             proc = subprocess.Popen(list(cmd), env=self.env if env is None else env, stdout=log,
                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
@@ -191,6 +193,17 @@ class ProcessGroup:
         for proc in left:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()  # only the very process seen above: psutil checks that its PID was not reused
+        # a descendant started after the snapshot whose parent died (a raylet's agents, spawned while it was being
+        # stopped) is nobody's child any more: found by the folder it runs in, the home of the process it came from
+        for _ in range(3):
+            stray = in_folders(self.homes)
+            if not stray:
+                break
+            self.pids |= {p.pid for p in stray}
+            for proc in stray:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.kill()
+            psutil.wait_procs(stray, timeout=grace)
         for name, p in self.procs:
             _signal_group(p.pid, signal.SIGKILL)  # anything still in a group
             try:
@@ -243,6 +256,16 @@ def process_tree(roots: list[int]) -> list[psutil.Process]:
             root = psutil.Process(pid)
             tree |= {p.pid: p for p in [root, *root.children(recursive=True)]}
     return list(tree.values())
+
+
+def in_folders(folders: set[Path]) -> list[psutil.Process]:
+    """The live processes (not zombies) whose working directory is in one of `folders`."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied, OSError):
+            if proc.status() != psutil.STATUS_ZOMBIE and any(Path(proc.cwd()).is_relative_to(f) for f in folders):
+                found.append(proc)
+    return found
 
 
 def alive(pids: set[int]) -> set[int]:

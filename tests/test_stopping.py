@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from hybridfl import processes
+
 EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 # (mode and flags, the output line that marks the phase, the signal): every launcher that starts Flower's processes
 # at the phases that were seen to hang or leak (SuperNodes being registered, `flwr run --stream` streaming), and the
@@ -67,20 +69,20 @@ def test_a_launcher_interrupted_at_any_phase_ends_at_once_and_leaves_nothing(tmp
     deadline = time.monotonic() + 15
     while (left := _left(seen, tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert left == [], [(p.pid, p.cmdline()) for p in left]
+    assert left == [], [(pid, _cmdline(pid)) for pid in left]
 
 
-def _left(seen: set[int], folder: Path) -> list[psutil.Process]:
+def _left(seen: set[int], folder: Path) -> list[int]:
     """What still runs of the processes seen, or of any running in `folder` (each Flower process runs in its own
     FLWR_HOME there, also one started after the snapshot)."""
-    left = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.status() != psutil.STATUS_ZOMBIE and (proc.pid in seen or Path(proc.cwd()).is_relative_to(folder)):
-                left.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return left
+    return sorted(processes.alive(seen) | {p.pid for p in processes.in_folders({folder})})
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return []
 
 
 def _as_from_a_terminal() -> None:
@@ -120,3 +122,35 @@ finally:
     pids = {int(p) for p in out.stdout.split("pids [")[1].split("]")[0].split(",")}
     assert pids and not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                             for p in pids)
+
+
+def test_a_descendant_orphaned_before_the_stop_is_stopped_by_the_folder_it_runs_in(tmp_path: Path) -> None:
+    """A process that a group's process started and left (its parent gone, in a session of its own: out of the tree
+    and of every group signal, as a raylet's agents spawned while it was being stopped) still runs in the home of
+    the process it came from: stop() ends it too. A process elsewhere is left alone."""
+    orphan = tmp_path / "orphan.pid"
+    spawn = f"""
+import os, sys, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        open({str(orphan)!r}, "w").write(str(os.getpid()))
+        time.sleep(600)
+    os._exit(0)
+time.sleep(600)
+"""
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], cwd=tmp_path)
+    try:
+        group = processes.ProcessGroup(tmp_path / "logs", {**os.environ, "FLWR_HOME": str(tmp_path / "home")})
+        with group:
+            group.start("parent", [sys.executable, "-c", spawn])
+            deadline = time.monotonic() + 60
+            while not (orphan.exists() and orphan.read_text()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            pid = int(orphan.read_text())
+            assert psutil.Process(pid).ppid() != group.procs[0][1].pid  # not the parent's child: out of its tree
+        assert pid in group.pids and not processes.alive({pid})
+        assert bystander.poll() is None  # in the folder above the homes: not the group's
+    finally:
+        bystander.kill()
+        bystander.wait()
