@@ -69,6 +69,11 @@ def local_client_gpus() -> float:
     return round(1 / max(1, os.cpu_count() or 1), 4) if torch.cuda.is_available() else 0.0
 
 
+def local_cpus() -> int:
+    """The CPUs of the Ray a simulation starts on this machine: all of them, at least 2 (Flower's own default)."""
+    return max(2, os.cpu_count() or 2)
+
+
 def simulate(overrides: dict[str, Any], flwr_home: Path, app_dir: Path | None = None, ray_address: str | None = None,
              client_cpus: float = 1.0, client_gpus: float | None = None) -> Path:
     """Run the simulation of the Flower app in `app_dir` (default: hybridfl's own); return the run folder, or raise
@@ -79,7 +84,7 @@ def simulate(overrides: dict[str, Any], flwr_home: Path, app_dir: Path | None = 
 
     overrides, run_path, cfg = prepare(overrides, app_dir)
     env = flower_env(flwr_home)
-    cpus = max(2, os.cpu_count() or 2)  # the Ray of its own: at least 2, as Flower's own default
+    cpus = local_cpus()
     if ray_address:
         with cluster.joined(ray_address) as ray:
             resources, where = cluster.nodes(ray), f"the Ray cluster at {ray_address}"

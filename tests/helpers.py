@@ -86,6 +86,15 @@ def flower_threads() -> Iterator[None]:
             os.environ["OMP_NUM_THREADS"] = env
 
 
+def simulated(overrides: dict[str, Any], flwr_home: Path, **kw: Any) -> Path:
+    """:func:`hybridfl.simulate.simulate` with one Ray actor (each client holds all of the Ray's CPUs): what the
+    tests compare is decided by the seed and the virtual clock, not by how many clients train at once, and each
+    actor costs about 10 s of CPU to start."""
+    from hybridfl import simulate
+
+    return simulate.simulate(overrides, flwr_home, client_cpus=simulate.local_cpus(), **kw)
+
+
 def stepped(strategy: Any, server: Any) -> dict[str, float]:
     """`strategy`'s step on server data `server`, attached first (its one hand-over): a test's way to give a
     strategy other server data between steps."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from flwr.app import RecordDict
-from helpers import DITTO_TWO_NODES, flower_threads, personal_accuracies
+from helpers import DITTO_TWO_NODES, flower_threads, personal_accuracies, simulated
 
 from client_app.app import app as client_app
 from common.config import options_dict, part_of
@@ -105,11 +105,9 @@ def test_personal_models_persist_under_flwr_run_as_in_process(tmp_path):
     """The personalised accuracies equal the in-process run's, where the nodes' states are known to persist: under
     `flwr run` too each node's Context.state carries its personal model from round to round (a lost state would
     evaluate the received global model instead). On a deployment: tests/test_e2e_deploy.py's TLS run."""
-    from hybridfl import simulate
-
     job = {**DITTO_TWO_NODES, "output-dir": str(tmp_path)}
     with flower_threads():
         ref = personal_accuracies(run_inprocess({**job, "run-name": "ref"}))
-        sim = simulate.simulate({**job, "run-name": "sim"}, tmp_path / "flwr-home")
+        sim = simulated({**job, "run-name": "sim"}, tmp_path / "flwr-home")
     assert len(ref) == 2
     assert personal_accuracies(sim) == pytest.approx(ref, abs=1e-6)

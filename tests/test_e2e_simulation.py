@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import digest, flower_threads, rows
+from helpers import digest, flower_threads, rows, simulated
 
 from hybridfl import processes, simulate
 from hybridfl.cli import main as cli
@@ -51,7 +51,7 @@ def test_fedmerge_under_flwr_run_sends_each_client_its_own_model(tmp_path):
            "global-models": 3, "partitioner": "clusters", "num-clusters": 2, "client-test-fraction": 0.25,
            "client-validation-fraction": 0.1}
     with flower_threads():
-        sim = simulate.simulate({**job, "output-dir": str(tmp_path), "run-name": "sim"}, tmp_path / "flwr-home")
+        sim = simulated({**job, "output-dir": str(tmp_path), "run-name": "sim"}, tmp_path / "flwr-home")
         ref = run_inprocess({**job, "output-dir": str(tmp_path), "run-name": "ref"})
     last = [json.loads((out / "clients.jsonl").read_text().splitlines()[-1]) for out in (sim, ref)]
     assert last[0]["round"] == last[1]["round"] == 3 and last[0]["clients"] == [0, 1, 2, 3]
@@ -62,30 +62,13 @@ def test_fedmerge_under_flwr_run_sends_each_client_its_own_model(tmp_path):
 
 
 @pytest.mark.e2e
-def test_flwr_run_simulation_is_the_in_process_run_event_for_event(tmp_path):
-    """One `flwr run` of an asynchronous job: its -c overrides reach the ServerApp, and the virtual clock decides
-    the event sequence from the seed alone, whatever order Ray's workers physically answer in, so the run is the
-    in-process one: the same events, counts and client evaluation, and models that agree closely."""
-    with flower_threads():
-        sim = simulate.simulate({**ASYNC_JOB, "output-dir": str(tmp_path), "run-name": "sim"}, tmp_path / "flwr-home")
-        ref = run_inprocess({**ASYNC_JOB, "output-dir": str(tmp_path), "run-name": "ref"})
-    assert events(sim) == events(ref)
-    raw = [json.loads(line) for line in (ref / "events.jsonl").read_text().splitlines()]
-    assert len(raw) >= 8 and any(e["staleness"] > 0 for e in raw)  # a real asynchronous sequence
-    got, want = (json.loads((out / "summary.json").read_text()) for out in (sim, ref))
-    assert got["config"]["num-clients"] == 4 and got["config"]["dataset"] == "synthetic"  # not the preset's
-    count = lambda s: (s["final-version"], s["total-accepted"], s["total-failures"], s["client-eval"]["replies"])
-    assert count(got) == count(want) and got["total-failures"] == 0 and got["client-eval"]["replies"] == 4
-    assert len(rows(sim)) == len(rows(ref)) == ASYNC_JOB["num-rounds"] + 1
-    a, b = torch.load(sim / "model.pt"), torch.load(ref / "model.pt")
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-3
-
-
-@pytest.mark.e2e
 def test_serverapp_killed_under_flwr_run_resumes_to_the_model_of_an_uninterrupted_run(tmp_path):
-    """`flwr run`: the ServerApp's process (flwr-simulation) is SIGKILLed after a checkpoint, and the rest of the
-    server machine with it (SuperLink, SuperExec, Ray). A new `flwr run` with resume=<run folder> ends with the
-    very model of an uninterrupted run (in-process, torch on one thread like Ray's workers)."""
+    """`flwr run` of an asynchronous job: the ServerApp's process (flwr-simulation) is SIGKILLed after a checkpoint,
+    and the rest of the server machine with it (SuperLink, SuperExec, Ray). A new `flwr run` with resume=<run
+    folder> ends with the very model of an uninterrupted run (in-process, torch on one thread like Ray's workers):
+    the first run's -c overrides reached its ServerApp, and the virtual clock decides the event sequence from the
+    seed alone, whatever order Ray's workers physically answer in, so the run is the in-process one event for
+    event."""
     # 24 rounds, killed after the second checkpoint: on a loaded machine the watcher may lag the run by
     # many rounds, and it must still find the ServerApp running.
     job = {**ASYNC_JOB, "num-rounds": 24, "checkpoint-every": 2, "output-dir": str(tmp_path), "run-name": "killed"}
@@ -109,19 +92,23 @@ def test_serverapp_killed_under_flwr_run_resumes_to_the_model_of_an_uninterrupte
 
     threading.Thread(target=kill_the_server_after_a_checkpoint, daemon=True).start()
     with pytest.raises(RuntimeError), flower_threads():
-        simulate.simulate(job, tmp_path / "flwr-home")
+        simulated(job, tmp_path / "flwr-home")
     assert killed, "no checkpoint was written"
     assert killed[0][0], f"no flwr-simulation process among {command_lines(killed[0][1])}"
     time.sleep(1)
     assert not alive(killed[0][1]), "a process of the killed run survived"
     assert not (out / "summary.json").exists()
     with flower_threads():
-        resumed = simulate.simulate({"resume": str(out)}, tmp_path / "flwr-home")
+        resumed = simulated({"resume": str(out)}, tmp_path / "flwr-home")
         ref = run_inprocess({**job, "run-name": "ref"})
-    summary = json.loads((resumed / "summary.json").read_text())
+    summary, want = (json.loads((run / "summary.json").read_text()) for run in (resumed, ref))
     assert summary["resumed-after-round"] >= 4 and summary["final-version"] > 0
+    assert summary["config"]["num-clients"] == 4 and summary["config"]["dataset"] == "synthetic"  # not the preset's
+    count = lambda s: (s["final-version"], s["total-accepted"], s["total-failures"], s["client-eval"]["replies"])
+    assert count(summary) == count(want) and summary["total-failures"] == 0 and summary["client-eval"]["replies"] == 4
     assert digest(resumed / "model.pt") == digest(ref / "model.pt")
     assert rows(resumed, "events.jsonl") == rows(ref, "events.jsonl")
+    assert len(rows(ref, "events.jsonl")) >= 8 and any(e["staleness"] > 0 for e in rows(ref, "events.jsonl"))
     same = lambda r: {k: v for k, v in r.items() if not k.startswith("test-")}
     assert [same(r) for r in rows(resumed)] == [same(r) for r in rows(ref)]
 
@@ -157,11 +144,24 @@ else:
 """
 
 
+@pytest.fixture
+def no_superlink(monkeypatch):
+    """simulate() with a sleeping process where its SuperLink would be: the fake `flwr` or `flwr_run` below never
+    reaches one, and a real one is seconds of CPU per start."""
+    class Sleepers(processes.ProcessGroup):
+        def start(self, name, cmd, env=None, cwd=None):
+            return super().start(name, ["sleep", "600"], env, cwd)
+
+    monkeypatch.setattr(simulate, "ProcessGroup", Sleepers)
+    monkeypatch.setattr(simulate, "wait_healthy", lambda *args, **kwargs: None)
+
+
 @pytest.mark.parametrize("fails", [2, 3])
-def test_a_run_whose_ray_did_not_start_runs_once_more_in_a_fresh_folder(tmp_path, monkeypatch, capsys, fails):
+def test_a_run_whose_ray_did_not_start_runs_once_more_in_a_fresh_folder(tmp_path, monkeypatch, capsys, fails,
+                                                                         no_superlink):
     """Ray's raylet has a fixed 30 s to start; on a busy machine the run fails before any client ran, and says so in
     the run's stream. simulate() then moves the attempt's folder aside and, after a pause, starts the run once more
-    (a real SuperLink each time, a fake `flwr` streaming Ray's error), up to RAY_START_ATTEMPTS starts: the last
+    (a fake `flwr` streaming Ray's error each time), up to RAY_START_ATTEMPTS starts: the last
     start's outcome is the run's."""
     flwr = tmp_path / "bin" / "flwr"
     flwr.parent.mkdir()
@@ -171,7 +171,7 @@ def test_a_run_whose_ray_did_not_start_runs_once_more_in_a_fresh_folder(tmp_path
     pauses: list[float] = []
     real_sleep = time.sleep
 
-    def sleep(seconds: float) -> None:  # the retries' pauses recorded, the SuperLink's polls kept
+    def sleep(seconds: float) -> None:  # the retries' pauses recorded, any other wait kept
         if seconds >= simulate.RAY_RETRY_PAUSE_S:
             pauses.append(seconds)
         else:
@@ -196,7 +196,7 @@ def test_a_run_whose_ray_did_not_start_runs_once_more_in_a_fresh_folder(tmp_path
     assert f"its folder is now {aside}" in err and "(attempt 3 of 3)" in err
 
 
-def test_a_run_that_failed_for_another_reason_is_not_started_again(tmp_path, monkeypatch):
+def test_a_run_that_failed_for_another_reason_is_not_started_again(tmp_path, monkeypatch, no_superlink):
     """Only Ray's failure to start is retried: any other failure is the run's outcome, at once."""
     calls: list[Path] = []
 

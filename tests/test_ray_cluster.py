@@ -139,8 +139,8 @@ def _hybridfl(args: list[str], folder: Path, env: dict[str, str] | None = None,
 
 @ONE_CLUSTER
 @pytest.mark.e2e
-def test_a_simulation_on_a_two_node_cluster_trains_on_both_nodes_and_ends_at_the_local_model(tmp_path: Path,
-                                                                                             two_nodes) -> None:
+def test_a_simulation_on_a_two_node_cluster_trains_on_both_nodes_and_ends_at_the_in_process_model(
+        tmp_path: Path, two_nodes) -> None:
     on_cluster = _hybridfl(["run", *JOB, "run-name=cluster", "--mode", "simulation", "--ray", two_nodes.address],
                            tmp_path, nodes=two_nodes)
     assert on_cluster.returncode == 0, on_cluster.stdout[-3000:] + on_cluster.stderr[-3000:] + two_nodes.log()
@@ -149,7 +149,9 @@ def test_a_simulation_on_a_two_node_cluster_trains_on_both_nodes_and_ends_at_the
     used = set(re.findall(r'"ray-node": "([0-9a-f]+)"', logs))
     assert used == two_nodes.node_ids, used  # both nodes
 
-    local = _hybridfl(["run", *JOB, "run-name=local", "--mode", "simulation"], tmp_path)
+    # the same job in-process, torch on one thread as on the Ray workers (a simulation is the in-process run,
+    # model for model: tests/test_e2e_simulation.py)
+    local = _hybridfl(["run", *JOB, "run-name=local"], tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
     assert digest(run / "model.pt") == digest(tmp_path / "outputs" / "local" / "model.pt")
     assert json.loads((run / "summary.json").read_text())["final-version"] == 2

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from hybridfl import processes
+from hybridfl.simulate import local_cpus
 
 EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 # (mode and flags, the output line that marks the phase, the signal): every launcher that starts Flower's processes
@@ -23,7 +24,8 @@ EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 CASES = {
     "deployment-registering": (["--mode", "deployment"], None, signal.SIGTERM),  # TLS and node auth: the default
     "deployment-streaming": (["--mode", "deployment"], "Successfully started run", signal.SIGTERM),
-    "simulation-streaming": (["--mode", "simulation"], "Starting Flower Simulation", signal.SIGINT),
+    "simulation-streaming": (["--mode", "simulation", "--client-num-cpus", str(local_cpus())],  # one Ray actor
+                             "Starting Flower Simulation", signal.SIGINT),
     "in-process-running": ([], "round 2/", signal.SIGINT),
 }
 
@@ -34,7 +36,7 @@ def test_a_launcher_interrupted_at_any_phase_ends_at_once_and_leaves_nothing(tmp
     flags, marker, sig = CASES[case]
     hybridfl = str(Path(sys.executable).parent / "hybridfl")
     env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "PYTHONFAULTHANDLER": "1"}
-    launcher = subprocess.Popen([hybridfl, "run", "fedavg-digits", "num-clients=2", "clients-per-round=2",
+    launcher = subprocess.Popen([hybridfl, "run", "fedavg-digits", "num-clients=1", "clients-per-round=1",
                                  "num-rounds=200", *flags], cwd=tmp_path, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, preexec_fn=_as_from_a_terminal, env=env)
     reached = threading.Event()
@@ -98,6 +100,7 @@ def test_an_interrupt_while_a_process_starts_acts_once_it_is_recorded(tmp_path: 
 import os, signal, subprocess, sys
 from pathlib import Path
 from hybridfl import processes
+from hybridfl.simulate import local_cpus
 signal.signal(signal.SIGTERM, processes.terminated)
 real_popen = subprocess.Popen
 def popen_then_terminated(*args, **kwargs):

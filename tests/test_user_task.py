@@ -183,19 +183,6 @@ def test_a_users_method_keys_pass_flower_run_c_packed_unless_the_app_declares_th
 
 
 @pytest.mark.e2e
-def test_the_example_project_runs_under_flwr_run_with_its_own_preset(tmp_path):
-    """`flwr run .` in examples/tabular: hybridfl's apps, the user's package imported by the simulated nodes, and
-    the preset from the app's own config table (Feddle-ID)."""
-    from hybridfl import simulate
-
-    out = simulate.simulate({"output-dir": str(tmp_path), "run-name": "example", "num-rounds": 4},
-                            tmp_path / "flwr-home", app_dir=EXAMPLE)
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["config"]["strategy"] == "feddle" and summary["config"]["model"] == "tabular_task.task:mlp"
-    assert summary["total-accepted"] > 0 and summary["total-failures"] == 0
-
-
-@pytest.mark.e2e
 def test_the_example_readmes_commands_run_as_written(tmp_path):
     """Each command of examples/tabular/README.md, as a user runs it in a copy of the folder: it exits 0 and its run
     completed (Flower's `flwr run` exits 0 either way: its run's summary says). The local SuperLink `flwr run`

@@ -397,12 +397,13 @@ def test_a_message_whose_child_is_killed_is_counted_and_the_node_goes_on(tmp_pat
 def test_a_warm_deployment_runs_as_in_process_and_survives_its_fork_server_s_death(tmp_path: Path, monkeypatch):
     """TLS, node authentication, the secrets; two runs of different apps back to back on the same SuperNodes (this
     project, then the example project with its own package), the fork servers killed (SIGKILL) once the first has
-    finished: the second completes too, on its own app. The first run's events and model are the in-process run's
-    (one torch thread on both sides), and the nodes' train messages paid no interpreter start."""
+    finished: the second completes too, on its own app with the user's package and the preset of its own config
+    table (Feddle-ID). The first run's events and model are the in-process run's (one torch thread on both sides),
+    and the nodes' train messages paid no interpreter start."""
     monkeypatch.syspath_prepend(str(EXAMPLE))
     runs = [{**JOB, "output-dir": str(tmp_path / "out"), "run-name": "first"},
-            {"preset": "tabular_task:presets/fedbuff", "num-clients": 2, "clients-per-round": 2, "num-rounds": 2,
-             "output-dir": str(tmp_path / "out"), "run-name": "second"}]  # its app declares only these keys
+            {"num-clients": 2, "clients-per-round": 2, "num-rounds": 2, "output-dir": str(tmp_path / "out"),
+             "run-name": "second"}]  # its app declares only these keys (and preset, left to its own table)
     killed: list[int] = []
 
     def kill_fork_servers_after_the_first_run(procs, run_path: Path) -> None:
@@ -426,7 +427,7 @@ def test_a_warm_deployment_runs_as_in_process_and_survives_its_fork_server_s_dea
     summaries = [json.loads((run / "summary.json").read_text()) for run in (first, second)]
     assert summaries[0]["total-accepted"] == 4 and summaries[1]["total-accepted"] > 0  # the second: virtual delays
     assert [s["total-failures"] for s in summaries] == [0, 0]
-    assert summaries[1]["config"]["model"] == "tabular_task.task:mlp"
+    assert summaries[1]["config"]["model"] == "tabular_task.task:mlp" and summaries[1]["config"]["strategy"] == "feddle"
     events = lambda out: [(e["client"], e["round"], e["outcome"]) for e in
                           map(json.loads, (out / "events.jsonl").read_text().splitlines())]
     assert events(first) == events(ref)
