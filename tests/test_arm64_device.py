@@ -1,0 +1,32 @@
+"""benchmarks/arm64_device.py's command without an emulated device (CI runs the device itself, .ci/run): what
+--host-only and --skip-unsupported decide."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import arm64_device
+
+
+def _unsupported() -> None:
+    raise arm64_device.Unsupported("needs qemu-aarch64 registered in binfmt_misc")
+
+
+def _no_build(*args: object) -> None:
+    raise AssertionError("--host-only built the userland")
+
+
+def test_host_only_checks_the_host_and_builds_nothing(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(arm64_device, "check_host", lambda: None)
+    monkeypatch.setattr(arm64_device, "rootfs", _no_build)
+    assert arm64_device.main(["--host-only"]) == 0
+    assert "can emulate an arm64 device" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("flags", "code"), [([], 1), (["--skip-unsupported"], 0)])
+def test_a_host_that_cannot_emulate_says_why_and_fails_unless_told_to_skip(monkeypatch, capsys, flags, code) -> None:
+    monkeypatch.setattr(arm64_device, "check_host", _unsupported)
+    monkeypatch.setattr(arm64_device, "rootfs", _no_build)
+    assert arm64_device.main(["--host-only", *flags]) == code
+    err = capsys.readouterr().err
+    assert "needs qemu-aarch64 registered in binfmt_misc" in err and ("SKIPPED" in err) == bool(code == 0)
