@@ -418,12 +418,15 @@ def failed_tasks(db: Path) -> list[str]:
 
 
 KILL_AFTER_STEPS = 5  # the main job's steps before the SuperLink may be killed
+MAIN_JOB_S = 90  # the main job's seconds of training: the kill, ~40 s in at most, and the restart (7-15 s) fit
 
 
-def restart_superlink_when(dep: Deployment, ready: Callable[[], bool], record: dict[str, float]) -> threading.Thread:
+def restart_superlink_when(dep: Deployment, ready: Callable[[], bool], record: dict[str, float],
+                           steps: Callable[[], int]) -> threading.Thread:
     """A watcher that, once `ready()` and just after the SuperLink acknowledged the ServerApp's heartbeat, kills
     the SuperLink's container (SIGKILL, as a crash) and starts it again with ``docker compose start``, recording
-    the heartbeat window it had (``window-s``) and how long until it was healthy again (``superlink-down-s``).
+    the heartbeat window it had (``window-s``), the run's `steps()` then (``killed-at-step``) and how long until
+    it was healthy again (``superlink-down-s``).
 
     Flower fails a run whose ServerApp sent no heartbeat for 60 s, so a SuperLink must be back within that window,
     less the ServerApp's backoff between tries (up to 20 s); killed just after a heartbeat it has the most of it,
@@ -438,7 +441,7 @@ def restart_superlink_when(dep: Deployment, ready: Callable[[], bool], record: d
             time.sleep(0.2)
         if time.monotonic() >= deadline:
             return
-        record["window-s"] = heartbeat_left_s(db) or 0.0
+        record["window-s"], record["killed-at-step"] = heartbeat_left_s(db) or 0.0, steps()
         container = dep.container(SUPERLINK)
         start = time.monotonic()
         sh([DOCKER, "kill", container], env=dep.env)
@@ -510,16 +513,18 @@ def secure_deployment(engine: Engine, workdir: Path, version: str, timings: dict
         owner = sh(["stat", "-c", "%u", str(dep.volume("superlink-state")), str(dep.volume("outputs"))],
                    quiet=True).stdout.split()
         check(owner == [str(IMAGE_UID)] * 2, f"both volumes belong to the images' user {IMAGE_UID}: {owner}")
-        # the demo's main job for 120 steps instead of its 20, the SuperLink killed at the ServerApp's first
-        # heartbeat (Flower's: every 21-27 s) after its KILL_AFTER_STEPS-th step: at most ~35 s into the run, which
-        # must still have steps to do then (a ServerApp that ends while its SuperLink is down fails its run): on warm
-        # devices 40 steps took 17 s on one machine, 150 took 225 s on a slower one under load
-        job = {"run-name": "compose-main", "num-rounds": 120}
-        steps = demo_run_config(dep.spec, job)["num-rounds"]
+        # the demo's main job for MAIN_JOB_S seconds of training instead of its 20 steps, the SuperLink killed at the
+        # ServerApp's first heartbeat (Flower's: every 21-27 s) after its KILL_AFTER_STEPS-th step: at most ~40 s
+        # into the run, which must still be training then (a ServerApp that ends while its SuperLink is down fails
+        # its run). A time rather than a count of steps: 40 steps took 17 s on one machine, 150 took 225 s on a
+        # slower one under load
+        job = {"run-name": "compose-main", "num-rounds": 10_000, "time-budget-s": MAIN_JOB_S}
+        demo_run_config(dep.spec, job)
         metrics = dep.volume("outputs") / "compose-main" / "metrics.jsonl"
         record: dict[str, float] = {}
         watcher = restart_superlink_when(
-            dep, lambda: metrics.exists() and len(metrics.read_text().splitlines()) > KILL_AFTER_STEPS, record)
+            dep, lambda: metrics.exists() and len(metrics.read_text().splitlines()) > KILL_AFTER_STEPS, record,
+            steps=lambda: len(metrics.read_text().splitlines()) - 1)
         intrusion: dict[str, Any] = {}
         intruding = intrude_while_running(dep, workdir, intrusion)
         try:
@@ -537,9 +542,11 @@ def secure_deployment(engine: Engine, workdir: Path, version: str, timings: dict
               f"and started again, healthy after {record.get('superlink-down-s', float('nan')):.1f} s")
         timings["superlink-down-s"] = record["superlink-down-s"]
         rounds = [json.loads(line)["round"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        steps = rounds[-1]
         check(main["strategy"]["strategy"] == "feddle" and main["final-version"] >= 1
-              and rounds == list(range(steps + 1)),
-              f"(a, b) the main job completed through the restart: Feddle-ID, all {steps} steps, "
+              and rounds == list(range(steps + 1)) and steps > record["killed-at-step"],
+              f"(a, b) the main job completed through the restart: Feddle-ID, {steps} steps in its "
+              f"{MAIN_JOB_S} s, the SuperLink killed after step {record['killed-at-step']}, "
               f"{main['final-version']} versions from {main['total-accepted']} updates, test accuracy "
               f"{main['final-test-accuracy']:.4f}, summary.json copied to {run}")
         check(main["final-test-accuracy"] > 0.8, "(a) the main job learned (test accuracy > 0.8)")
