@@ -36,9 +36,9 @@ from typing import Any
 import yaml
 
 from common.fleet import Fleet
+from hybridfl.processes import SHAPER_PORT  # device i's shaper: SHAPER_PORT + i (distinct on the host's network too)
 from hybridfl.real_fleet import COUNTS, Schedule, link_seed, pacing, profile
 
-SHAPER_PORT = 18000  # device i's shaper on its loopback: SHAPER_PORT + i (distinct: on the host's network too)
 SHAPER_FILE = "../hybridfl/shaper.py"  # relative to docker/, as every path of the compose files
 NODE, EXECUTOR, SHAPER = "supernode-{}", "superexec-clientapp-{}", "shaper-{}"
 

@@ -43,14 +43,21 @@ def _ephemeral_ports() -> range:
     return range(low, high + 1)
 
 
+# Device i's link shaper in the compose fleet listens on the host's port SHAPER_PORT + i (hybridfl/compose_fleet.py);
+# the other ports the compose files publish on the host are below 10000, where free_port never picks
+SHAPER_PORT = 18000
+SHAPER_PORTS = range(SHAPER_PORT, SHAPER_PORT + 1000)
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now, chosen at random outside the kernel's ephemeral range (where
-    the port 0 trick picks, and where any outgoing connection may take it before the server that was meant to) and
-    never the same twice in this process."""
+    the port 0 trick picks, and where any outgoing connection may take it before the server that was meant to),
+    outside the ports a compose fleet's shapers take on the host (one started later on this host finds them free),
+    and never the same twice in this process."""
     ephemeral, rng = _ephemeral_ports(), random.SystemRandom()  # not the run's seed: two launchers must differ
     for _ in range(1000):
         port = rng.randrange(10000, 65536)
-        if port in ephemeral or port in _HANDED_OUT:
+        if port in ephemeral or port in _HANDED_OUT or port in SHAPER_PORTS:
             continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:

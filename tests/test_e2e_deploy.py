@@ -113,10 +113,12 @@ def test_deployment_flags_are_checked_before_starting_anything(tmp_path: Path, c
 
 def test_free_ports_are_outside_the_ephemeral_range_and_never_handed_out_twice() -> None:
     """Outgoing connections take their source ports from the kernel's ephemeral range (where binding port 0 picks
-    too): a port chosen there can be taken before the server that was meant to listen on it starts."""
+    too): a port chosen there can be taken before the server that was meant to listen on it starts. Nor is one a
+    port a compose fleet's link shaper takes on the host (300 picks would hit those 1000 almost surely)."""
     ports = [processes.free_port() for _ in range(300)]
     assert len(set(ports)) == 300
     assert not set(ports) & set(processes._ephemeral_ports()) and min(ports) >= 10000
+    assert not set(ports) & set(processes.SHAPER_PORTS)
 
 
 def test_bad_config_exits_2_before_starting_anything(tmp_path: Path) -> None:
