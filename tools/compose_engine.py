@@ -115,7 +115,6 @@ HOST_PORTS = (8000, 9094, 9095, 9096, *range(SHAPER_PORT, SHAPER_PORT + 3))
 MARKS = "/tmp/hybridfl-intruder"  # where the intruder's app would leave its marks, in each container
 WORKDIR = PROJECT_DIR / "outputs" / "compose-test"
 PASSED = "passed.json"
-PHASE = "phase"  # in the workdir: the part under way once the main job is over (compose_test)
 TRIXIE = "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian trixie main"
 
 
@@ -801,10 +800,7 @@ def passed_here(workdir: Path = WORKDIR) -> bool:
 
 def compose_test(workdir: Path, keep_engine: bool = False) -> dict[str, Any]:
     """Everything above, in order; returns the timings (also written to <workdir>/timings.json) and, when every
-    check passed, writes <workdir>/passed.json with the digest of the tree it started from. <workdir>/phase says
-    ``fleet``, then ``demo``, once the main job and the SuperLink's restart are over (.ci/run starts the suite then:
-    what is left leaves about half of the cores idle, and no host port it takes is one the suite's free ports can
-    be)."""
+    check passed, writes <workdir>/passed.json with the digest of the tree it started from."""
     start, tree = time.monotonic(), tree_digest()
     ensure_tools()
     ports_free()
@@ -825,10 +821,8 @@ def compose_test(workdir: Path, keep_engine: bool = False) -> dict[str, Any]:
             log(f"image {image}: {source}")
         gpu_config(engine, version)
         secure_deployment(engine, workdir, version, timings)
-        (workdir / PHASE).write_text("fleet\n")
         fleet_demo(engine, version, workdir / "fleet", timings)
         t = time.monotonic()
-        (workdir / PHASE).write_text("demo\n")
         demo_interrupted(engine, version, workdir / "demo")
         timings["demo-interrupted-s"] = time.monotonic() - t
         (workdir / PASSED).write_text(json.dumps({"tree": tree}) + "\n")
