@@ -85,8 +85,8 @@ CLIENT_APP = threading.Lock()
 # FedBuff on the wall clock, as the digits preset, for a fleet: every device one partition of digits, C updates
 # in flight, a step every C/2 arrivals
 RUN = {"preset": "fedbuff-digits", "clock": "wall", "delay-sigma": 0.0, "partitioner": "iid", "local-epochs": 1,
-       "num-rounds": 10**9, "eval-every": 50, "reply-timeout-s": 120.0, "wait-nodes-s": 600.0,
-       "max-failed-fraction": 0.5}
+       "num-rounds": 10**9, "eval-every": 50, "wait-nodes-s": 600.0, "max-failed-fraction": 0.5}
+REPLY_TIMEOUT_S = 120.0
 
 
 # -- a device ---------------------------------------------------------------------------------------------------
@@ -477,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=20, help="updates in flight (the wall clock's)")
     parser.add_argument("--idle-s", type=float, default=IDLE_S, help="a device's wait after a pull that found "
                         "nothing (Flower's SuperNode: 3 s)")
+    parser.add_argument("--reply-timeout-s", type=float, default=REPLY_TIMEOUT_S, help="how long the run waits for "
+                        "a message's reply (a device's message lost in a fault is counted after it; the final client "
+                        "evaluation waits this long for a lost one)")
     parser.add_argument("--database", action="store_true", help="the SuperLink's state in SQLite, not in memory")
     parser.add_argument("--resume-steps", type=int, default=0, help="after the run, resume it from its checkpoint "
                         "for this many more steps, as `hybridfl resume` does (the devices stay)")
@@ -497,9 +500,9 @@ def main(argv: list[str] | None = None) -> int:
                args.workdir / "devices" / f"devices-{first}.jsonl", args.idle_s)
         return 0
     if args.devices < 2 or args.processes < 1 or args.concurrency < 1 or args.minutes <= 0 or args.idle_s <= 0 \
-            or args.resume_steps < 0:
+            or args.resume_steps < 0 or args.reply_timeout_s <= 0:
         parser.error("--devices ≥ 2, --processes ≥ 1, --concurrency ≥ 1, --minutes > 0, --idle-s > 0, "
-                     "--resume-steps ≥ 0")
+                     "--resume-steps ≥ 0, --reply-timeout-s > 0")
     kinds = Counter(kind for kind, _ in args.fault)
     if kinds["restart-superlink"] and not args.database:
         parser.error("--fault restart-superlink needs --database (an in-memory SuperLink loses its runs)")
@@ -513,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     (workdir / "devices").mkdir(exist_ok=True)
     overrides, run, _ = prepare({**RUN, "num-clients": args.devices, "clients-per-round": max(1, args.concurrency // 2),
                                  "buffer-size": max(1, args.concurrency // 2), "concurrency": args.concurrency,
+                                 "reply-timeout-s": args.reply_timeout_s,
                                  "time-budget-s": 60.0 * args.minutes, "output-dir": str(workdir / "runs"),
                                  "run-name": "fleet-load"})
     home = workdir / "home"

@@ -6,6 +6,7 @@ the SuperLink's port starts the same foreign app, which then runs on the server 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import time
@@ -27,6 +28,7 @@ from tools import intruder
 
 TUTORIAL = PROJECT_DIR / "docs" / "tutorials" / "deployment.md"
 LONG_RUNNING = ("flower-superlink", "flower-superexec", "flower-supernode", "nginx")
+SPEAKS = r"INFO .*run \S+: \S+ on \S+ \("  # the ServerApp's first line: "run NAME: METHOD on DATASET (..."
 
 
 def commands(tmp_path: Path, ports: dict[str, int], output: Path) -> list[str]:
@@ -72,18 +74,18 @@ def test_the_tutorials_secured_deployment_runs_and_keeps_an_intruder_on_the_devi
             done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, f"{line}:\n{done.stdout}{done.stderr}"
         streamed = tmp_path / "logs" / "flwr-run.log"
-        main = subprocess.Popen(shlex.split(run), env=env, cwd=PROJECT_DIR, stdout=streamed.open("w"),
-                                stderr=subprocess.STDOUT)
+        main = subprocess.Popen(shlex.split(run), env={**env, "PYTHONUNBUFFERED": "1"}, cwd=PROJECT_DIR,
+                                stdout=streamed.open("w"), stderr=subprocess.STDOUT)  # read while it runs
         try:
-            run_id = None
-            deadline = time.monotonic() + 300  # `running` once the ServerApp started: a minute or more under load
-            while run_id is None and time.monotonic() < deadline:
-                listed = subprocess.run(["flwr", "ls", "mine", "--format", "json"], env=env, capture_output=True,
-                                        text=True, check=False).stdout
-                runs = json.loads(listed or "{}").get("runs", [])
-                run_id = next((int(r["run-id"]) for r in runs if r["status"].startswith("running")), None)
-                time.sleep(0 if run_id else 2)  # each `flwr ls` is a process of its own, ~2 s of CPU
-            assert run_id is not None, "the operator's run did not start"
+            # running once its ServerApp speaks (a minute or more under load): its first line streamed, read from
+            # the stream's file rather than by `flwr ls` every 2 s (each a process of its own, ~2 s of CPU)
+            deadline, said = time.monotonic() + 300, ""
+            while not re.search(SPEAKS, said) and main.poll() is None and time.monotonic() < deadline:
+                time.sleep(1)
+                said = streamed.read_text()
+            started = re.search(r"started run (\d+)", said)
+            assert started and re.search(SPEAKS, said), f"the operator's run did not start: {said}"
+            run_id = int(started.group(1))
             marks = tmp_path / "marks"
             outcome = intruder.attempts(ports[8000], tmp_path / "certs" / "ca.crt", tmp_path / "intruder", run_id,
                                         marks)
