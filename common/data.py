@@ -124,7 +124,7 @@ class DataSpec:
     cluster_classes: int = option(0, Range(0), "clusters: classes per group drawn as FedMerge's code does, later "
                                   "groups reusing classes (code: 30 of CIFAR-100's 100); 0 = disjoint equal groups")
     label_noise: float = option(0.0, Range(0, 1), "fraction of client training labels set to a random other class "
-                                "(Feddle 000 Table 4)")
+                                "(Zhu et al. 2025, Guided Model Merging for Hybrid Data Learning, Table 4)")
     data_fraction: float = option(1.0, Range(0, 1, low_open=True),
                                   "stratified, seeded share of the dataset in use, drawn before any split (fewer "
                                   "samples per client: FedMerge's per-class counts on Fashion-MNIST); 1 = all")

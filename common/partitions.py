@@ -276,8 +276,9 @@ def feddual_reference(labels: np.ndarray, k: int, alpha: float, seed: int) -> Pa
 
 
 def label_noise(labels: np.ndarray, fraction: float, num_classes: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Random labels on a `fraction` of the samples (Feddle paper 000 Table 4: "fraction of decentralized
-    training data with random labels"; apply to client data only, never to the server's splits).
+    """Random labels on a `fraction` of the samples (Zhu et al. 2025, "Guided Model Merging for Hybrid Data
+    Learning", arXiv 2503.20138v3, Table 4: "fraction of decentralized training data with random labels"; apply to
+    client data only, never to the server's splits).
 
     Exactly ``round(fraction * n)`` samples, chosen uniformly without replacement, get a label drawn
     uniformly from the ``num_classes - 1`` OTHER classes, so the asked fraction is exactly the fraction

@@ -1,5 +1,5 @@
-"""The complete run configuration: the run-level keys (``common.config.RunConfig``) and every method
-option — each strategy's and each client objective's ``Config`` dataclass — in one flat namespace,
+"""The complete run configuration: the run-level keys (:class:`RunConfig`, here, from the specs that declare them) and
+every method option — each strategy's and each client objective's ``Config`` dataclass — in one flat namespace,
 loaded as defaults <- preset <- the user's keys, every value checked at start.
 
 A key declared by several methods (``buffer-size`` by FedBuff and CA2FL) must mean the same in all
@@ -48,9 +48,8 @@ from strategies import STRATEGIES, MethodChoice, strategy_class
 @dataclass(frozen=True, kw_only=True)
 class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig, TrackingConfig):
     """Every key of a run: the method, the data spec, the model, the clients' local recipe, the runtime and the
-    tracking (each
-    declared in the dataclass that carries it, inherited here), the run's own keys below, and ``options``: every
-    method option's value (docs/reference/configuration.md)."""
+    tracking (each declared in the dataclass that carries it, inherited here), the run's own keys below, and
+    ``options``: every method option's value (docs/reference/configuration.md)."""
 
     preset: str = option("fedavg-digits", PresetName(preset_names), "YAML preset applied before overrides",
                          "a file in `configs/`, without `.yaml` (`feddle-animal/fedbuff-dir0.1-n20`), or "

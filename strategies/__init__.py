@@ -15,25 +15,18 @@ from common.config import make_options, option
 from common.protocol import STRATEGY
 from common.training import LocalRecipe
 from strategies.base import STRATEGIES, Payload, Strategy, StrategyName, Update, strategy_class
-from strategies.ca2fl import CA2FL
 from strategies.client import ClientSide
-from strategies.fedasync import FedAsync
-from strategies.fedavg import FedAvg
-from strategies.fedavg_plus import FedAvgPlus
-from strategies.fedbuff import FedBuff
-from strategies.feddf import FedDF
-from strategies.feddle import Feddle
-from strategies.feddual import FedDual
-from strategies.fedem import FedEM
-from strategies.fedmerge import FedMerge
-from strategies.hybrid_baselines import HFCL, Center, FedFT
-from strategies.ifca import IFCA
-from strategies.local import Local
-from strategies.mixing import ExampleTransfer, GeneralizedFedAvg, GradientTransfer, ParallelTraining
-from strategies.scaffold import Scaffold
 
-for _module in pkgutil.iter_modules(__path__):
+for _module in pkgutil.iter_modules(__path__):  # each method's module registers its class as it is imported
     importlib.import_module(f"{__name__}.{_module.name}")
+
+
+def __getattr__(name: str) -> type[Strategy]:
+    """A registered strategy by its class name: ``from strategies import FedBuff``."""
+    for cls in STRATEGIES.values():
+        if cls.__name__ == name:
+            return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,10 +49,8 @@ def build_strategy(name: str, options: dict[str, Any], *, seed: int = 0, num_cli
 def client_side(config: Mapping[str, Any]) -> ClientSide:
     """A fresh instance of the client side of the strategy a message names (``Strategy.reference``; FedAvg's when it
     names none, as a user's own ServerApp's messages may not)."""
-    return strategy_class(str(config.get(STRATEGY, FedAvg.name))).client_side()
+    return strategy_class(str(config.get(STRATEGY, "fedavg"))).client_side()
 
 
-__all__ = ["CA2FL", "HFCL", "IFCA", "STRATEGIES", "Center", "ExampleTransfer", "FedAsync", "FedAvg", "FedAvgPlus",
-           "FedBuff", "FedDF", "FedDual", "FedEM", "FedFT", "FedMerge", "Feddle", "GeneralizedFedAvg",
-           "GradientTransfer", "Local", "MethodChoice", "ParallelTraining", "Payload", "Scaffold", "Strategy", "Update",
-           "build_strategy", "client_side", "strategy_class"]
+__all__ = ["STRATEGIES", "ClientSide", "MethodChoice", "Payload", "Strategy", "Update", "build_strategy", "client_side",
+           "strategy_class", *sorted(cls.__name__ for cls in STRATEGIES.values())]

@@ -37,7 +37,8 @@ def example_weights(counts: list[int]) -> list[float]:
 def fedavg_step(params: torch.Tensor, updates: list[Update], robust: Any = None,
                 recent: list[float] | None = None) -> torch.Tensor:
     """ω + Σ_j (n_j / Σ n_i) Δ_j over `updates` summed in client order, so that the float result does not
-    depend on the order replies arrived in (Feddle 004, Eq. 2); `robust` and `recent` as in :func:`weighted_sum`."""
+    depend on the order replies arrived in (Zhu et al. 2025, "Unlocking the Value of Decentralized Data", arXiv
+    2503.20138v1, Eq. 2); `robust` and `recent` as in :func:`weighted_sum`."""
     updates = sorted(updates, key=lambda u: u.client)
     return params + weighted_sum((u.delta for u in updates), example_weights([u.num_examples for u in updates]), params,
                                  robust, recent)

@@ -5,7 +5,8 @@ Every arriving client model is mixed into the global model at once:
     ω ← (1 − α_t) · ω + α_t · ω_new,   α_t = α · s(t − τ),   s(t − τ) = (t − τ + 1)^(−a)
 
 where ω_new = ω^τ + Δ is the client's model, rebuilt from the model it was sent (``update.start``;
-Feddle 004 §4: "polynomial" staleness with adaptive constant a).
+Zhu et al. 2025, "Unlocking the Value of Decentralized Data: A Federated Dual Learning Approach for Model
+Aggregation", arXiv 2503.20138v1, §4: "polynomial" staleness with adaptive constant a).
 """
 
 from __future__ import annotations

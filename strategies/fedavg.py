@@ -1,7 +1,8 @@
 """FedAvg (McMahan et al., "Communication-Efficient Learning of Deep Networks from Decentralized
 Data", AISTATS 2017): the new global model is the example-weighted mean of the client models.
 
-With updates Δ_j = ω_j − ω^k this is (Feddle 004, Eq. 2):
+With updates Δ_j = ω_j − ω^k this is (Zhu et al. 2025, "Unlocking the Value of Decentralized Data: A Federated
+Dual Learning Approach for Model Aggregation", arXiv 2503.20138v1, Eq. 2):
 
     ω^{k+1} = ω^k + Σ_j (|D_j| / Σ_i |D_i|) · Δ_j
 """

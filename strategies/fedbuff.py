@@ -1,7 +1,8 @@
 """FedBuff (Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation", AISTATS 2022).
 
 Updates enter a buffer as they arrive, whatever model version they started from; when it holds
-K of them the server takes one step (Alg. 1, line 11; Feddle 004 App. A, proof of Thm 1):
+K of them the server takes one step (Alg. 1, line 11; Zhu et al. 2025, "Unlocking the Value of Decentralized
+Data: A Federated Dual Learning Approach for Model Aggregation", arXiv 2503.20138v1, App. A, proof of Thm 1):
 
     ω ← ω + η_g · Σ_{i ∈ buffer} b_i · s(τ_i) · Δ_i
 

@@ -1,5 +1,6 @@
 """Feddle — Federated Dual Learning (Zhu et al., "Guided Model Merging for Hybrid Data Learning",
-arXiv 2503.20138; v1 "Unlocking the Value of Decentralized Data", below "004").
+arXiv 2503.20138v3; v1: "Unlocking the Value of Decentralized Data: A Federated Dual Learning Approach for Model
+Aggregation", whose equation numbers this module cites; v3's are one lower).
 
 The server keeps a *model atlas* of at most M anchors, each a received client update a_m (stale
 ones too). At each search it rescales the anchors to their median ℓ2 norm (Eq. 5),
