@@ -8,9 +8,7 @@ STAMP  := $(VENV)/.installed-stamp
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# --no-compile: Python compiles a module's bytecode when it is first imported, only those used (compiling
-	# every installed module, torch's whole tree included, took 27 s of a 123 s install here)
-	$(PY) -m pip install --quiet --no-compile -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test]'
 	# Animal-MNIST's data ships in its wheel; its declared deps (tensorflow, ...) are not needed to read it.
 	$(PY) -m pip install --quiet --no-deps animal-mnist==0.4
 	touch $(STAMP)

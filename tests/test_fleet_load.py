@@ -21,7 +21,7 @@ REPO = PROJECT_DIR
 def test_thirty_devices_through_a_superlink_restart_have_every_reply_reconciled(tmp_path):
     """30 devices (Flower's Fleet client through the edge, registered keys) answer FedBuff for a minute on a
     SuperLink with SQLite state, killed (SIGKILL) 20 s into training and started again: the run completes, trains
-    on after the restart, and resumes from its checkpoint for 2 more steps (a message lost in the restart waits 30 s
+    on after the restart, and resumes from its checkpoint for 2 more steps (a message lost in the restart waits 60 s
     for its reply, not the default 120, before the run counts it and ends); each train reply a device logged has
     exactly one fate in the run and its resumed part (an event, or in flight at the end), and no accepted update
     lacks a device's reply."""
@@ -29,7 +29,7 @@ def test_thirty_devices_through_a_superlink_restart_have_every_reply_reconciled(
     work = tmp_path / "load"
     done = subprocess.run([sys.executable, "-m", "benchmarks.fleet_load", "--devices", "30", "--minutes", "1",
                            "--processes", "2", "--concurrency", "10", "--database",
-                           "--fault", "restart-superlink@20", "--resume-steps", "2", "--reply-timeout-s", "30",
+                           "--fault", "restart-superlink@20", "--resume-steps", "2", "--reply-timeout-s", "60",
                            "--workdir", str(work)],
                           cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -24,6 +24,7 @@ from server_app.config import RunConfig, option_specs
 from strategies import STRATEGIES
 
 ENV = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+pytestmark = pytest.mark.xdist_group("site")  # one worker builds the site (a module's fixture is per worker)
 
 
 def build(project: Path, out: Path) -> subprocess.CompletedProcess:

@@ -17,6 +17,8 @@ import pytest
 from hybridfl.bundle import PROJECT_DIR, app_pyproject
 
 PIP_QUIET = ["-q", "--disable-pip-version-check"]
+# one worker builds the wheel's venv (a module's fixture is per worker) and runs every mode in it
+pytestmark = pytest.mark.xdist_group("wheel")
 
 
 def test_the_app_an_installed_wheel_submits_is_the_checkouts():
