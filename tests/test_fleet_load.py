@@ -109,7 +109,8 @@ def test_a_fault_is_kind_at_seconds_and_a_fault_the_setup_cannot_take_fails_at_s
             fault(bad)
     for argv, said in ((["--fault", "restart-superlink@5"], "needs --database"),
                        (["--processes", "2", "--fault", "drop-devices@1", "--fault", "replace-devices@2"],
-                        "fewer than --processes")):
+                        "fewer than --processes"),
+                       (["--reply-timeout-s", "0"], "--reply-timeout-s > 0")):
         with pytest.raises(SystemExit) as stopped:
             main(argv)
         assert stopped.value.code == 2 and said in capsys.readouterr().err

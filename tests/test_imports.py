@@ -10,6 +10,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from hybridfl.bundle import PROJECT_DIR
 
 PACKAGES = ("common", "strategies", "server_app", "client_app", "hybridfl")
@@ -200,3 +202,16 @@ def imports_anywhere(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.add(node.module.split(".")[0])
     return found
+
+
+def test_every_registered_strategy_is_importable_by_its_class_name_and_nothing_else_is():
+    """strategies/ registers each method once, as its module is imported; the package hands out a registered class by
+    its name (`from strategies import FedBuff`) and lists them all in __all__."""
+    import strategies
+    from strategies import STRATEGIES
+
+    for cls in STRATEGIES.values():
+        assert getattr(strategies, cls.__name__) is cls and cls.__name__ in strategies.__all__
+    assert strategies.Ditto.name == "ditto"  # registered by the folder's import alone, never named in the package
+    with pytest.raises(AttributeError, match="no attribute 'FedNope'"):
+        strategies.FedNope  # noqa: B018
