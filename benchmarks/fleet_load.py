@@ -62,6 +62,7 @@ from flwr.supernode import fleet_http_connection
 from flwr.supernode.fleet_http_connection import http_request_response
 
 from client_app.app import app
+from hybridfl import edge
 from hybridfl.deploy_local import superexec
 from hybridfl.job import prepare
 from hybridfl.processes import check_completed, flower_env, flwr_run, write_connection
@@ -358,6 +359,7 @@ def figures(run: Path, summary: dict[str, Any], before: int, logs: list[Path], s
         "flower": flower_version(), "devices": args.devices, "processes": args.processes, "idle-s": args.idle_s,
         "concurrency": args.concurrency,
         "state": "sqlite" if args.database else "in-memory", "edge": not args.no_edge, "minutes": args.minutes,
+        "link-rate": None if args.no_edge else args.link_rate,
         "connected": len({d["device"] for d in device if d["event"] == "connected"}),
         "register-s": round(registered_s, 1), "train-seconds": round(summary["train-seconds"], 1),
         "accepted-per-s": round(outcomes.get("accepted", 0) / summary["train-seconds"], 3),
@@ -484,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume-steps", type=int, default=0, help="after the run, resume it from its checkpoint "
                         "for this many more steps, as `hybridfl resume` does (the devices stay)")
     parser.add_argument("--no-edge", action="store_true", help="devices straight to the SuperLink")
+    parser.add_argument("--link-rate", type=int, default=edge.LINK_RATE, help="the edge's requests a second to the "
+                        "SuperLink from all devices, heartbeats apart (`hybridfl edge --link-rate`)")
     parser.add_argument("--workdir", type=Path, default=None, help="default: outputs/fleet-load/<time>")
     parser.add_argument("--fault", type=fault, action="append", default=[], metavar="KIND@SECONDS",
                         help=f"a fault SECONDS after training starts (every device connected), KIND one of "
@@ -500,9 +504,9 @@ def main(argv: list[str] | None = None) -> int:
                args.workdir / "devices" / f"devices-{first}.jsonl", args.idle_s)
         return 0
     if args.devices < 2 or args.processes < 1 or args.concurrency < 1 or args.minutes <= 0 or args.idle_s <= 0 \
-            or args.resume_steps < 0 or args.reply_timeout_s <= 0:
+            or args.resume_steps < 0 or args.reply_timeout_s <= 0 or args.link_rate < 1:
         parser.error("--devices ≥ 2, --processes ≥ 1, --concurrency ≥ 1, --minutes > 0, --idle-s > 0, "
-                     "--resume-steps ≥ 0, --reply-timeout-s > 0")
+                     "--resume-steps ≥ 0, --reply-timeout-s > 0, --link-rate ≥ 1")
     kinds = Counter(kind for kind, _ in args.fault)
     if kinds["restart-superlink"] and not args.database:
         parser.error("--fault restart-superlink needs --database (an in-memory SuperLink loses its runs)")
@@ -522,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     home = workdir / "home"
     env = flower_env(home)
     with hostile_client.server(workdir, with_edge=not args.no_edge, nodes=args.devices, database=args.database,
-                               fleet_size=args.devices) as server:
+                               fleet_size=args.devices, link_rate=args.link_rate) as server:
         write_connection(home, CONNECTION, server.link_port, server.ca)
         registered_s = register(home, server.certs, args.devices)
         print(f"{args.devices} device keys registered in {registered_s:.1f} s", flush=True)

@@ -37,7 +37,7 @@ from typing import Annotated, Any, TypeVar
 import click
 import typer
 
-from hybridfl.edge import FLEET_SIZE, MAX_BODY_MIB
+from hybridfl.edge import FLEET_SIZE, LINK_RATE, MAX_BODY_MIB
 from hybridfl.job import MAIN_JOB, parse_overrides
 from hybridfl.processes import run_and_report, terminated
 
@@ -294,11 +294,15 @@ def edge(directory: Annotated[Path, typer.Argument(help="where nginx.conf, liste
                                                       "and rate limits and nginx's connections")] = FLEET_SIZE,
          max_body_mib: Annotated[int, typer.Option(help="the largest request body a device sends (push-object: one "
                                                         "array chunk of Flower's, 5 MiB, and its framing); every "
-                                                        "other route takes 1 MiB")] = MAX_BODY_MIB) -> None:
+                                                        "other route takes 1 MiB")] = MAX_BODY_MIB,
+         link_rate: Annotated[int, typer.Option(help="requests a second the edge passes to the SuperLink from all "
+                                                     "devices together, heartbeats apart (Flower 1.42's SuperLink "
+                                                     "answers on one event loop: docs \"Sizing a deployment\")")
+                              ] = LINK_RATE) -> None:
     """The edge proxy (nginx) for a SuperLink of one's own: on the devices' port, only Flower's Fleet API and /health
-    reach the SuperLink, within limits sized by --fleet-size and --max-body-mib; its Control and Runtime APIs stay
-    on `--superlink`, which only this machine reaches (docs: "A deployment on devices", and security.md "The edge's
-    limits, and how to size them"). Prints the nginx command that runs it."""
+    reach the SuperLink, within limits sized by --fleet-size, --max-body-mib and --link-rate; its Control and
+    Runtime APIs stay on `--superlink`, which only this machine reaches (docs: "A deployment on devices", and
+    security.md "The edge's limits, and how to size them"). Prints the nginx command that runs it."""
     import shlex
 
     from hybridfl import edge as edge_proxy
@@ -310,7 +314,7 @@ def edge(directory: Annotated[Path, typer.Argument(help="where nginx.conf, liste
         raise typer.Exit(2)
     try:
         conf = edge_proxy.write(directory, certs, superlink, listen, plain_http, fleet_size=fleet_size,
-                                max_body_mib=max_body_mib)
+                                max_body_mib=max_body_mib, link_rate=link_rate)
     except ValueError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2) from None

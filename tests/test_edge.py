@@ -9,6 +9,8 @@ import json
 import ssl
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -20,7 +22,15 @@ from hybridfl import edge
 from hybridfl.cli import main
 from hybridfl.deploy_local import EXECUTORS, runtime_api, superexec
 from hybridfl.pki import make_pki
-from hybridfl.processes import flower_env, flwr_run, free_port, register_supernode, write_connection
+from hybridfl.processes import (
+    ProcessGroup,
+    flower_env,
+    flwr_run,
+    free_port,
+    register_supernode,
+    wait_healthy,
+    write_connection,
+)
 from tools import hostile_client as attacker
 
 FLEET = 4  # devices per address the test's edge is sized for: its per-client cap is 3 x 4 connections
@@ -40,9 +50,65 @@ def test_the_rendered_limits_follow_the_fleet_and_the_body_limit_and_the_shipped
                  "limit_conn per_client_conns 150;", "burst=3200 nodelay;", "client_max_body_size 20m;",
                  "client_max_body_size 1m;", "server_tokens off;", "proxy_request_buffering on;"):
         assert line in text, line
-    for bad, says in (({"fleet_size": 0}, "--fleet-size 0"), ({"max_body_mib": 5}, "--max-body-mib 5")):
+    assert "rate=60r/s;" in shipped and shipped.count("zone=link_rate burst=60;") == 2
+    text = edge.write(tmp_path / "link", tmp_path, link_rate=7).read_text()
+    assert "zone=link_rate:1m rate=7r/s;" in text and text.count("zone=link_rate burst=7;") == 2
+    for bad, says in (({"fleet_size": 0}, "--fleet-size 0"), ({"max_body_mib": 5}, "--max-body-mib 5"),
+                      ({"link_rate": 0}, "--link-rate 0")):
         with pytest.raises(ValueError, match=says):
             edge.write(tmp_path / "bad", tmp_path, **bad)
+
+
+class _Upstream(BaseHTTPRequestHandler):
+    """A SuperLink's stand-in: answers every request at once."""
+
+    def _answer(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+def test_past_the_link_rate_the_edge_answers_503_to_every_client_together_but_passes_heartbeats(tmp_path: Path
+                                                                                               ) -> None:
+    """The SuperLink's rate in all (--link-rate): 40 requests at once from many devices' worth of address, to a
+    route of the Fleet API, pass at most the rate's burst (a second's worth, queued) and the rest are refused with
+    503, which Flower's client retries; 40 heartbeats at once all pass."""
+    needs_nginx()
+    rate, at_once = 5, 40
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    port = free_port()
+    conf = edge.write(tmp_path / "edge", tmp_path, f"127.0.0.1:{upstream.server_port}", f"127.0.0.1:{port}",
+                      plain_http=True, fleet_size=50, link_rate=rate)
+    try:
+        env = flower_env(tmp_path / "home")
+        with ProcessGroup(tmp_path / "logs", env) as procs:
+            nginx = procs.start("edge", edge.command(conf), {**env, "PATH": f"{env['PATH']}:/usr/sbin:/sbin"})
+            wait_healthy(port, nginx, 30)  # /health is not counted in the rate
+
+            def fates(route: str) -> list[int]:
+                with httpx.Client(timeout=30, limits=httpx.Limits(max_connections=at_once)) as client, \
+                        ThreadPoolExecutor(at_once) as pool:
+                    return list(pool.map(lambda _: client.post(f"http://127.0.0.1:{port}{route}",
+                                                               content=b"x").status_code, range(at_once)))
+
+            started = time.monotonic()
+            pulls = fates("/v1/fleet/pull-messages")
+            elapsed = time.monotonic() - started
+            beats = fates("/v1/fleet/send-node-heartbeat")
+    finally:
+        upstream.shutdown()
+    print(f"{at_once} pulls at once at --link-rate {rate}: {sorted(pulls)} in {elapsed:.2f} s; heartbeats: {beats}")
+    assert set(pulls) == {200, 503}
+    # the first, a second's worth queued (the burst), and what the rate adds while they wait
+    assert rate <= pulls.count(200) <= 1 + rate + rate * elapsed + 1
+    assert beats == [200] * at_once
 
 
 def test_the_edge_has_a_certificate_and_key_of_its_own_from_the_same_ca(tmp_path: Path) -> None:
