@@ -17,7 +17,9 @@ received model and extra arrays, and returns the *delta* of the trainable parame
 ``loss-gradient`` in the config, also the gradient FedDUAL's code aggregates); ``evaluate`` returns the
 received model's loss and accuracy on the node's own held-out splits (personalised evaluation) or, when
 the run holds none out, on its partition; ``query`` returns the node's partition id.
-An exception inside a handler becomes an error reply (``CLIENT_APP_RAISED_EXCEPTION``).
+An exception inside a handler becomes an error reply (``CLIENT_APP_RAISED_EXCEPTION``). Models and updates
+travel as the run's ``model-codec`` and ``update-codec`` say (client_app/wire_codec.py, a Flower mod): handlers
+see float32.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from flwr.common import log
 from flwr.common.constant import ErrorCode
 
 from client_app.declared import guard
+from client_app.wire_codec import codec_mod
 from common.protocol import METRICS, PARTITION_ID
 from common.user_code import UndeclaredCode
 
@@ -45,7 +48,8 @@ from common.user_code import UndeclaredCode
 # a message yet (deployment: one process per message; simulation: reused).
 _LOADED_AT, _TORCH_PRELOADED, _HANDLED = time.time(), "torch" in sys.modules, [0]
 
-app = ClientApp()
+# The wire's codecs around every handler: a model decoded on its way in, an update encoded on its way out
+app = ClientApp(mods=[codec_mod])
 
 Handler = Callable[[Message, Context], Message]
 

@@ -17,11 +17,7 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
-WIRE_KEY = "params"
-
-
-class BadArrays(ValueError):
-    """Arrays that do not fit the model (wrong names, shapes, dtype) or are not finite."""
+from common.codecs import PLAIN, WIRE_KEY, BadArrays, decode
 
 
 def _finite_float(name: str, arr: np.ndarray) -> torch.Tensor:
@@ -88,9 +84,4 @@ class ParamSpec:
 
     def from_record(self, record: ArrayRecord) -> torch.Tensor:
         """The flat tensor in `record`, or :class:`BadArrays` naming what does not fit."""
-        if list(record.keys()) != [WIRE_KEY]:
-            raise BadArrays(f"expected one array '{WIRE_KEY}', got {sorted(record.keys())[:4]}")
-        arr = record[WIRE_KEY].numpy()
-        if tuple(arr.shape) != (self.numel,):
-            raise BadArrays(f"'{WIRE_KEY}' has shape {tuple(arr.shape)}, expected ({self.numel},) for this model")
-        return _finite_float(WIRE_KEY, arr)
+        return torch.from_numpy(decode(record, "none", self.numel, PLAIN))

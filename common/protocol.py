@@ -13,3 +13,6 @@ REPLY_KEYS = (NUM_EXAMPLES, PARTITION_ID, BASE_VERSION)
 # the model version, the seed of a train message's local run, and the strategy (``Strategy.reference()``: a node
 # runs its client side, and imports a user's own first).
 VERSION, TRAIN_SEED, STRATEGY = "version", "train-seed", "strategy"
+# ... and of a train message's: how many updates of this run were dispatched to its client before it (a device's
+# state across its updates, e.g. topk's residual, is missing only if this is 0: client_app/wire_codec.py)
+UPDATES_BEFORE = "updates-before"

@@ -16,9 +16,11 @@ It serves the standard local recipe only: the default client side (:class:`strat
 as FedAvg, FedBuff, FedAsync, CA2FL, Feddle, FedMerge and the hybrid baselines use it) with the cross-entropy
 objective, SGD or Adam, and a model whose training-mode forward is a function of its parameters and input alone
 (no BatchNorm running statistics, no active dropout). A method with a client side or an objective of its own
-(Ditto, FedDUAL, SCAFFOLD, FedProx, IFCA, FedEM, FedAvg+, the transfers), a slowed node (``latency-s``) and any
-message whose batched run fails run as before, one message at a time, through the ClientApp (a failure is logged
-once per kind and run). The in-process engine frees the cohort's steps at the end of each run (:func:`release`).
+(Ditto, FedDUAL, SCAFFOLD, FedProx, IFCA, FedEM, FedAvg+, the transfers), a slowed node (``latency-s``), a message
+whose model or update travels encoded (``model-codec``, ``update-codec``: the ClientApp's mod decodes and encodes
+it) and any message whose batched run fails run as before, one message at a time, through the ClientApp (a failure
+is logged once per kind and run). The in-process engine frees the cohort's steps at the end of each run
+(:func:`release`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn import functional as F
 
 from client_app.app import node_partition
+from client_app.wire_codec import encoded
 from client_app.work import load_task, update_message
 from common.training import LocalRecipe, epoch_batches
 from strategies import client_side
@@ -72,7 +75,7 @@ def train_cohort(messages: Sequence[Message], contexts: Mapping[int, Context]) -
     for msg in messages:
         context = contexts.get(msg.metadata.dst_node_id)
         if (msg.metadata.message_type != MessageType.TRAIN or context is None
-                or float(context.node_config.get("latency-s", 0.0))):
+                or float(context.node_config.get("latency-s", 0.0)) or encoded(msg)):
             continue
         try:
             task = load_task(msg, context, *node_partition(context), {})

@@ -19,12 +19,14 @@ from typing import Any
 
 from flwr.common.logger import log
 
+from common.codecs import WireCodecs
 from common.config import (
     COUNT,
     ConfigError,
     OneOf,
     OptionSpec,
     Range,
+    make_options,
     option,
     options_dict,
     part_of,
@@ -46,10 +48,10 @@ from strategies import STRATEGIES, MethodChoice, strategy_class
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig, TrackingConfig):
-    """Every key of a run: the method, the data spec, the model, the clients' local recipe, the runtime and the
-    tracking (each declared in the dataclass that carries it, inherited here), the run's own keys below, and
-    ``options``: every method option's value (docs/reference/configuration.md)."""
+class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, WireCodecs, RuntimeConfig, TrackingConfig):
+    """Every key of a run: the method, the data spec, the model, the clients' local recipe, the wire's codecs, the
+    runtime and the tracking (each declared in the dataclass that carries it, inherited here), the run's own keys
+    below, and ``options``: every method option's value (docs/reference/configuration.md)."""
 
     preset: str = option("fedavg-digits", PresetName(preset_names), "YAML preset applied before overrides",
                          "a file in `configs/`, without `.yaml` (`feddle-animal/fedbuff-dir0.1-n20`), or "
@@ -102,10 +104,10 @@ class RunConfig(MethodChoice, DataSpec, ModelSpec, LocalRecipe, RuntimeConfig, T
         return {**{key: getattr(self, spec.name) for key, spec in self.specs().items()}, **self.options}
 
 
-# The parts a run's keys are declared in, in the reference's order (the run's own keys are the rest); data, model
-# and local recipe travel in every message to the clients (client_config).
+# The parts a run's keys are declared in, in the reference's order (the run's own keys are the rest); data, model,
+# local recipe and wire travel in every message to the clients (client_config).
 PARTS: dict[str, type] = {"method": MethodChoice, "data": DataSpec, "model": ModelSpec, "local recipe": LocalRecipe,
-                          "runtime": RuntimeConfig, "tracking": TrackingConfig}
+                          "wire": WireCodecs, "runtime": RuntimeConfig, "tracking": TrackingConfig}
 
 
 def run_key_groups() -> list[tuple[str, type, list[OptionSpec]]]:
@@ -124,9 +126,9 @@ def run_key_defaults() -> dict[str, Any]:
 
 def client_config(cfg: RunConfig) -> dict[str, Any]:
     """What every message to hybridfl's ClientApp carries: the data spec (a node rebuilds its partition from it),
-    the model, the local recipe and the client objective's own options. A Flower user's own ServerApp passes it
-    as ``train_config`` to ``FlowerStrategy.start`` (examples/tabular)."""
-    parts = (options_dict(part_of(part, cfg)) for part in (DataSpec, ModelSpec, LocalRecipe))
+    the model, the local recipe, the wire's codecs and the client objective's own options. A Flower user's own
+    ServerApp passes it as ``train_config`` to ``FlowerStrategy.start`` (examples/tabular)."""
+    parts = (options_dict(part_of(part, cfg)) for part in (DataSpec, ModelSpec, LocalRecipe, WireCodecs))
     objective = specs_of(OBJECTIVES[objective_of(cfg)].Config)
     return {**{k: v for part in parts for k, v in part.items()}, **{key: cfg.options[key] for key in objective}}
 
@@ -214,6 +216,10 @@ def make_config(values: Mapping[str, Any]) -> RunConfig:
     if cfg.clock == "device" and fleet.ideal:
         raise ConfigError("clock", cfg.clock, f"a fleet whose devices cost time with clock = 'device' (fleet = "
                                               f"{cfg.fleet!r} is ideal): fleet = 'lognormal', or a fleet file")
+    method = strategy_class(cfg.strategy)
+    if refusal := method.codec_refusal(make_options(method.Config, cfg.options), part_of(WireCodecs, cfg)):
+        key, allowed = refusal
+        raise ConfigError(key, getattr(cfg, specs_of(WireCodecs)[key].name), f"{allowed} (strategy {cfg.strategy})")
     check_tracking(cfg)
     return cfg
 

@@ -55,9 +55,10 @@ from flwr.common import log
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
+from common.codecs import encoded_nbytes
 from common.config import COUNT, POSITIVE, OneOf, Range, check_options, option
 from common.fleet import Fleet, fleet_names
-from common.protocol import STRATEGY
+from common.protocol import STRATEGY, UPDATES_BEFORE
 from server_app.evaluation import weighted_mean
 from server_app.replies import ReplyPuller, push
 from server_app.wire import MAX_COUNT, Dispatcher, NodeDirectory, RejectedReply, parse_reply
@@ -322,7 +323,8 @@ class Runner:
         flights = []
         for c in clients:
             payload = self.strategy.model_for(c)
-            self._bytes_down += payload.nbytes
+            down = self._wire_nbytes(self.dispatcher.codecs.model_codec, payload.params) + payload.extra_nbytes
+            self._bytes_down += down
             self._bytes_extra += payload.extra_nbytes
             self._seq += 1
             now = self._device_now()
@@ -331,7 +333,8 @@ class Runner:
             if self.fleet is not None and self.runtime.clock != "wall":
                 device = self.fleet.devices[c]
                 examples = self.client_sizes.get(c, {}).get("train", 0) * self._epochs
-                flight.device_done += device.message_s(examples, payload.nbytes, 4 * payload.params.numel())
+                flight.device_done += device.message_s(
+                    examples, down, self._wire_nbytes(self.dispatcher.codecs.update_codec, payload.params))
                 flight.device_off = device.offline_at(self.device_t)
             flights.append(flight)
         return flights
@@ -339,7 +342,8 @@ class Runner:
     def _message(self, flight: Flight) -> Message:
         """The train message of `flight`, addressed to its client's current node."""
         flight.node = self.directory.node_of[flight.client]
-        return self.dispatcher.message(flight.node, flight.payload, flight.version, train_seed=flight.train_seed)
+        return self.dispatcher.message(flight.node, flight.payload, flight.version, train_seed=flight.train_seed,
+                                       config={UPDATES_BEFORE: self.dispatcher.dispatches[flight.client] - 1})
 
     def _push(self, flights: list[Flight]) -> None:
         if not flights:
@@ -401,7 +405,8 @@ class Runner:
             entry.timeouts += 1
         else:
             try:
-                update = parse_reply(reply, self.dispatcher.spec, self._max_examples(flight.client))
+                update = parse_reply(reply, self.dispatcher.spec, self._max_examples(flight.client),
+                                     self.dispatcher.codecs)
                 if (update.client, update.base_version) != (flight.client, flight.version):
                     raise RejectedReply(f"reply is for client {update.client} at version {update.base_version}, "
                                         f"but client {flight.client} was sent version {flight.version}")
@@ -428,12 +433,18 @@ class Runner:
         self.strategy.receive(update)
         accepted.append(update)
         entry.accepted += 1
-        entry.bytes_up += update.nbytes
+        entry.bytes_up += (self._wire_nbytes(self.dispatcher.codecs.update_codec, update.delta) + update.nbytes
+                           - 4 * update.delta.numel())
         entry.staleness.append(staleness)
         if self.strategy.ready():
             self._strategy_step(entry)
         self.on_event({**event, "outcome": "accepted", "staleness": staleness, "version": self.strategy.version})
         return True
+
+    def _wire_nbytes(self, codec: str, flat: torch.Tensor) -> int:
+        """The bytes `flat` (the model, or an update) takes on the wire through `codec` (the extras travel as
+        float32)."""
+        return encoded_nbytes(codec, flat.numel(), self.dispatcher.codecs)
 
     def _check_size(self, update: Update) -> None:
         """Reject `update` if ‖Δ‖ > ``max-update-ratio`` · max(‖ω^τ‖, 1) (norms in float64: a finite float32

@@ -23,6 +23,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
 
+from common.codecs import PLAIN, WireCodecs, decode, encode
+from common.config import make_options
 from common.params import BadArrays, ParamSpec, extras_from_record, extras_to_record
 from common.protocol import (
     ARRAYS,
@@ -84,14 +86,15 @@ def rejecting(parse: Callable[..., T]) -> Callable[..., T]:
 
 
 @rejecting
-def parse_reply(msg: Message, spec: ParamSpec, max_examples: int = MAX_COUNT) -> Update:
+def parse_reply(msg: Message, spec: ParamSpec, max_examples: int = MAX_COUNT, codecs: WireCodecs = PLAIN) -> Update:
     """The :class:`Update` in a train reply (``sent`` left for the caller), or :class:`RejectedReply`.
 
     Every value is checked before anything uses it: ``num-examples`` a whole number in [1, `max_examples`] (a
     device's lie about its size would otherwise set its weight in every example-weighted mean), ``partition-id``
     and ``base-version`` whole numbers (the runner compares them with what it dispatched), every other metric a
-    finite number, the arrays finite float32 of the model's layout; whatever else a reply breaks while being read
-    rejects it too (:func:`rejecting`)."""
+    finite number, the update decoded as the run's ``update-codec`` says (common/codecs.py: every key, dtype,
+    shape and value checked) into finite float32 of the model's layout; whatever else a reply breaks while being
+    read rejects it too (:func:`rejecting`)."""
     if msg.has_error():
         raise RejectedReply(f"error reply (code {msg.error.code}): {msg.error.reason}")
     content = msg.content
@@ -106,7 +109,7 @@ def parse_reply(msg: Message, spec: ParamSpec, max_examples: int = MAX_COUNT) ->
     base = reply_number(metrics, BASE_VERSION, 0, MAX_COUNT, integral=True)
     rest = {k: reply_number(metrics, k) for k in metrics if k not in REPLY_KEYS}
     try:
-        delta = spec.from_record(content[ARRAYS])
+        delta = torch.from_numpy(decode(content[ARRAYS], codecs.update_codec, spec.numel, codecs))
         extras = extras_from_record(content[EXTRAS]) if EXTRAS in content.array_records else {}
     except BadArrays as err:
         raise RejectedReply(str(err)) from err
@@ -229,6 +232,10 @@ class Dispatcher:
     # The record of the last model sent, reused while messages carry that very tensor: the messages of one model
     # version share one copy of its bytes, so messages in the air cost a model per version, not per message.
     _last: tuple[torch.Tensor | None, ArrayRecord | None] = field(default=(None, None), repr=False)
+    codecs: WireCodecs = field(init=False)  # the run's (the keys in run_config; none where it has none)
+
+    def __post_init__(self) -> None:
+        self.codecs = make_options(WireCodecs, self.run_config)
 
     def next_seed(self, client: int) -> int:
         count = self.dispatches.get(client, 0)
@@ -247,7 +254,8 @@ class Dispatcher:
         if train_seed is not None:
             config[TRAIN_SEED] = train_seed
         if self._last[0] is not payload.params:
-            self._last = (payload.params, self.spec.to_record(payload.params))
+            self._last = (payload.params, encode(payload.params.detach().cpu().numpy(), self.codecs.model_codec,
+                                                 self.codecs)[0])
         content = RecordDict({ARRAYS: self._last[1], CONFIG: ConfigRecord(config)})
         if payload.arrays:
             content[EXTRAS] = extras_to_record(payload.arrays)

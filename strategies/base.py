@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from common.codecs import WireCodecs
 from common.config import NoOptions, OneOf, check_options, options_dict, specs_of
 from common.errors import ConfigError
 from common.figures import Figure
@@ -201,6 +202,13 @@ class Strategy(ABC):
         """Start from global parameters `params` (version 0). `model` is the architecture (its trainable
         parameters are `spec`'s layout), for strategies that train or evaluate on the server's data."""
         self.params, self.spec, self.model, self.version = params.clone(), spec, model, 0
+
+    @classmethod
+    def codec_refusal(cls, config: Any, codecs: WireCodecs) -> tuple[str, str] | None:
+        """(the key to change, why) when this method with its options `config` cannot work on what the wire's
+        `codecs` deliver (common/codecs.py); None for most, which work on the decoded float32 updates and models
+        as on any others. Checked at the run's start."""
+        return None
 
     def server_need(self) -> str:
         """What this strategy needs of the server's data with its options: "none", "in-domain" or "any"; the class

@@ -18,7 +18,8 @@ from helpers import Crash, crashing, digest, faulty_client_app, rows
 from torch import nn
 
 from client_app.app import app as client_app
-from common.config import ConfigError, specs_of
+from common.codecs import WireCodecs
+from common.config import ConfigError, make_options, specs_of
 from common.datasets import ArrayDataset
 from common.server_data import ServerData
 from hybridfl.inprocess import InProcessGrid, run_inprocess
@@ -186,6 +187,36 @@ def test_flowers_loop_gives_the_runtimes_synchronous_run(tmp_path, name, extra):
     flowers = run(tmp_path, name, "flower", loop="flower", **{"num-rounds": 3, **extra})
     assert digest(flowers / "model.pt") == digest(ours / "model.pt")
     assert rows(flowers) == rows(ours) and rows(flowers, "events.jsonl") == rows(ours, "events.jsonl")
+
+
+# Each update codec once, each with a model codec (common/codecs.py)
+CODECS = [("fp16", "none"), ("int8", "fp16"), ("topk", "int8")]
+
+
+@pytest.mark.parametrize("name,extra", CASES, ids=IDS)
+def test_every_method_works_on_what_each_codec_it_accepts_delivers_and_refuses_the_others_at_start(tmp_path, name,
+                                                                                                   extra):
+    """Through the ClientApp's mod and the runtime's decoding: every update accepted (the runtime decodes by the
+    run's codec and rejects any other record: each reply was encoded as the run says), a finite model, fewer bytes
+    counted each way; a pairing the method refuses fails at start."""
+    plain = run(tmp_path, name, "runtime", **{"num-rounds": 3, **extra})
+    base = json.loads((plain / "summary.json").read_text())
+    for update_codec, model_codec in CODECS:
+        keys = {"num-rounds": 3, **extra, "update-codec": update_codec, "model-codec": model_codec}
+        cls = STRATEGIES[name]
+        cfg = config(name, **keys)
+        if cls.codec_refusal(make_options(cls.Config, cfg), make_options(WireCodecs, cfg)):
+            with pytest.raises(ConfigError, match="update-codec"):
+                load_config(cfg)
+            continue
+        out = run(tmp_path, name, f"{update_codec}-{model_codec}", **keys)
+        steps = rows(out)[1:]
+        assert sum(r["accepted"] for r in steps) == base["total-accepted"] > 0, update_codec
+        assert sum(r["rejected"] + r["failures"] for r in steps) == 0, update_codec
+        summary = json.loads((out / "summary.json").read_text())
+        assert all(torch.isfinite(v).all() for v in torch.load(out / "model.pt").values())
+        assert summary["bytes-up-per-update"] < base["bytes-up-per-update"], update_codec
+        assert (summary["bytes-down-per-dispatch"] < base["bytes-down-per-dispatch"]) == (model_codec != "none")
 
 
 @pytest.mark.parametrize("loop", ["hybridfl", "flower"])

@@ -1,0 +1,177 @@
+"""The wire's codecs: a model on its way to a device and a device's update on its way back, in fewer bytes.
+
+Every codec turns the flat float32 vector x ∈ ℝⁿ that the wire carries (common/params.py's one array) into an
+``ArrayRecord`` and back, on CPU with numpy alone (a device's ClientApp loads no torch for a message that does no
+local work; the codecs come with it). What each costs and keeps (docs/methods.md, "The
+wire's codecs"):
+
+- ``none``: x as float32, 4n bytes.
+- ``fp16``: x rounded to IEEE half precision, 2n bytes. |x̂ᵢ − xᵢ| ≤ 2⁻¹¹|xᵢ| where |xᵢ| ≥ 2⁻¹⁴ (half's normal
+  range) and ≤ 2⁻²⁵ below it; an x with a value past half's largest (65504) is refused at encoding, not sent as ∞.
+- ``int8``: block-wise absmax quantization (Dettmers et al. 2022, "8-bit Optimizers via Block-wise
+  Quantization", §2): x cut into blocks b of B values, sᵦ = max_{i∈b}|xᵢ| / 127, qᵢ = round(xᵢ / sᵦ) ∈ [−127, 127],
+  x̂ᵢ = qᵢ sᵦ; |x̂ᵢ − xᵢ| ≤ sᵦ / 2 (and float32's rounding of one division and one product), n + 4⌈n/B⌉ bytes.
+- ``topk``: the k = ⌈f n⌉ largest entries by magnitude with error feedback (Stich, Cordonnier and Jaggi 2018,
+  "Sparsified SGD with Memory", Algorithm 1): the device keeps the residual e of what it did not send, sends
+  p = x + e's top k as (index, value) pairs and keeps e ← p − top_k(p); 8k bytes (a ratio of 1/(2f) against none).
+  Biased per message, unbiased over messages: nothing a device computed is dropped, only delayed.
+
+Decoding checks everything a hostile device could put in a record (keys, dtypes, shapes, ranges, finiteness):
+:class:`BadArrays` names what does not fit, and the runtime rejects and counts the reply.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import Array, ArrayRecord
+
+from common.config import COUNT, OneOf, Range, option
+
+WIRE_KEY = "params"  # the wire's one array (common/params.py)
+
+
+class BadArrays(ValueError):
+    """Arrays that do not fit the model (wrong names, shapes, dtype) or are not finite."""
+
+
+SCALE_KEY, INDEX_KEY = f"{WIRE_KEY}-scale", f"{WIRE_KEY}-index"
+HALF_MAX = float(np.finfo(np.float16).max)
+INT8_LEVELS = 127  # symmetric: −128 is never produced, and refused
+
+UPDATE_CODECS = ("none", "fp16", "int8", "topk")
+MODEL_CODECS = ("none", "fp16", "int8")  # a model is dense: a top-k of it is not a model
+
+
+@dataclass(frozen=True)
+class WireCodecs:
+    """The wire keys: how models travel to devices and updates back. They travel in every message's config, so a
+    device encodes and decodes as its run says."""
+
+    update_codec: str = option("none", OneOf(UPDATE_CODECS), "how a device's update travels to the server: "
+                               "none (float32), fp16, int8 (block-wise absmax), topk (the largest entries, with "
+                               "error feedback on the device)")
+    model_codec: str = option("none", OneOf(MODEL_CODECS), "how the model travels to devices: none (float32), "
+                              "fp16, int8 (block-wise absmax); the server keeps its own in float32")
+    int8_block: int = option(256, COUNT, "B, values per block of int8's scales (4 bytes of scale per block)")
+    topk_fraction: float = option(0.01, Range(0, 1, low_open=True), "f, the share of an update's entries topk "
+                                  "sends (⌈f n⌉ of n)")
+
+
+PLAIN = WireCodecs()  # float32 both ways
+
+
+def _array(values: np.ndarray) -> Array:
+    return Array(np.ascontiguousarray(values))
+
+
+def _expect(record: ArrayRecord, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
+    if sorted(record.keys()) != sorted(keys):
+        what = "one array" if len(keys) == 1 else "the arrays"
+        raise BadArrays(f"expected {what} {', '.join(map(repr, keys))}, got {sorted(record.keys())[:4]}")
+    return {k: record[k].numpy() for k in keys}
+
+
+def _check(name: str, arr: np.ndarray, dtype: type, shape: tuple[int, ...]) -> None:
+    if arr.dtype != dtype:
+        raise BadArrays(f"'{name}' has dtype {arr.dtype}, expected {np.dtype(dtype)}")
+    if tuple(arr.shape) != shape:
+        raise BadArrays(f"'{name}' has shape {tuple(arr.shape)}, expected {shape}")
+
+
+def _finite(name: str, values: np.ndarray) -> np.ndarray:
+    if not np.isfinite(values).all():
+        raise BadArrays(f"'{name}' has {int((~np.isfinite(values)).sum())} non-finite values")
+    return values
+
+
+def topk_count(numel: int, fraction: float) -> int:
+    """k = ⌈f n⌉ (at least 1): how many entries of an n-vector topk sends."""
+    return max(1, min(numel, math.ceil(fraction * numel)))
+
+
+def encode(x: np.ndarray, codec: str, wire: WireCodecs, residual: np.ndarray | None = None
+           ) -> tuple[ArrayRecord, np.ndarray | None]:
+    """`x` (flat, float32) as `codec`'s record, and topk's new residual (None for the others). `residual`: topk's e
+    from the device's last update (None: zero). Raises ValueError for an x that `codec` cannot carry (not finite;
+    fp16: past half's range)."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    if not np.isfinite(x).all():
+        raise ValueError(f"an array with {int((~np.isfinite(x)).sum())} non-finite values cannot be encoded")
+    if codec == "none":
+        return ArrayRecord({WIRE_KEY: _array(x)}), None
+    if codec == "fp16":
+        if x.size and (big := float(np.abs(x).max())) > HALF_MAX:
+            raise ValueError(f"fp16 carries values up to {HALF_MAX:g}; this array holds {big:g}")
+        return ArrayRecord({WIRE_KEY: _array(x.astype(np.float16))}), None
+    if codec == "int8":
+        blocks = np.pad(x, (0, -x.size % wire.int8_block)).reshape(-1, wire.int8_block)
+        scale = (np.abs(blocks).max(axis=1) / np.float32(INT8_LEVELS)).astype(np.float32)
+        q = np.clip(np.rint(blocks / np.where(scale > 0, scale, np.float32(1))[:, None]), -INT8_LEVELS, INT8_LEVELS)
+        return ArrayRecord({WIRE_KEY: _array(q.reshape(-1)[: x.size].astype(np.int8)),
+                            SCALE_KEY: _array(scale)}), None
+    if codec == "topk":
+        p = x if residual is None else x + np.asarray(residual, dtype=np.float32)
+        k = topk_count(p.size, wire.topk_fraction)
+        index = np.sort(np.argpartition(-np.abs(p), k - 1)[:k])
+        kept = p.copy()
+        kept[index] = 0.0
+        return ArrayRecord({WIRE_KEY: _array(p[index]), INDEX_KEY: _array(index.astype(np.int32))}), kept
+    raise ValueError(f"unknown codec {codec!r}; known: {', '.join(UPDATE_CODECS)}")
+
+
+def decode(record: ArrayRecord, codec: str, n: int, wire: WireCodecs) -> np.ndarray:
+    """The flat float32 vector of `n` values in `record` as `codec` encoded it, or :class:`BadArrays` naming what
+    does not fit (any key, dtype, shape or value the codec never makes; ``none`` takes any float dtype)."""
+    if codec == "none":
+        arr = _expect(record, (WIRE_KEY,))[WIRE_KEY]
+        if not np.issubdtype(arr.dtype, np.floating):
+            raise BadArrays(f"'{WIRE_KEY}' has dtype {arr.dtype}, expected a float dtype")
+        _check(WIRE_KEY, arr, arr.dtype.type, (n,))
+        return _finite(WIRE_KEY, np.array(arr, dtype=np.float32))
+    if codec == "fp16":
+        arr = _expect(record, (WIRE_KEY,))[WIRE_KEY]
+        _check(WIRE_KEY, arr, np.float16, (n,))
+        return _finite(WIRE_KEY, arr.astype(np.float32))
+    if codec == "int8":
+        got = _expect(record, (WIRE_KEY, SCALE_KEY))
+        _check(WIRE_KEY, got[WIRE_KEY], np.int8, (n,))
+        _check(SCALE_KEY, got[SCALE_KEY], np.float32, (-(-n // wire.int8_block),))
+        q = got[WIRE_KEY]
+        if n and q.min() < -INT8_LEVELS:
+            raise BadArrays(f"'{WIRE_KEY}' holds -128, which int8 never sends")
+        scale = _finite(SCALE_KEY, got[SCALE_KEY])
+        if (scale < 0).any():
+            raise BadArrays(f"'{SCALE_KEY}' holds negative scales")
+        with np.errstate(over="ignore"):  # a product past float32's range is refused just below
+            out = q.astype(np.float32) * np.repeat(scale, wire.int8_block)[:n]
+        return _finite(WIRE_KEY, out)
+    if codec == "topk":
+        k = topk_count(n, wire.topk_fraction)
+        got = _expect(record, (WIRE_KEY, INDEX_KEY))
+        _check(WIRE_KEY, got[WIRE_KEY], np.float32, (k,))
+        _check(INDEX_KEY, got[INDEX_KEY], np.int32, (k,))
+        index = got[INDEX_KEY].astype(np.int64)
+        if index[0] < 0 or index[-1] >= n or (k > 1 and not (np.diff(index) > 0).all()):
+            raise BadArrays(f"'{INDEX_KEY}' is not {k} increasing indices in [0, {n})")
+        out = np.zeros(n, dtype=np.float32)
+        out[index] = _finite(WIRE_KEY, got[WIRE_KEY])
+        return out
+    raise BadArrays(f"unknown codec {codec!r}")
+
+
+def encoded_nbytes(codec: str, n: int, wire: WireCodecs) -> int:
+    """The bytes of the values `codec` sends for an n-vector (its arrays' data, their framing aside): what a
+    simulated link carries, and the runtime counts."""
+    return {"none": 4 * n, "fp16": 2 * n, "int8": n + 4 * -(-n // wire.int8_block),
+            "topk": 8 * topk_count(n, wire.topk_fraction)}[codec]
+
+
+def wire_bytes(record: ArrayRecord) -> int:
+    """The bytes of `record`'s arrays as Flower's transport serialises them (each array's data, its dtype,
+    shape and framing: the objects Flower pushes)."""
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    return sum(len(obj.deflate()) for obj in get_all_nested_objects(record).values())

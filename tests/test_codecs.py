@@ -1,0 +1,248 @@
+"""The wire's codecs (common/codecs.py) and the device's mod (client_app/wire_codec.py): each round trip within the
+error its arithmetic allows, its bytes on the wire, topk's error feedback across messages and across a restart of
+the device's process, every malformed record refused naming why, and a pairing a method cannot use refused at
+start."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pytest
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    Metadata,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.app.message import make_message
+
+from client_app.wire_codec import LOST, RESIDUAL, codec_mod
+from common.codecs import (
+    HALF_MAX,
+    INDEX_KEY,
+    MODEL_CODECS,
+    SCALE_KEY,
+    UPDATE_CODECS,
+    WIRE_KEY,
+    BadArrays,
+    WireCodecs,
+    decode,
+    encode,
+    encoded_nbytes,
+    topk_count,
+    wire_bytes,
+)
+from common.config import ConfigError, options_dict
+from common.protocol import ARRAYS, CONFIG, METRICS, PARTITION_ID, UPDATES_BEFORE
+from server_app.config import make_config
+
+EPS = 2.0**-24  # float32's unit roundoff
+N = 10_000 + 37  # not a multiple of a block
+
+
+def vector(seed: int = 0, n: int = N) -> np.ndarray:
+    """Values over many scales (an update's layers differ by orders of magnitude), a zero block, tiny values."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * 10.0 ** rng.integers(-6, 2, n)).astype(np.float32)
+    x[256:512] = 0.0
+    x[600:700] = 1e-30
+    return x
+
+
+def test_none_and_fp16_round_trips_within_halfs_rounding():
+    x, wire = vector(), WireCodecs()
+    record, residual = encode(x, "none", wire)
+    assert residual is None and np.array_equal(decode(record, "none", N, wire), x)
+    back = decode(encode(x, "fp16", wire)[0], "fp16", N, wire)
+    # half has 11 significant bits: a relative error of 2^-11 in its normal range, 2^-25 absolute below it
+    assert (np.abs(back - x) <= np.maximum(2.0**-11 * np.abs(x), 2.0**-25)).all()
+    assert not np.array_equal(back, x)  # it does round
+
+
+def test_int8_round_trip_within_half_a_step_of_each_blocks_scale():
+    wire = WireCodecs(int8_block=64)
+    x = vector(1)
+    record, _ = encode(x, "int8", wire)
+    q, scale = record[WIRE_KEY].numpy(), record[SCALE_KEY].numpy()
+    assert q.dtype == np.int8 and q.shape == (N,) and scale.shape == (-(-N // 64),) and q.min() >= -127
+    back = decode(record, "int8", N, wire)
+    step = np.repeat(scale, 64)[:N]
+    # q = rint(x/s) in float32 (x/s off by ≤ 127 EPS), then q·s rounded (≤ 127 s EPS): |x̂ − x| ≤ s (1/2 + 254 EPS)
+    assert (np.abs(back - x) <= step * (0.5 + 254 * EPS)).all()
+    blocks = np.pad(x, (0, -N % 64)).reshape(-1, 64)
+    np.testing.assert_allclose(scale, np.abs(blocks).max(axis=1) / 127, rtol=2 * EPS)
+    assert (back[256:512] == 0).all()  # a zero block stays zero (its scale is 0)
+
+
+@pytest.mark.parametrize("fraction", [0.001, 0.01, 0.3])
+def test_topk_sends_the_largest_entries_and_keeps_the_rest_as_its_residual(fraction):
+    wire, x = WireCodecs(topk_fraction=fraction), vector(2)
+    k = topk_count(N, fraction)
+    record, residual = encode(x, "topk", wire)
+    index = record[INDEX_KEY].numpy()
+    assert index.dtype == np.int32 and len(index) == k and (np.diff(index) > 0).all()
+    back = decode(record, "topk", N, wire)
+    assert np.count_nonzero(back) <= k and np.array_equal(back[index], x[index])
+    assert np.abs(x[index]).min() >= np.abs(np.delete(x, index)).max()  # the k largest by magnitude
+    assert np.array_equal(back + residual, x)  # disjoint: what is not sent is kept, exactly
+
+
+def test_error_feedback_delivers_everything_over_messages():
+    """Σ_t decoded_t + e_T = Σ_t x_t up to one float32 addition per message (p_t = x_t + e_{t−1} is rounded):
+    nothing a device computed is lost, only delayed (Stich et al. 2018, Algorithm 1)."""
+    wire, residual = WireCodecs(topk_fraction=0.02), None
+    sent, total, bound = np.zeros(N, np.float64), np.zeros(N, np.float64), np.zeros(N, np.float64)
+    for t in range(30):
+        x = vector(10 + t)
+        p = x if residual is None else x + residual
+        record, residual = encode(x, "topk", wire, residual)
+        sent += decode(record, "topk", N, wire)
+        total += x
+        bound += np.abs(p) * EPS
+    assert (np.abs(sent + residual - total) <= bound + 1e-45).all()
+    assert np.abs(residual).sum() > 0 and np.abs(sent).sum() > 0.5 * np.abs(total).sum()
+
+
+def test_bytes_on_the_wire_are_the_codecs_fraction():
+    n = 200_000
+    x, wire = vector(3, n), WireCodecs()
+    plain = wire_bytes(encode(x, "none", wire)[0])
+    assert 4 * n <= plain <= 4 * n + 512
+    records = {c: encode(x, c, wire)[0] for c in UPDATE_CODECS}
+    for c, record in records.items():  # what the runtime counts, and a simulated link carries
+        assert sum(record[k].numpy().nbytes for k in record) == encoded_nbytes(c, n, wire), c
+    ratio = {c: wire_bytes(record) / plain for c, record in records.items()}
+    assert ratio["fp16"] == pytest.approx(0.5, abs=0.002)
+    assert ratio["int8"] == pytest.approx(0.25 + 1 / 256, abs=0.002)  # a float32 scale per 256 values
+    assert ratio["topk"] == pytest.approx(2 * 0.01, abs=0.002)  # an int32 index and a float32 value per entry
+
+
+def _rec(**arrays: np.ndarray) -> ArrayRecord:
+    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+
+
+N8 = 300
+Q = np.zeros(N8, np.int8)
+S = np.ones(-(-N8 // 256), np.float32)
+K = topk_count(N8, 0.01)
+
+
+@pytest.mark.parametrize(("codec", "record", "says"), [
+    ("none", _rec(params=np.zeros(N8, np.int32)), "expected a float dtype"),
+    ("none", _rec(params=np.full(N8, np.inf, np.float32)), "non-finite"),
+    ("fp16", _rec(params=np.zeros(N8, np.float32)), "expected float16"),
+    ("fp16", _rec(params=np.full(N8, np.inf, np.float16)), "non-finite"),
+    ("fp16", _rec(params=np.zeros(N8 + 1, np.float16)), "has shape"),
+    ("int8", _rec(params=Q), "expected the arrays"),
+    ("int8", _rec(params=Q.astype(np.int16), **{SCALE_KEY: S}), "expected int8"),
+    ("int8", _rec(params=np.full(N8, -128, np.int8), **{SCALE_KEY: S}), "-128"),
+    ("int8", _rec(params=Q, **{SCALE_KEY: -S}), "negative scales"),
+    ("int8", _rec(params=Q, **{SCALE_KEY: np.full_like(S, np.nan)}), "non-finite"),
+    ("int8", _rec(params=np.full(N8, 127, np.int8), **{SCALE_KEY: np.full_like(S, 3e38)}), "non-finite"),
+    ("int8", _rec(params=Q, **{SCALE_KEY: S[:-1]}), "has shape"),
+    ("topk", _rec(params=np.ones(K, np.float32), **{INDEX_KEY: np.array([5, 5, 7], np.int32)}), "increasing"),
+    ("topk", _rec(params=np.ones(K, np.float32), **{INDEX_KEY: np.array([7, 5, 9], np.int32)}), "increasing"),
+    ("topk", _rec(params=np.ones(K, np.float32), **{INDEX_KEY: np.array([-1, 5, 9], np.int32)}), "increasing"),
+    ("topk", _rec(params=np.ones(K, np.float32), **{INDEX_KEY: np.array([1, 5, N8], np.int32)}), "increasing"),
+    ("topk", _rec(params=np.ones(K + 1, np.float32), **{INDEX_KEY: np.arange(K + 1, dtype=np.int32)}), "shape"),
+    ("topk", _rec(params=np.ones(K, np.float32), **{INDEX_KEY: np.arange(K, dtype=np.int64)}), "expected int32"),
+    ("topk", _rec(params=np.full(K, np.nan, np.float32), **{INDEX_KEY: np.arange(K, dtype=np.int32)}), "non-finite"),
+])
+def test_a_record_the_codec_never_makes_is_refused_naming_why(codec, record, says):
+    assert K == 3
+    with pytest.raises(BadArrays, match=says):
+        decode(record, codec, N8, WireCodecs())
+
+
+def test_what_a_codec_cannot_carry_is_refused_at_encoding():
+    with pytest.raises(ValueError, match="up to 65504"):
+        encode(np.array([1.0, 2 * HALF_MAX], np.float32), "fp16", WireCodecs())
+    with pytest.raises(ValueError, match="non-finite"):
+        encode(np.array([1.0, np.nan], np.float32), "int8", WireCodecs())
+
+
+# -- the device's mod ---------------------------------------------------------------------------------------------
+
+def _train_message(codecs: WireCodecs, model: ArrayRecord, updates_before: int = 0, run_id: int = 7) -> Message:
+    config = ConfigRecord({**options_dict(codecs), UPDATES_BEFORE: updates_before})
+    content = RecordDict({ARRAYS: model, CONFIG: config})
+    return make_message(metadata=Metadata(run_id=run_id, message_id="", src_node_id=0, dst_node_id=1,
+                                          reply_to_message_id="", group_id="", ttl=3600.0,
+                                          message_type=MessageType.TRAIN, created_at=time.time()), content=content)
+
+
+def _handler(update: np.ndarray, seen: list[np.ndarray]):
+    def handle(msg: Message, _context: Context) -> Message:
+        seen.append(msg.content[ARRAYS][WIRE_KEY].numpy().copy())
+        return Message(RecordDict({ARRAYS: ArrayRecord({WIRE_KEY: Array(update)}),
+                                   METRICS: MetricRecord({PARTITION_ID: 3})}), reply_to=msg)
+    return handle
+
+
+def _context(node_config: dict) -> Context:
+    return Context(run_id=7, node_id=1, node_config=node_config, state=RecordDict(), run_config={})
+
+
+def test_the_mod_decodes_the_model_and_encodes_the_update_as_the_message_says():
+    codecs = WireCodecs(update_codec="int8", model_codec="fp16")
+    model, update, seen = vector(4, 500), vector(5, 500), []
+    msg = _train_message(codecs, encode(model, "fp16", codecs)[0])
+    reply = codec_mod(msg, _context({"cache-dir": ""}), _handler(update, seen))
+    assert seen[0].dtype == np.float32 and np.array_equal(seen[0], model.astype(np.float16).astype(np.float32))
+    assert sorted(reply.content[ARRAYS].keys()) == sorted([WIRE_KEY, SCALE_KEY])
+    np.testing.assert_array_equal(decode(reply.content[ARRAYS], "int8", 500, codecs),
+                                  decode(encode(update, "int8", codecs)[0], "int8", 500, codecs))
+    plain = codec_mod(_train_message(WireCodecs(), ArrayRecord({WIRE_KEY: Array(model)})),
+                      _context({"cache-dir": ""}), _handler(update, seen))
+    assert np.array_equal(plain.content[ARRAYS][WIRE_KEY].numpy(), update)  # none: untouched
+
+
+def test_topks_residual_survives_the_devices_restart_through_its_file(tmp_path, caplog):
+    codecs = WireCodecs(update_codec="topk", topk_fraction=0.05)
+    model = ArrayRecord({WIRE_KEY: Array(np.zeros(400, np.float32))})
+    first, second = vector(6, 400), vector(7, 400)
+    context = _context({"cache-dir": str(tmp_path)})
+    codec_mod(_train_message(codecs, model), context, _handler(first, []))
+    kept = context.state[RESIDUAL][WIRE_KEY].numpy().copy()
+    assert (tmp_path / "run-7" / "residual-3.npy").is_file()
+    assert np.array_equal(np.load(tmp_path / "run-7" / "residual-3.npy"), kept)
+    # the device's process restarted: Flower's Context.state is new and empty, the node's file is there
+    restarted = _context({"cache-dir": str(tmp_path)})
+    reply = codec_mod(_train_message(codecs, model, updates_before=1), restarted, _handler(second, []))
+    assert LOST not in reply.content[METRICS]
+    expected, _ = encode(second, "topk", codecs, kept)
+    assert np.array_equal(decode(reply.content[ARRAYS], "topk", 400, codecs), decode(expected, "topk", 400, codecs))
+    # a device with no state and no file, whose earlier updates were dispatched, says its residual is lost
+    with caplog.at_level(logging.WARNING):
+        lost = codec_mod(_train_message(codecs, model, updates_before=2), _context({"cache-dir": ""}),
+                         _handler(second, []))
+    assert lost.content[METRICS][LOST] == 1 and "residual for run 7 is lost" in caplog.text
+    fresh = codec_mod(_train_message(codecs, model, updates_before=0), _context({"cache-dir": ""}),
+                      _handler(second, []))
+    assert LOST not in fresh.content[METRICS]
+
+
+# -- the run's keys -----------------------------------------------------------------------------------------------
+
+def test_codecs_are_run_keys_checked_at_start_and_a_pairing_a_method_cannot_use_is_refused():
+    assert set(MODEL_CODECS) < set(UPDATE_CODECS)
+    with pytest.raises(ConfigError, match="'update-codec' = 'gzip'"):
+        make_config({"update-codec": "gzip"})
+    with pytest.raises(ConfigError, match="'model-codec' = 'topk'"):
+        make_config({"model-codec": "topk"})
+    with pytest.raises(ConfigError, match="'topk-fraction' = 0"):
+        make_config({"topk-fraction": 0.0})
+    with pytest.raises(ConfigError, match=r"'update-codec' = 'topk'.*barycenter.*strategy feddual"):
+        make_config({"strategy": "feddual", "update-codec": "topk"})
+    for fine in ({"strategy": "feddual", "update-codec": "int8"},
+                 {"strategy": "feddual", "update-codec": "topk", "dynamic-source": "loss-gradient"},
+                 {"strategy": "fedbuff", "update-codec": "topk", "model-codec": "int8"}):
+        cfg = make_config(fine)
+        assert cfg.update_codec == fine["update-codec"]
