@@ -27,9 +27,11 @@ checkpoint for K more steps on the same SuperLink and devices, as ``hybridfl res
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -65,7 +67,7 @@ from client_app.app import app
 from hybridfl import edge
 from hybridfl.deploy_local import superexec
 from hybridfl.job import prepare
-from hybridfl.processes import check_completed, flower_env, flwr_run, write_connection
+from hybridfl.processes import check_completed, flower_env, flwr_run, run_status, write_connection
 from tools import hostile_client
 
 CONNECTION = "fleet-load"
@@ -556,6 +558,9 @@ def main(argv: list[str] | None = None) -> int:
             done.set()
             sampler.stop.set()
             injector.join(120)  # a restart under way finishes before anything stops
+        if status != "finished:completed":  # Flower's reason, while its SuperLink still answers
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                status += f" ({run_status(env, CONNECTION, run_id, field='status-details')})"
         check_completed(run_id, status, run)
         summary = json.loads((run / "summary.json").read_text())
         before = len((run / "events.jsonl").read_text().splitlines())

@@ -408,15 +408,17 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
     return run_id, final_status(env, connection, run_id, timeout, unreachable_s, flwr=flwr)
 
 
-def run_status(env: dict[str, str], connection: str, run_id: int, flwr: Flwr = local_flwr) -> str:
-    """A run's status text, e.g. ``finished:completed`` (from ``flwr ls --format json``)."""
+def run_status(env: dict[str, str], connection: str, run_id: int, flwr: Flwr = local_flwr, field: str = "status"
+               ) -> str:
+    """A run's status text, e.g. ``finished:completed`` (from ``flwr ls --format json``); with `field`
+    ``status-details``, Flower's reason for it (e.g. "Task failed because the run expired": no heartbeat)."""
     out = subprocess.run([*flwr(None), "ls", connection, "--run-id", str(run_id),
                           "--format", "json"], env=env, capture_output=True, text=True, timeout=120)
     try:
         runs = json.loads(out.stdout)["runs"]
     except (json.JSONDecodeError, KeyError) as err:
         raise RuntimeError(f"cannot read the status of run {run_id}: {out.stdout}{out.stderr}") from err
-    return str(runs[0]["status"])
+    return str(runs[0][field])
 
 
 def final_status(env: dict[str, str], connection: str, run_id: int, timeout: float | None = None,
