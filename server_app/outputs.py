@@ -180,6 +180,7 @@ class Recorder:
             "bytes-down-per-dispatch": _ratio(self.rows, "bytes-down", "sampled"),
             "extra-bytes-down-per-dispatch": _ratio(self.rows, "bytes-extra-down", "sampled"),
             "bytes-up-per-update": _ratio(self.rows, "bytes-up", "accepted"),
+            "pulled-bytes-per-reply": _ratio(self.rows, "pulled-bytes", "pulled-replies"),
             "staleness-mean": float(np.mean(self.staleness)) if self.staleness else None,
             "staleness-max": int(max(self.staleness)) if self.staleness else None,
             **personal_selection(self.rows),

@@ -97,6 +97,10 @@ class ReplyPuller:
         self._http = isinstance(grid, HttpGrid)
         self._downloading: dict[str, Future[Message]] = {}  # by the id of the message replied to
         self._stop = threading.Event()  # this run's downloads end at their next retry once it is set
+        # replies whose objects were all pulled, and those objects' bytes as the SuperLink stored them: what the
+        # devices sent over the wire (the runtime reads it per round)
+        self.pulled_replies, self.pulled_bytes = 0, 0
+        self._count = threading.Lock()
 
     def pull(self, message_ids: Iterable[str]) -> list[Message]:
         wanted = set(message_ids)
@@ -144,6 +148,9 @@ class ReplyPuller:
                         if time.monotonic() > deadline or stop.wait(delay):
                             raise ObjectPullError(object_id, "not uploaded in time") from None
                         delay = min(2 * delay, BACKOFF_CAP_S)
+            with self._count:
+                self.pulled_replies += 1
+                self.pulled_bytes += sum(len(c) for c in contents.values())
             message = inflate_object_from_contents(msg_id, contents)
             message.metadata.__dict__["_message_id"] = msg_id
             grid._runtime_client.ConfirmMessageReceived(

@@ -159,8 +159,10 @@ class RoundLog:
     timeouts: int = 0  # no reply within reply-timeout-s
     vanished: int = 0  # the device went offline before its message completed (device time; a fleet's windows)
     device_t: float = 0.0  # device time at the round's close (module docstring)
-    bytes_down: int = 0  # models and arrays sent in this round's dispatches (float32)
-    bytes_up: int = 0  # ... and received in its accepted updates
+    bytes_down: int = 0  # models and arrays sent in this round's dispatches (as the run's model-codec encodes them)
+    bytes_up: int = 0  # ... and received in its accepted updates (update-codec)
+    pulled_replies: int = 0  # deployment: train replies pulled from the SuperLink in this round ...
+    pulled_bytes: int = 0  # ... and their objects' bytes, as the devices sent them (0 in-process)
     bytes_extra_down: int = 0  # of bytes-down, what is not the model: extra arrays (examples, a central gradient)
     staleness: list[int] = field(default_factory=list)
     train: dict[str, float] = field(default_factory=dict)
@@ -242,6 +244,7 @@ class Runner:
         self.final_round: int | None = None  # the round that ends the run, once a loop has decided it
         self._strategy_steps: list[dict[str, float]] = []  # what each strategy step of the current round measured
         self._bytes_down = self._bytes_extra = 0  # payload bytes dispatched in the current round, and extra ones
+        self._pulled = (0, 0)  # the reply puller's counts at the last round's close
         self.reply_to_dispatch: list[float] = []  # wall clock: seconds from a reply to the next dispatch
         # ... and two of its parts: handing the reply to the strategy (a strategy step when one is due), and
         # Flower's push of the next message to the SuperLink
@@ -504,6 +507,9 @@ class Runner:
             self._strategy_step(entry)
         entry.version = self.strategy.version
         entry.bytes_down, entry.bytes_extra_down = self._bytes_down, self._bytes_extra
+        pulled = (self.replies.pulled_replies, self.replies.pulled_bytes)
+        entry.pulled_replies, entry.pulled_bytes = pulled[0] - self._pulled[0], pulled[1] - self._pulled[1]
+        self._pulled = pulled
         entry.device_t = self.device_t = self._device_now()
         entry.steps = list(self._strategy_steps)
         entry.train = weighted_mean((u.num_examples, u.metrics) for u in accepted)

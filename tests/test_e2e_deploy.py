@@ -35,8 +35,11 @@ def test_local_deployment_with_tls_and_auth_runs_keeps_node_state_refuses_intrud
     its own state from round to round (Ditto's personal models: the accuracies are the in-process run's); a
     SuperNode with its own unregistered key
     and a plain-HTTP one are refused by the SuperLink (their own exit and the SuperLink's reason are asserted).
-    One deployment for both claims: each costs a SuperLink, SuperNodes and a process per message."""
-    overrides = {**DITTO_TWO_NODES, "output-dir": str(tmp_path / "out"), "run-name": "e2e"}
+    The wire's codecs too (issue 70): updates as topk with error feedback, models as int8; each node's residual
+    carried from its first update to its second across Flower's process per message, as the in-process run does.
+    One deployment for these claims: each costs a SuperLink, SuperNodes and a process per message."""
+    overrides = {**DITTO_TWO_NODES, "output-dir": str(tmp_path / "out"), "run-name": "e2e", "update-codec": "topk",
+                 "model-codec": "int8"}
     home = tmp_path / "flwr-home"
     refused: dict[str, tuple[int | None, str]] = {}
     runtime: dict[str, httpx.Response | None] = {}
@@ -91,6 +94,11 @@ def test_local_deployment_with_tls_and_auth_runs_keeps_node_state_refuses_intrud
         assert [d["message"] for d in lines].count("train") == 2
         assert all(d["flower-s"] > 0 and d["import-s"] > 0 for d in lines)  # a fresh process every time
     assert len(list((tmp_path / "cache").glob("run-*/partition-[01]-*.npz"))) == 2
+    # topk: each node kept its residual in its cache folder; what the devices sent is what the run counted (8 bytes
+    # an entry, 2 % of float32 at topk-fraction 0.01) and Flower's framing
+    assert len(list((tmp_path / "cache").glob("run-*/residual-[01].npy"))) == 2
+    counted, pulled = summary["bytes-up-per-update"], summary["pulled-bytes-per-reply"]
+    assert counted < pulled < 1.1 * counted + 4096, (counted, pulled)
     # each Flower process had a FLWR_HOME of its own; the operator's holds the CLI's connection and the PKI only
     homes = {p.name: p for p in (home / "processes").iterdir()}
     assert set(homes) == {"superlink", "superexec-serverapp", "supernode-0", "supernode-1", "superexec-clientapp-0",
