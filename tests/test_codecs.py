@@ -41,6 +41,7 @@ from common.codecs import (
 )
 from common.config import ConfigError, options_dict
 from common.protocol import ARRAYS, CONFIG, METRICS, PARTITION_ID, UPDATES_BEFORE
+from hybridfl.cli import main
 from server_app.config import make_config
 
 EPS = 2.0**-24  # float32's unit roundoff
@@ -231,7 +232,7 @@ def test_topks_residual_survives_the_devices_restart_through_its_file(tmp_path, 
 
 # -- the run's keys -----------------------------------------------------------------------------------------------
 
-def test_codecs_are_run_keys_checked_at_start_and_a_pairing_a_method_cannot_use_is_refused():
+def test_codecs_are_run_keys_checked_at_start_and_a_pairing_a_method_cannot_use_is_refused(tmp_path, capsys):
     assert set(MODEL_CODECS) < set(UPDATE_CODECS)
     with pytest.raises(ConfigError, match="'update-codec' = 'gzip'"):
         make_config({"update-codec": "gzip"})
@@ -246,3 +247,6 @@ def test_codecs_are_run_keys_checked_at_start_and_a_pairing_a_method_cannot_use_
                  {"strategy": "fedbuff", "update-codec": "topk", "model-codec": "int8"}):
         cfg = make_config(fine)
         assert cfg.update_codec == fine["update-codec"]
+    # as a user runs it: exit 2 before anything runs, the reason on stderr, no run folder
+    assert main(["run", "feddual-digits", "update-codec=topk", f"output-dir={tmp_path}"]) == 2
+    assert "'update-codec' = 'topk'" in capsys.readouterr().err and not any(tmp_path.iterdir())
