@@ -1,10 +1,22 @@
-"""What the reproduction families' tables share: their runs' rows and curves. Running them is the sweep
-machinery's (hybridfl/sweep.py, ``hybridfl sweep``)."""
+"""What the benchmarks share: the reproduction families' runs' rows and curves (running them is the sweep
+machinery's: hybridfl/sweep.py, ``hybridfl sweep``), and a timing's median."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """The median wall time of `repeats` calls of `fn`."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 def seeded(results: dict[str, dict[str, Any]], preset: str) -> list[dict[str, Any]]:

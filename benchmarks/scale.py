@@ -40,7 +40,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks.runs import pyplot
+from benchmarks.runs import median_seconds, pyplot
 from hybridfl.sweep import append, config_digest, load_results, pending
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scale"
@@ -195,7 +195,6 @@ def ingest(replies: int = 100, repeats: int = 5) -> str:
       validated (``parse_reply``: shape, finite floats), checked and received by the strategy, which steps when
       ready (FedAvg: once, over all; FedBuff: every 10; FedAsync: every reply).
     """
-    import statistics
 
     import torch
     from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
@@ -218,12 +217,7 @@ def ingest(replies: int = 100, repeats: int = 5) -> str:
     gen = torch.Generator().manual_seed(0)
 
     def timed(fn: Any) -> float:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_seconds(fn, repeats)
 
     state = model.state_dict()
     packed = ArrayRecord(state)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import statistics
 import threading
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.runs import median_seconds
 from common.codecs import MODEL_CODECS, UPDATE_CODECS, WireCodecs, decode, encode, wire_bytes
 from common.config import part_of
 from common.data import client_partition, data_spec, task_data
@@ -52,15 +52,6 @@ def real_update(preset: str, client: int) -> tuple[np.ndarray, np.ndarray, str]:
     return start.numpy(), update.numpy(), (f"{preset}: {cfg.model} with {params.numel} trainable parameters; client "
                                            f"{client}'s update ({len(data)} examples, lr {cfg.lr} x "
                                            f"{cfg.local_epochs} epochs)")
-
-
-def timed(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def through_link(nbytes: int, mbit: float) -> float:
@@ -108,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             back = decode(record, codec, n, wire)
             size = wire_bytes(record)
             row = {"direction": direction, "codec": codec, "bytes": size,
-                   "encode-ms": 1e3 * timed(lambda: encode(x, codec, wire), args.repeats),
-                   "decode-ms": 1e3 * timed(lambda: decode(record, codec, n, wire), args.repeats),
+                   "encode-ms": 1e3 * median_seconds(lambda: encode(x, codec, wire), args.repeats),
+                   "decode-ms": 1e3 * median_seconds(lambda: decode(record, codec, n, wire), args.repeats),
                    "max-abs-error": float(np.abs(back - x).max()),
                    "relative-l2-error": float(np.linalg.norm(back - x) / np.linalg.norm(x))}
             if direction == "update" and not args.no_link:
