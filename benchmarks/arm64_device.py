@@ -63,7 +63,6 @@ from hybridfl.pki import make_pki, make_secrets
 from hybridfl.processes import (
     ProcessGroup,
     check_completed,
-    device_timings,
     flower_env,
     flwr_run,
     free_port,
@@ -72,6 +71,7 @@ from hybridfl.processes import (
     wait_healthy,
     write_connection,
 )
+from tools.probes import device_timings
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIREMENTS = REPO / "requirements" / "device.txt"

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridfl.deploy_local import EXECUTORS, deploy_runs
-from hybridfl.processes import device_timings
+from tools.probes import device_timings
 
 PARTS = ("flower-s", "import-s", "data-s", "model-s", "work-s")
 

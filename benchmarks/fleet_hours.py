@@ -39,7 +39,7 @@ from typing import Any
 
 from hybridfl.deploy_local import deploy
 from hybridfl.inprocess import run_inprocess
-from hybridfl.processes import device_timings
+from tools.probes import device_timings
 
 METHODS = {"fedavg": {"preset": "fedavg-digits", "clock": "virtual", "delay-sigma": 0.0},
            "fedbuff": {"preset": "fedbuff-digits", "delay-sigma": 0.0},

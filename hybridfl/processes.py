@@ -275,17 +275,6 @@ def in_folders(folders: set[Path]) -> list[psutil.Process]:
     return found
 
 
-def alive(pids: set[int]) -> set[int]:
-    """The PIDs in `pids` that still exist as non-zombie processes."""
-    def running(pid: int) -> bool:
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
-    return {pid for pid in pids if running(pid)}
-
-
 def wait_until(what: str, check: Callable[[], bool], proc: subprocess.Popen, timeout: float = 60.0,
                every: float = 0.25) -> None:
     """Poll `check()` until it is true; raise if `proc` (the process behind `what`) exits first or `timeout`
@@ -476,29 +465,3 @@ def check_completed(run_id: int, status: str, run_path: Path) -> None:
         raise RuntimeError(f"run {run_id} ended as {status!r}; logs in {run_path / 'flower-logs'}")
     if not (run_path / "summary.json").is_file():
         raise RuntimeError(f"run {run_id} completed but wrote no {run_path / 'summary.json'}")
-
-
-DEVICE_TIMING = re.compile(r"device timing (\{.*\})")
-
-
-def device_timings(logs: list[Path]) -> list[dict[str, Any]]:
-    """The ClientApp's ``device timing`` lines (client_app/app.py: where a device's time went per message) found
-    in the log files `logs`, in order."""
-    return [json.loads(m[1]) for path in logs for line in path.read_text(errors="replace").splitlines()
-            if (m := DEVICE_TIMING.search(line))]
-
-
-def acquire_task_anonymously(address: str, ca: Path | None = None) -> httpx.Response | None:
-    """What a process that holds no secret gets when it asks the Runtime API at `address` for a task, as a SuperExec
-    does (Flower's own client and request): the HTTP response of the refusal, or None if a task was handed out."""
-    from flwr.proto.runtime_pb2 import AcquireTaskRequest
-    from flwr.supercore.constant import TaskType
-    from flwr.supercore.runtime import RuntimeHttpClient
-
-    client = RuntimeHttpClient.from_server_address(address, insecure=ca is None,
-                                                   root_certificates=None if ca is None else str(ca), interceptors=())
-    try:
-        client.AcquireTask(AcquireTaskRequest(supported_task_types=[t.value for t in TaskType]))
-    except httpx.HTTPStatusError as err:
-        return err.response
-    return None

@@ -38,10 +38,10 @@ from hybridfl.compose import (
     validate,
 )
 from hybridfl.inprocess import run_inprocess
-from hybridfl.processes import acquire_task_anonymously
 from tools import compose_engine, intruder
 from tools.compose_twin import Twin, twin
 from tools.compose_twin import main as twin_main
+from tools.probes import acquire_task_anonymously
 
 # The twin stands in for the real engine: it stands down where `make compose-test` passed on this very tree, or where
 # the engine test decides CI (.ci/run runs it before this suite and sets HYBRIDFL_ENGINE_TEST)

@@ -20,7 +20,8 @@ from hybridfl.cli import main
 from hybridfl.deploy_local import deploy
 from hybridfl.inprocess import run_inprocess
 from hybridfl.pki import node_key
-from hybridfl.processes import acquire_task_anonymously, device_timings, free_port
+from hybridfl.processes import free_port
+from tools.probes import acquire_task_anonymously, device_timings
 
 
 def running(pid: int) -> bool:

@@ -18,8 +18,9 @@ from helpers import digest, flower_threads, rows, simulated
 from hybridfl import processes, simulate
 from hybridfl.cli import main as cli
 from hybridfl.inprocess import run_inprocess
-from hybridfl.processes import alive, process_tree
+from hybridfl.processes import process_tree
 from server_app.checkpoint import CHECKPOINT
+from tools.probes import alive
 
 JOB = {"dataset": "synthetic", "num-clients": 3, "clients-per-round": 3, "num-rounds": 2, "local-epochs": 1,
        "batch-size": 16}

@@ -16,6 +16,7 @@ import pytest
 
 from hybridfl import processes
 from hybridfl.simulate import local_cpus
+from tools import probes
 
 EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
 # (mode and flags, the output line that marks the phase, the signal): every launcher that starts Flower's processes
@@ -77,7 +78,7 @@ def test_a_launcher_interrupted_at_any_phase_ends_at_once_and_leaves_nothing(tmp
 def _left(seen: set[int], folder: Path) -> list[int]:
     """What still runs of the processes seen, or of any running in `folder` (each Flower process runs in its own
     FLWR_HOME there, also one started after the snapshot)."""
-    return sorted(processes.alive(seen) | {p.pid for p in processes.in_folders({folder})})
+    return sorted(probes.alive(seen) | {p.pid for p in processes.in_folders({folder})})
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -152,7 +153,7 @@ time.sleep(600)
                 time.sleep(0.05)
             pid = int(orphan.read_text())
             assert psutil.Process(pid).ppid() != group.procs[0][1].pid  # not the parent's child: out of its tree
-        assert pid in group.pids and not processes.alive({pid})
+        assert pid in group.pids and not probes.alive({pid})
         assert bystander.poll() is None  # in the folder above the homes: not the group's
     finally:
         bystander.kill()

@@ -30,7 +30,8 @@ from client_app.warm_executor import _SERVER, ORPHAN_GRACE_S, PRELOAD, WarmExecu
 from hybridfl.bundle import PROJECT_DIR
 from hybridfl.deploy_local import deploy, deploy_runs
 from hybridfl.inprocess import run_inprocess
-from hybridfl.processes import alive, children, device_timings
+from hybridfl.processes import children
+from tools.probes import alive, device_timings
 
 EXAMPLE = PROJECT_DIR / "examples" / "tabular"
 JOB = {"preset": "fedavg-digits", "num-clients": 2, "clients-per-round": 2, "num-rounds": 2, "eval-every": 2}

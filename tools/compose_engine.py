@@ -91,10 +91,7 @@ from hybridfl.compose import (
 from hybridfl.compose_fleet import SHAPER_PORT
 from hybridfl.pki import make_pki, node_key
 from hybridfl.processes import (
-    acquire_task_anonymously,
-    alive,
     check_completed,
-    device_timings,
     flower_env,
     flwr_run,
     process_tree,
@@ -103,6 +100,7 @@ from hybridfl.processes import (
 )
 from tools import hostile_client, intruder
 from tools.docs import bash_blocks
+from tools.probes import acquire_task_anonymously, alive, device_timings
 
 CACHE = Path(os.environ.get("HYBRIDFL_COMPOSE_CACHE", "/var/cache/hybridfl-compose"))  # kept between runs
 WHEELS = COMPOSE_DIR / "wheels"  # in the build context; git-ignored but for its README

@@ -15,7 +15,8 @@ import subprocess
 from pathlib import Path
 
 from hybridfl.pki import node_key
-from hybridfl.processes import Flwr, acquire_task_anonymously, final_status, flower_env, local_flwr, write_connection
+from hybridfl.processes import Flwr, final_status, flower_env, local_flwr, write_connection
+from tools.probes import acquire_task_anonymously
 
 APP = Path(__file__).resolve().parent / "intruder_app"
 CONNECTION = "intruder"
