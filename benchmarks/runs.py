@@ -1,5 +1,5 @@
 """What the benchmarks share: the reproduction families' runs' rows and curves (running them is the sweep
-machinery's: hybridfl/sweep.py, ``hybridfl sweep``), and a timing's median."""
+machinery's: hybridfl/sweep/, ``hybridfl sweep``), and a timing's median."""
 
 from __future__ import annotations
 

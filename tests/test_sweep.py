@@ -1,4 +1,4 @@
-"""Sweeps (hybridfl/sweep.py, ``hybridfl sweep`` / ``hybridfl report``): the spec's checks, the jobs it names, the
+"""Sweeps (hybridfl/sweep/, ``hybridfl sweep`` / ``hybridfl report``): the spec's checks, the jobs it names, the
 one-standard-error rule on validation, and a real two-point sweep over two seeds killed mid-run and resumed."""
 
 from __future__ import annotations
