@@ -81,6 +81,13 @@ def _check(name: str, arr: np.ndarray, dtype: type, shape: tuple[int, ...]) -> N
         raise BadArrays(f"'{name}' has shape {tuple(arr.shape)}, expected {shape}")
 
 
+def finite_float32(name: str, arr: np.ndarray) -> np.ndarray:
+    """A float32 copy of `arr` (a record's buffer is read-only), or :class:`BadArrays` if it is not finite floats."""
+    if not np.issubdtype(arr.dtype, np.floating):
+        raise BadArrays(f"'{name}' has dtype {arr.dtype}, expected a float dtype")
+    return _finite(name, np.array(arr, dtype=np.float32))
+
+
 def _finite(name: str, values: np.ndarray) -> np.ndarray:
     if not np.isfinite(values).all():
         raise BadArrays(f"'{name}' has {int((~np.isfinite(values)).sum())} non-finite values")
@@ -127,10 +134,9 @@ def decode(record: ArrayRecord, codec: str, n: int, wire: WireCodecs) -> np.ndar
     does not fit (any key, dtype, shape or value the codec never makes; ``none`` takes any float dtype)."""
     if codec == "none":
         arr = _expect(record, (WIRE_KEY,))[WIRE_KEY]
-        if not np.issubdtype(arr.dtype, np.floating):
-            raise BadArrays(f"'{WIRE_KEY}' has dtype {arr.dtype}, expected a float dtype")
-        _check(WIRE_KEY, arr, arr.dtype.type, (n,))
-        return _finite(WIRE_KEY, np.array(arr, dtype=np.float32))
+        if np.issubdtype(arr.dtype, np.floating):
+            _check(WIRE_KEY, arr, arr.dtype.type, (n,))
+        return finite_float32(WIRE_KEY, arr)
     if codec == "fp16":
         arr = _expect(record, (WIRE_KEY,))[WIRE_KEY]
         _check(WIRE_KEY, arr, np.float16, (n,))

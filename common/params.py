@@ -17,17 +17,7 @@ import torch
 from flwr.app import ArrayRecord
 from torch import nn
 
-from common.codecs import PLAIN, WIRE_KEY, BadArrays, decode
-
-
-def _finite_float(name: str, arr: np.ndarray) -> torch.Tensor:
-    """A float32 copy of `arr` (the record's buffer is read-only), or BadArrays if it is not finite floats."""
-    if not np.issubdtype(arr.dtype, np.floating):
-        raise BadArrays(f"'{name}' has dtype {arr.dtype}, expected a float dtype")
-    flat = torch.from_numpy(np.array(arr, dtype=np.float32))
-    if not torch.isfinite(flat).all():
-        raise BadArrays(f"'{name}' has {int((~torch.isfinite(flat)).sum())} non-finite values")
-    return flat
+from common.codecs import PLAIN, WIRE_KEY, BadArrays, decode, finite_float32
 
 
 def extras_to_record(arrays: dict[str, torch.Tensor]) -> ArrayRecord:
@@ -37,7 +27,7 @@ def extras_to_record(arrays: dict[str, torch.Tensor]) -> ArrayRecord:
 
 def extras_from_record(record: ArrayRecord) -> dict[str, torch.Tensor]:
     """The extra tensors in `record` (float32), or :class:`BadArrays` naming one that is not finite floats."""
-    return {k: _finite_float(k, record[k].numpy()) for k in record}
+    return {k: torch.from_numpy(finite_float32(k, record[k].numpy())) for k in record}
 
 
 @dataclass(frozen=True)

@@ -436,8 +436,7 @@ class Runner:
         self.strategy.receive(update)
         accepted.append(update)
         entry.accepted += 1
-        entry.bytes_up += (self._wire_nbytes(self.dispatcher.codecs.update_codec, update.delta) + update.nbytes
-                           - 4 * update.delta.numel())
+        entry.bytes_up += self._wire_nbytes(self.dispatcher.codecs.update_codec, update.delta) + update.extra_nbytes
         entry.staleness.append(staleness)
         if self.strategy.ready():
             self._strategy_step(entry)

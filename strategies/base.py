@@ -84,7 +84,12 @@ class Update:
     @property
     def nbytes(self) -> int:
         """What the client sent: the delta and the extra arrays, as float32 (the metrics aside)."""
-        return 4 * (self.delta.numel() + sum(a.numel() for a in self.arrays.values()))
+        return 4 * self.delta.numel() + self.extra_nbytes
+
+    @property
+    def extra_nbytes(self) -> int:
+        """What the client sent besides the delta: the extra arrays, as float32."""
+        return 4 * sum(a.numel() for a in self.arrays.values())
 
     def staleness(self, version: int) -> int:
         return version - self.base_version
