@@ -1,8 +1,8 @@
 """A thousand devices on one SuperLink (issue 69): a fleet load generator, the load it holds, what it costs.
 
     python -m benchmarks.fleet_load --devices N --minutes M [--processes P] [--concurrency C] [--database]
-                                    [--idle-s S] [--no-edge] [--fault KIND@SECONDS ...] [--resume-steps K]
-                                    [--workdir DIR]
+                                    [--idle-s S] [--heartbeat-s H] [--no-edge] [--fault KIND@SECONDS ...]
+                                    [--resume-steps K] [--workdir DIR]
 
 Starts on loopback a SuperLink with the compose file's security (TLS with a private CA, SuperNode authentication,
 process isolation; Flower's in-memory state, or SQLite with ``--database``), the edge in front of it (nginx,
@@ -63,6 +63,7 @@ from flwr.supercore.inflatable.inflatable_utils import (
 from flwr.supernode import fleet_http_connection
 from flwr.supernode.fleet_http_connection import http_request_response
 
+from client_app import supernode
 from client_app.app import app
 from hybridfl import edge
 from hybridfl.deploy_local import superexec
@@ -81,6 +82,7 @@ UNREACHABLE_S = 300.0
 RESUME_S = 600.0  # a resumed run's bound (--resume-steps: a few steps)
 GRACE_S = 120.0  # devices keep answering this long past the run's time: its last round and evaluation
 SAMPLE_S = 1.0
+PROBE_TIMEOUT_S = 30.0  # Flower's ServerApp gives a heartbeat call as long (ProtobufClient's timeout)
 STOP = threading.Event()  # a worker's devices leave (their nodes deactivated) once it is set: SIGTERM
 # hybridfl's ClientApp keeps its task (data, model) per process between messages (client_app/work.py), as a device
 # does: a process's devices run it one at a time
@@ -186,11 +188,14 @@ def serve(i: int, n: int, address: str, ca: bytes, keys: tuple[Any, Any], until:
 
 
 def worker(first: int, count: int, n: int, address: str, certs: Path, until: float, log: Path,
-           idle_s: float) -> None:
-    """Devices `first` .. `first + count - 1` in this process, one thread each, started over :data:`RAMP_S`."""
+           idle_s: float, heartbeat_s: float | None) -> None:
+    """Devices `first` .. `first + count - 1` in this process, one thread each, started over :data:`RAMP_S`, beating
+    every `heartbeat_s` (None: Flower's SuperNode's interval)."""
     import torch
 
     torch.set_num_threads(1)
+    if heartbeat_s is not None:
+        supernode.space_heartbeats(heartbeat_s)
     signal.signal(signal.SIGTERM, lambda *_: STOP.set())
     # Flower's connection ends the whole process when it cannot activate its node (flwr_exit): one device's
     # failure here, which `device` counts and retries
@@ -285,6 +290,39 @@ class Sampler(threading.Thread):
                        "rss-growth-%-per-h": self.growth(name)} for name, v in self.cpu.items()}
 
 
+class LoopProbe(threading.Thread):
+    """The SuperLink's answer time: every :data:`SAMPLE_S`, one ``/health`` request straight to its port (no edge),
+    a line each in `path` (written as it goes: a run that fails before its figures keeps it). Its loop serves this
+    request as it serves the ServerApp's heartbeat: how long one waits is how long the other does."""
+
+    def __init__(self, port: int, ca: Path, path: Path) -> None:
+        super().__init__(daemon=True)
+        self.url, self.ca, self.path, self.stop = f"https://127.0.0.1:{port}/health", str(ca), path, threading.Event()
+        self.seconds: list[float] = []
+        self.unanswered = 0
+
+    def run(self) -> None:
+        import httpx
+
+        with self.path.open("a", buffering=1) as out, httpx.Client(verify=self.ca, timeout=PROBE_TIMEOUT_S) as client:
+            while not self.stop.wait(SAMPLE_S):
+                asked = time.monotonic()
+                try:
+                    ok = client.get(self.url).is_success
+                except httpx.HTTPError:
+                    ok = False
+                took = time.monotonic() - asked
+                if ok:
+                    self.seconds.append(took)
+                else:
+                    self.unanswered += 1
+                out.write(json.dumps({"t": round(time.time(), 3), "s": round(took, 4), "ok": ok}) + "\n")
+
+    def figures(self) -> dict[str, float | int]:
+        got = np.asarray(self.seconds)
+        return {**pcts(got), "max": round(float(got.max()), 4) if got.size else 0.0, "unanswered": self.unanswered}
+
+
 def pcts(values: np.ndarray) -> dict[str, float]:
     if not values.size:
         return {}
@@ -359,6 +397,7 @@ def figures(run: Path, summary: dict[str, Any], before: int, logs: list[Path], s
     replies = [d for d in device if d["event"] == "replied"]
     return {
         "flower": flower_version(), "devices": args.devices, "processes": args.processes, "idle-s": args.idle_s,
+        "heartbeat-s": args.heartbeat_s,
         "concurrency": args.concurrency,
         "state": "sqlite" if args.database else "in-memory", "edge": not args.no_edge, "minutes": args.minutes,
         "link-rate": None if args.no_edge else args.link_rate,
@@ -481,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=20, help="updates in flight (the wall clock's)")
     parser.add_argument("--idle-s", type=float, default=IDLE_S, help="a device's wait after a pull that found "
                         "nothing (Flower's SuperNode: 3 s)")
+    parser.add_argument("--heartbeat-s", type=float, default=None, help="the devices' heartbeat interval "
+                        "(`python -m client_app.supernode --heartbeat-s`; default Flower's 30 s)")
     parser.add_argument("--reply-timeout-s", type=float, default=REPLY_TIMEOUT_S, help="how long the run waits for "
                         "a message's reply (a device's message lost in a fault is counted after it; the final client "
                         "evaluation waits this long for a lost one)")
@@ -503,12 +544,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         first, count, n = args.worker
         worker(first, count, n, args.address, args.workdir / "certs", args.until,
-               args.workdir / "devices" / f"devices-{first}.jsonl", args.idle_s)
+               args.workdir / "devices" / f"devices-{first}.jsonl", args.idle_s, args.heartbeat_s)
         return 0
     if args.devices < 2 or args.processes < 1 or args.concurrency < 1 or args.minutes <= 0 or args.idle_s <= 0 \
             or args.resume_steps < 0 or args.reply_timeout_s <= 0 or args.link_rate < 1:
         parser.error("--devices ≥ 2, --processes ≥ 1, --concurrency ≥ 1, --minutes > 0, --idle-s > 0, "
                      "--resume-steps ≥ 0, --reply-timeout-s > 0, --link-rate ≥ 1")
+    if args.heartbeat_s is not None:
+        try:
+            supernode.check_heartbeat(args.heartbeat_s)
+        except ValueError as err:
+            parser.error(str(err))
     kinds = Counter(kind for kind, _ in args.fault)
     if kinds["restart-superlink"] and not args.database:
         parser.error("--fault restart-superlink needs --database (an in-memory SuperLink loses its runs)")
@@ -540,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
         address = f"127.0.0.1:{server.edge_port if server.edge_port else server.link_port}"
         workers = Workers(server, lambda first, count: [
             sys.executable, "-m", "benchmarks.fleet_load", "--worker", str(first), str(count), str(args.devices),
-            "--address", address, "--until", str(until), "--workdir", str(workdir), "--idle-s", str(args.idle_s)],
+            "--address", address, "--until", str(until), "--workdir", str(workdir), "--idle-s", str(args.idle_s),
+            *(["--heartbeat-s", str(args.heartbeat_s)] if args.heartbeat_s is not None else [])],
             {**env, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}, args.devices, args.processes)
         logs = [workdir / "devices" / f"devices-{first}.jsonl" for first, _ in workers.parts]
         roots = {"superlink": partial(server.pid, "superlink"), "serverapp": lambda: serverapp.pid}
@@ -548,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
             roots["edge"] = partial(server.pid, "edge")
         sampler = Sampler(roots, warm_up_s=max(RAMP_S, RAMP_S_PER_DEVICE * args.devices) + 120.0)
         sampler.start()
+        probe = LoopProbe(server.link_port, server.ca, workdir / "superlink-health.jsonl")
+        probe.start()
         done, faults = threading.Event(), []
         injector = threading.Thread(target=inject, args=(args.fault, server, workers, run, done, faults), daemon=True)
         injector.start()
@@ -557,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             done.set()
             sampler.stop.set()
+            probe.stop.set()
             injector.join(120)  # a restart under way finishes before anything stops
         if status != "finished:completed":  # Flower's reason, while its SuperLink still answers
             with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):

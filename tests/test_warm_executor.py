@@ -130,6 +130,74 @@ def test_the_paced_supernode_s_idle_ceiling_is_its_flag_and_the_rest_are_flowers
         assert done.value.code == 2 and len(got) == 1 and "--idle-wait-s" in capsys.readouterr().err
 
 
+def test_the_paced_supernode_s_heartbeat_is_its_flag_in_flower_s_own_connection(monkeypatch, capsys):
+    """`--heartbeat-s 120`: Flower's own HTTPS connection (a fake transport under it) declares 120 s when it activates
+    its node and in every heartbeat, and its sender waits 0.7-0.9 × (120 − 5) s between beats (Flower's formula on
+    30 s: 17.5-22.5 s); the flag is taken out of flower-supernode's; outside what the SuperLink accepts it exits 2."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from flwr.proto.fleet_pb2 import ActivateNodeResponse
+    from flwr.proto.heartbeat_pb2 import SendNodeHeartbeatResponse
+    from flwr.supercore import heartbeat
+    from flwr.supernode import fleet_http_connection
+
+    for name in supernode.HEARTBEAT_MODULES:  # monkeypatch puts Flower's 30 s back after the test
+        module = importlib.import_module(name)
+        monkeypatch.setattr(module, supernode.HEARTBEAT_NAME, getattr(module, supernode.HEARTBEAT_NAME))
+    sent, waits, beat = [], [], threading.Event()
+
+    class Transport:
+        @classmethod
+        def from_server_address(cls, *_, **__):
+            return contextlib.nullcontext(cls())
+
+        def ActivateNode(self, request):
+            sent.append(("activate", request.heartbeat_interval))
+            return ActivateNodeResponse(node_id=7)
+
+        def SendNodeHeartbeat(self, request):
+            sent.append(("heartbeat", request.heartbeat_interval))
+            beat.set()
+            return SendNodeHeartbeatResponse(success=True)
+
+        def DeactivateNode(self, request):
+            sent.append(("deactivate", request.node_id))
+
+    class Stop(threading.Event):
+        def wait(self, timeout=None):
+            waits.append(timeout)
+            return super().wait(timeout)  # until the connection ends and stops the sender
+
+    class Sender(heartbeat.HeartbeatSender):
+        def __init__(self, fn):
+            super().__init__(fn)
+            self._stop_event = Stop()
+
+    monkeypatch.setattr(fleet_http_connection, "FleetHttpClient", Transport)
+    monkeypatch.setattr(fleet_http_connection, "HeartbeatSender", Sender)
+    got: list[list[str]] = []
+    monkeypatch.setattr(supernode, "pace", lambda loop, paced: got.append(list(sys.argv[1:])))
+    import flwr.supernode.cli
+
+    monkeypatch.setattr(flwr.supernode.cli, "flower_supernode", lambda: None)
+    monkeypatch.setattr(sys, "argv", ["supernode", "--heartbeat-s", "120", "--superlink", "127.0.0.1:1"])
+    supernode.main()
+    assert got == [["--superlink", "127.0.0.1:1"]]
+    private = ec.generate_private_key(ec.SECP384R1())
+    with fleet_http_connection.http_request_response("127.0.0.1:1", True, None,
+                                                     authentication_keys=(private, private.public_key())) as conn:
+        assert conn[0] == 7 and beat.wait(10)
+        deadline = time.monotonic() + 10
+        while not waits and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert sent == [("activate", 120), ("heartbeat", 120), ("deactivate", 7)]
+    assert len(waits) == 1 and 0.7 * 115 <= waits[0] <= 0.9 * 115
+    for bad in ("9", "1801", "nan", "soon"):
+        monkeypatch.setattr(sys, "argv", ["supernode", "--heartbeat-s", bad])
+        with pytest.raises(SystemExit) as done:
+            supernode.main()
+        assert done.value.code == 2 and len(got) == 1 and "--heartbeat-s" in capsys.readouterr().err
+
+
 def test_the_paced_supernode_refuses_a_loop_it_was_not_written_for():
     """A Flower whose SuperNode loop no longer has the waits: a clear error naming what moved, not a silent no-op."""
     fake = types.ModuleType("flwr.supernode.start_client_internal")
