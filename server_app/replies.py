@@ -7,7 +7,8 @@ object retried after 1 s, doubling to 10 s, for up to 500 tries or two hours. A 
 it uploads the reply's objects, so a reply still uploading holds every other reply of that call: on a narrow link
 for the seconds of its upload plus the backoff's overshoot; from a device switched off mid-upload until the
 SuperLink's object session expires (measured: 185 s, BENCHMARKS "A heterogeneous fleet"). :class:`ReplyPuller` takes
-the same steps with each reply's objects pulled in a thread of its own, retried from 50 ms doubling to 0.5 s: a
+the same steps with each reply's objects pulled in a thread of its own, retried from 50 ms doubling to 0.5 s (longer
+when many are downloading: :data:`UNAVAILABLE_ASKS_PER_S`): a
 reply is handed over as soon as its own objects are in, and a reply whose objects never come is Flower's own error
 reply (``MESSAGE_UNAVAILABLE``) once the SuperLink drops them or :data:`MAX_WAIT_S` passes; so is a reply
 whose objects do not inflate (a broken or hostile device's), counted by the runtime as a failed update.
@@ -33,7 +34,7 @@ from concurrent.futures import Future
 from logging import WARNING
 from typing import Any
 
-from flwr.app import Message, Metadata
+from flwr.app import Message, MessageType, Metadata
 from flwr.app.error import Error
 from flwr.app.message import make_message
 from flwr.common import log
@@ -53,7 +54,14 @@ from flwr.supercore.inflatable.inflatable_utils import (
 )
 from flwr.superlink.grid.http_grid import HttpGrid
 
-INITIAL_BACKOFF_S, BACKOFF_CAP_S = 0.05, 0.5  # an object still uploading is asked for again this soon
+INITIAL_BACKOFF_S, BACKOFF_CAP_S = 0.05, 0.5  # an object still uploading is asked for again this soon ...
+# ... while the downloads together ask at most this often a second: the SuperLink's one loop also serves the fleet
+# (a thousand nodes' queries, their answers uploading through a busy edge, would otherwise ask 2000 times a second)
+UNAVAILABLE_ASKS_PER_S = 50.0
+# Requests of all downloads in flight at once: they share Flower's Runtime API client (one pool of 100 connections)
+# with the ServerApp's heartbeat, which a SuperLink fails a run without for 60 s; a thousand answers at once must
+# not hold every connection
+ASKS_AT_ONCE = 8
 MAX_WAIT_S = 600.0  # an object not in by then is given up (Flower's own pull waits up to two hours)
 PUSH_ATTEMPTS = 3  # a push whose session the SuperLink lost, tried this often (a restart takes one)
 
@@ -97,10 +105,11 @@ class ReplyPuller:
         self._http = isinstance(grid, HttpGrid)
         self._downloading: dict[str, Future[Message]] = {}  # by the id of the message replied to
         self._stop = threading.Event()  # this run's downloads end at their next retry once it is set
-        # replies whose objects were all pulled, and those objects' bytes as the SuperLink stored them: what the
-        # devices sent over the wire (the runtime reads it per round)
+        # train replies whose objects were all pulled, and those objects' bytes as the SuperLink stored them: what
+        # the devices sent over the wire (the runtime reads it per round)
         self.pulled_replies, self.pulled_bytes = 0, 0
         self._count = threading.Lock()
+        self._asking = threading.BoundedSemaphore(ASKS_AT_ONCE)
 
     def pull(self, message_ids: Iterable[str]) -> list[Message]:
         wanted = set(message_ids)
@@ -117,6 +126,10 @@ class ReplyPuller:
         done = [reply_to for reply_to in wanted & set(self._downloading) if self._downloading[reply_to].done()]
         return [self._downloading.pop(reply_to).result() for reply_to in done]
 
+    def downloading(self, message_id: str) -> bool:
+        """Whether the SuperLink listed the reply to `message_id` and its objects are still coming."""
+        return message_id in self._downloading
+
     def discard(self, message_id: str) -> None:
         """Forget the reply to `message_id` (its flight was given up): its download is left to end by itself."""
         self._downloading.pop(message_id, None)
@@ -125,6 +138,13 @@ class ReplyPuller:
         """Stop every download of this run (each ends at its next retry); later pulls start afresh."""
         self._stop.set()
         self._stop = threading.Event()
+
+    def _bounded(self, call: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """`call` made while at most :data:`ASKS_AT_ONCE` of this puller's requests are in flight."""
+        def bounded(arg: Any) -> Any:
+            with self._asking:
+                return call(arg)
+        return bounded
 
     def _download(self, proto: Any, tree: Any, future: Future[Message], stop: threading.Event) -> None:
         """One reply's objects pulled (as Flower's pull_messages does, each retried with a shorter backoff), its
@@ -135,8 +155,8 @@ class ReplyPuller:
         run_id = grid._run.run_id
         try:
             msg_id = proto.metadata.message_id
-            pull = make_pull_object_fn_protobuf(pull_object_protobuf=grid._runtime_client.PullObject,
-                                                node=grid.node, run_id=run_id)
+            pull = self._bounded(make_pull_object_fn_protobuf(pull_object_protobuf=grid._runtime_client.PullObject,
+                                                              node=grid.node, run_id=run_id))
             contents: dict[str, bytes] = {}
             deadline = time.monotonic() + MAX_WAIT_S
             for object_id in (t.object_id for t in iterate_object_tree(tree)):
@@ -147,13 +167,14 @@ class ReplyPuller:
                     except ObjectUnavailableError:
                         if time.monotonic() > deadline or stop.wait(delay):
                             raise ObjectPullError(object_id, "not uploaded in time") from None
-                        delay = min(2 * delay, BACKOFF_CAP_S)
-            with self._count:
-                self.pulled_replies += 1
-                self.pulled_bytes += sum(len(c) for c in contents.values())
+                        delay = min(2 * delay, max(BACKOFF_CAP_S, len(self._downloading) / UNAVAILABLE_ASKS_PER_S))
+            if proto.metadata.message_type == MessageType.TRAIN:
+                with self._count:
+                    self.pulled_replies += 1
+                    self.pulled_bytes += sum(len(c) for c in contents.values())
             message = inflate_object_from_contents(msg_id, contents)
             message.metadata.__dict__["_message_id"] = msg_id
-            grid._runtime_client.ConfirmMessageReceived(
+            self._bounded(grid._runtime_client.ConfirmMessageReceived)(
                 ConfirmMessageReceivedRequest(node=grid.node, run_id=run_id, message_object_id=msg_id))
         except Exception as err:  # noqa: BLE001 - any failure is this reply's, counted by the runtime
             message = make_message(

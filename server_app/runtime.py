@@ -216,7 +216,7 @@ class Runner:
         check_options(self.runtime)
         self.grid, self.strategy = grid, strategy
         self.replies = ReplyPuller(grid)
-        self.directory = NodeDirectory(grid, strategy.num_clients or MAX_COUNT)
+        self.directory = NodeDirectory(grid, strategy.num_clients or MAX_COUNT, replies=self.replies)
         self.client_sizes = dict(client_sizes or {})
         self.fleet = None if fleet is None or fleet.ideal else fleet
         if self.runtime.clock == "device" and self.fleet is None:

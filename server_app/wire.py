@@ -39,7 +39,7 @@ from common.protocol import (
     VERSION,
 )
 from common.training import derive_seed
-from server_app.replies import push
+from server_app.replies import ReplyPuller, push
 from strategies.base import Payload, Update
 
 POLL_INTERVAL_S = 0.05
@@ -130,20 +130,24 @@ def parse_metrics(msg: Message) -> tuple[int, dict[str, float]]:
     return int(client), {k: v for k, v in values.items() if k != PARTITION_ID}
 
 
-def collect(grid: Grid, message_ids: Iterable[str], timeout: float, poll: float = POLL_INTERVAL_S) -> list[Message]:
-    """Replies to `message_ids` that arrive within `timeout` seconds (polling every `poll` s)."""
+def collect(replies: ReplyPuller, message_ids: Iterable[str], timeout: float,
+            poll: float = POLL_INTERVAL_S) -> list[Message]:
+    """Replies to `message_ids` that arrive within `timeout` seconds (polling every `poll` s), each as soon as its
+    own objects are in; those not in by then are given up."""
     pending = set(message_ids)
-    replies: list[Message] = []
+    got: list[Message] = []
     deadline = time.monotonic() + timeout
     while pending:
-        got = list(grid.pull_messages(list(pending)))
-        replies.extend(got)
-        pending -= {m.metadata.reply_to_message_id for m in got}
+        arrived = replies.pull(pending)
+        got.extend(arrived)
+        pending -= {m.metadata.reply_to_message_id for m in arrived}
         if not pending or time.monotonic() >= deadline:
             break
-        if not got:
+        if not arrived:
             time.sleep(poll)
-    return replies
+    for message_id in pending:
+        replies.discard(message_id)
+    return got
 
 
 # A query's answer is a few bytes: one not in by then is lost, or queued behind a SuperLink's backlog (asking again
@@ -152,14 +156,21 @@ ASK_AGAIN_S = 60.0
 
 
 class NodeDirectory:
-    """Which node holds which client partition, learned by a ``query`` message to each new node. A node without a
-    usable answer within `ask_again_s` is asked again: Flower's SuperNode drops a message whose objects it failed to
-    pull and never answers it (300 load-test devices that gave up after 60 s lost 41 queries: the run then waited
-    for them until wait-nodes-s ended it); one whose answer was refused is not asked again sooner."""
+    """Which node holds which client partition, learned by a ``query`` message to each new node.
 
-    def __init__(self, grid: Grid, num_clients: int = MAX_COUNT, ask_again_s: float = ASK_AGAIN_S) -> None:
+    A node without a usable answer within `ask_again_s` is asked again, unless its answer is on its way (listed by
+    the SuperLink, still uploading): Flower's SuperNode drops a message whose objects it failed to pull and never
+    answers it (300 load-test devices that gave up after 60 s lost 41 queries: the run then waited for them until
+    wait-nodes-s ended it); one whose answer was refused is not asked again sooner. Answers come through `replies`
+    (default: a puller of its own), each as soon as its own objects are in: with Flower's ``Grid.pull_messages``
+    one answer still uploading held every other, and 1000 devices behind a busy edge left the directory waiting on
+    uploads for its whole ``wait-nodes-s`` while 963 answers sat in the SuperLink."""
+
+    def __init__(self, grid: Grid, num_clients: int = MAX_COUNT, ask_again_s: float = ASK_AGAIN_S,
+                 replies: ReplyPuller | None = None) -> None:
         self.grid, self.num_clients = grid, num_clients  # a node naming a partition outside [0, num_clients) is ignored
         self.ask_again_s = ask_again_s
+        self.replies = replies or ReplyPuller(grid)
         self.node_of: dict[int, int] = {}  # client (partition id) -> node id
         self._asked: dict[str, tuple[int, float]] = {}  # query message id -> (node id, when asked)
 
@@ -171,15 +182,17 @@ class NodeDirectory:
         """Ask connected nodes not yet known which partition they hold, record the answers that are in
         (without waiting), and return the ids of the nodes connected now."""
         nodes, now = set(self.grid.get_node_ids()), time.monotonic()
-        for m in [m for m, (node, asked) in self._asked.items() if node not in nodes or now - asked > self.ask_again_s]:
+        for m in [m for m, (node, asked) in self._asked.items() if node not in nodes or (
+                now - asked > self.ask_again_s and not self.replies.downloading(m))]:
             del self._asked[m]  # the node is gone, or is asked again below
+            self.replies.discard(m)
         known = set(self.node_of.values()) | {node for node, _ in self._asked.values()}
         new = sorted(nodes - known)
         if new:
             self._asked.update(zip(push(self.grid, lambda: [
                 Message(RecordDict({CONFIG: ConfigRecord({})}), dst_node_id=n, message_type=MessageType.QUERY)
                 for n in new]), ((n, now) for n in new)))
-        for reply in collect(self.grid, list(self._asked), timeout=0.0):
+        for reply in self.replies.pull(list(self._asked)):
             # a node that did not describe itself usably is asked again only once its query's time is up
             node, _ = self._asked[reply.metadata.reply_to_message_id]
             try:

@@ -7,7 +7,7 @@ import inspect
 import time
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, Metadata, RecordDict
+from flwr.app import ArrayRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
 from flwr.app.message import make_message
 from flwr.common.constant import ErrorCode
 from flwr.common.serde import message_to_proto
@@ -17,6 +17,7 @@ from flwr.proto.runtime_pb2 import PullAppMessagesResponse  # pylint: disable=E0
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
 from flwr.superlink.grid.http_grid import HttpGrid
 
+from common.protocol import METRICS, PARTITION_ID
 from server_app import replies
 from server_app.replies import ReplyPuller
 
@@ -141,3 +142,45 @@ def test_another_grid_is_pulled_by_its_own_pull_messages() -> None:
             return [f"reply to {i}" for i in sorted(ids)]
 
     assert ReplyPuller(Own()).pull(["x", "y"]) == ["reply to x", "reply to y"]
+
+
+def answer(reply_to: str, partition: int) -> Message:
+    """A node's answer to the directory's query: the partition it holds."""
+    metadata = Metadata(run_id=7, message_id="", src_node_id=1, dst_node_id=0, reply_to_message_id=reply_to,
+                        group_id="", ttl=3600.0, message_type=MessageType.QUERY, created_at=time.time())
+    return make_message(metadata=metadata, content=RecordDict({METRICS: MetricRecord({PARTITION_ID: partition})}))
+
+
+def test_the_directory_takes_each_answer_as_it_comes_and_waits_for_one_on_its_way(monkeypatch) -> None:
+    """Two nodes asked which partition they hold, node 11's answer still uploading: node 12's is taken at once,
+    node 11 is not asked again while its answer comes (even with `ask_again_s` 0, which asks again at every poll a
+    node whose answer is not on its way), then both are known, one query each; queries are not counted as the
+    devices' update bytes."""
+    from server_app.wire import NodeDirectory
+
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name, value in (("_task_id", 1), ("_run_id", 7), ("_node_id", 0)):  # a ServerApp's task, run, node
+        monkeypatch.setattr(TaskIdentity, name, value)
+    monkeypatch.setattr(replies, "BACKOFF_CAP_S", 0.05)
+    link = FakeLink({"q11": answer("q11", 0), "q12": answer("q12", 1)}, slow="q11", unavailable=20)
+    asked: list[int] = []
+
+    class Grid(HttpGrid):
+        def get_node_ids(self):
+            return [11, 12]
+
+        def push_messages(self, messages):
+            asked.extend(m.metadata.dst_node_id for m in messages)
+            return [f"q{m.metadata.dst_node_id}" for m in messages]
+
+    grid = Grid.__new__(Grid)
+    grid._client, grid.node, grid._run = link, Node(node_id=0), type("Run", (), {"run_id": 7})()
+    directory = NodeDirectory(grid, 2, ask_again_s=0.0)
+    deadline = time.monotonic() + 10
+    while directory.clients != [1] and time.monotonic() < deadline:
+        directory.poll()
+    assert directory.clients == [1] and directory.replies.downloading("q11")
+    directory.wait_for(2, timeout=10, poll=0.01)
+    assert directory.node_of == {0: 11, 1: 12} and sorted(asked) == [11, 12] and link.left == 0
+    assert directory.replies.pulled_replies == 0
