@@ -295,9 +295,10 @@ def edge(directory: Annotated[Path, typer.Argument(help="where nginx.conf, liste
          max_body_mib: Annotated[int, typer.Option(help="the largest request body a device sends (push-object: one "
                                                         "array chunk of Flower's, 5 MiB, and its framing); every "
                                                         "other route takes 1 MiB")] = MAX_BODY_MIB,
-         link_rate: Annotated[int, typer.Option(help="requests a second the edge passes to the SuperLink from all "
-                                                     "devices together, heartbeats apart (Flower 1.42's SuperLink "
-                                                     "answers on one event loop: docs \"Sizing a deployment\")")
+         link_rate: Annotated[int, typer.Option(help="asks for work (a pull of messages, an activation) a second the "
+                                                     "edge passes to the SuperLink from all devices together; work "
+                                                     "under way and heartbeats pass (Flower 1.42's SuperLink answers "
+                                                     "on one event loop: docs \"Sizing a deployment\")")
                               ] = LINK_RATE) -> None:
     """The edge proxy (nginx) for a SuperLink of one's own: on the devices' port, only Flower's Fleet API and /health
     reach the SuperLink, within limits sized by --fleet-size, --max-body-mib and --link-rate; its Control and

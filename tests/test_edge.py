@@ -74,11 +74,68 @@ class _Upstream(BaseHTTPRequestHandler):
         pass
 
 
-def test_past_the_link_rate_the_edge_answers_503_to_every_client_together_but_passes_heartbeats(tmp_path: Path
-                                                                                               ) -> None:
-    """The SuperLink's rate in all (--link-rate): 40 requests at once from many devices' worth of address, to a
-    route of the Fleet API, pass at most the rate's burst (a second's worth, queued) and the rest are refused with
-    503, which Flower's client retries; 40 heartbeats at once all pass."""
+class _SlowUpstream(_Upstream):
+    """A saturated SuperLink's stand-in: each answer takes 0.5 s; counts the requests other than heartbeats it holds
+    at once."""
+
+    lock, now, most = threading.Lock(), 0, 0
+
+    def _answer(self) -> None:
+        cls, counted = type(self), not self.path.endswith("heartbeat")
+        with cls.lock:
+            cls.now += counted
+            cls.most = max(cls.most, cls.now)
+        time.sleep(0.5)
+        with cls.lock:
+            cls.now -= counted
+        super()._answer()
+
+    do_GET = do_POST = _answer
+
+
+def test_the_edge_holds_at_most_48_of_the_devices_requests_in_the_superlink_and_never_refuses_a_heartbeat(
+        tmp_path: Path) -> None:
+    """150 requests at once that complete work under way (no rate applies to them), against a SuperLink that takes
+    0.5 s each: the SuperLink holds at most 48 at once (every further one would be a connection of its own: a TLS
+    handshake in its one loop), the rest are answered 502 at once, which Flower's client retries; 40 heartbeats sent
+    meanwhile all pass, on connections of their own."""
+    needs_nginx()
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), _SlowUpstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    port = free_port()
+    conf = edge.write(tmp_path / "edge", tmp_path, f"127.0.0.1:{upstream.server_port}", f"127.0.0.1:{port}",
+                      plain_http=True, fleet_size=100)
+    try:
+        env = flower_env(tmp_path / "home")
+        with ProcessGroup(tmp_path / "logs", env) as procs:
+            nginx = procs.start("edge", edge.command(conf), {**env, "PATH": f"{env['PATH']}:/usr/sbin:/sbin"})
+            wait_healthy(port, nginx, 30)
+
+            def fates(route: str, count: int) -> list[int]:
+                with httpx.Client(timeout=30, limits=httpx.Limits(max_connections=count)) as client, \
+                        ThreadPoolExecutor(count) as pool:
+                    return list(pool.map(lambda _: client.post(f"http://127.0.0.1:{port}{route}",
+                                                               content=b"x").status_code, range(count)))
+
+            with ThreadPoolExecutor(1) as meanwhile:
+                work = meanwhile.submit(fates, "/v1/fleet/pull-object", 150)
+                time.sleep(0.2)
+                beats = fates("/v1/fleet/send-node-heartbeat", 40)
+                work = work.result()
+    finally:
+        upstream.shutdown()
+    print(f"150 requests at once: {work.count(200)} passed, {work.count(502)} answered 502; the SuperLink held "
+          f"{_SlowUpstream.most} at most; heartbeats: {sorted(set(beats))}")
+    assert set(work) == {200, 502} and _SlowUpstream.most <= 48  # a 502 only once nginx held 48
+    assert beats == [200] * 40
+
+
+def test_past_the_link_rate_the_edge_answers_503_to_asks_for_work_but_passes_work_under_way(tmp_path: Path
+                                                                                            ) -> None:
+    """The SuperLink's rate in all (--link-rate): 40 asks for a message at once, from many devices' worth of
+    address, pass at most the rate's burst (a second's worth, queued) and the rest are refused with 503, which
+    Flower's client retries; right after, with the rate spent, 40 of each request that completes work under way
+    (an object's upload or download, a receipt, a reply) and 40 heartbeats all pass, and an arrival is counted."""
     needs_nginx()
     rate, at_once = 5, 40
     upstream = ThreadingHTTPServer(("127.0.0.1", 0), _Upstream)
@@ -101,14 +158,18 @@ def test_past_the_link_rate_the_edge_answers_503_to_every_client_together_but_pa
             started = time.monotonic()
             pulls = fates("/v1/fleet/pull-messages")
             elapsed = time.monotonic() - started
-            beats = fates("/v1/fleet/send-node-heartbeat")
+            under_way = {route: fates(f"/v1/fleet/{route}") for route in (
+                "push-object", "pull-object", "confirm-message-received", "push-messages", "send-node-heartbeat")}
+            arrivals = fates("/v1/fleet/activate-node")
     finally:
         upstream.shutdown()
-    print(f"{at_once} pulls at once at --link-rate {rate}: {sorted(pulls)} in {elapsed:.2f} s; heartbeats: {beats}")
+    print(f"{at_once} pulls at once at --link-rate {rate}: {sorted(pulls)} in {elapsed:.2f} s; under way: "
+          f"{ {k: sorted(set(v)) for k, v in under_way.items()} }; arrivals: {sorted(arrivals)}")
     assert set(pulls) == {200, 503}
     # the first, a second's worth queued (the burst), and what the rate adds while they wait
     assert rate <= pulls.count(200) <= 1 + rate + rate * elapsed + 1
-    assert beats == [200] * at_once
+    assert all(codes == [200] * at_once for codes in under_way.values()), under_way
+    assert 503 in arrivals
 
 
 def test_the_edge_has_a_certificate_and_key_of_its_own_from_the_same_ca(tmp_path: Path) -> None:
