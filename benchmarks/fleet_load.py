@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -69,6 +70,7 @@ from hybridfl import edge
 from hybridfl.deploy_local import superexec
 from hybridfl.job import prepare
 from hybridfl.processes import check_completed, flower_env, flwr_run, run_status, write_connection
+from server_app.evaluation import EVAL_WAVE
 from tools import hostile_client
 
 CONNECTION = "fleet-load"
@@ -80,7 +82,11 @@ RECONNECT_S = 10.0  # a device whose connection failed tries again after this lo
 # its run went on: the load generator waits this long before it calls the SuperLink gone
 UNREACHABLE_S = 300.0
 RESUME_S = 600.0  # a resumed run's bound (--resume-steps: a few steps)
-GRACE_S = 120.0  # devices keep answering this long past the run's time: its last round and evaluation
+# devices keep answering this long past the run's time: its last round, and its evaluation on every client (in
+# waves of EVAL_WAVE, each picked up within a device's idle wait): 1000 devices gone after 120 s left its waves to
+# time out one by one
+GRACE_S = 120.0
+GRACE_S_PER_WAVE = 15.0
 SAMPLE_S = 1.0
 PROBE_TIMEOUT_S = 30.0  # Flower's ServerApp gives a heartbeat call as long (ProtobufClient's timeout)
 STOP = threading.Event()  # a worker's devices leave (their nodes deactivated) once it is set: SIGTERM
@@ -581,7 +587,11 @@ def main(argv: list[str] | None = None) -> int:
         serverapp = server.procs.start("superexec-serverapp", superexec(["--root-certificates", str(server.ca)],
                                                                         f"127.0.0.1:{server.link_port}",
                                                                         server.certs / "superlink.secret"))
-        until = time.time() + max(RAMP_S, RAMP_S_PER_DEVICE * args.devices) + 60.0 * args.minutes + GRACE_S + 60.0 \
+        # the run's time counts from its first step, after every device described itself (up to wait-nodes-s: 1000
+        # devices took 5 minutes); the devices leave when the run ends, or by themselves at `until`
+        grace = GRACE_S + math.ceil(args.devices / EVAL_WAVE) * (args.idle_s + GRACE_S_PER_WAVE)
+        until = time.time() + max(RAMP_S, RAMP_S_PER_DEVICE * args.devices) + RUN["wait-nodes-s"] \
+            + 60.0 * args.minutes + grace + 60.0 \
             + (RESUME_S if args.resume_steps else 0.0)
         address = f"127.0.0.1:{server.edge_port if server.edge_port else server.link_port}"
         workers = Workers(server, lambda first, count: [
@@ -622,6 +632,7 @@ def main(argv: list[str] | None = None) -> int:
                 resumed = {"error": f"{type(err).__name__}: {err}"[:500]}
         workers.stop()  # they would end by themselves at `until`: they leave now
     result = figures(run, summary, before, logs, sampler, registered_s, args, faults, workers.killed, resumed)
+    result["superlink-answer-s"] = probe.figures()
     (workdir / "figures.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     return 1 if resumed and "error" in resumed else 0
