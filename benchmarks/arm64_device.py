@@ -58,19 +58,10 @@ from typing import Any
 import psutil
 
 from hybridfl.deploy_local import CONNECTION, runtime_api, superexec
+from hybridfl.flwr_cli import check_completed, flwr_run, register_supernode, write_connection
 from hybridfl.job import prepare
 from hybridfl.pki import make_pki, make_secrets
-from hybridfl.processes import (
-    ProcessGroup,
-    check_completed,
-    flower_env,
-    flwr_run,
-    free_port,
-    process_home,
-    register_supernode,
-    wait_healthy,
-    write_connection,
-)
+from hybridfl.processes import ProcessGroup, flower_env, free_port, process_home, wait_healthy
 from tools.probes import device_timings
 
 REPO = Path(__file__).resolve().parents[1]

@@ -68,8 +68,9 @@ from client_app import supernode
 from client_app.app import app
 from hybridfl import edge
 from hybridfl.deploy_local import superexec
+from hybridfl.flwr_cli import check_completed, flwr_run, run_status, write_connection
 from hybridfl.job import prepare
-from hybridfl.processes import check_completed, flower_env, flwr_run, run_status, write_connection
+from hybridfl.processes import flower_env
 from server_app.evaluation import EVAL_WAVE
 from tools import hostile_client
 

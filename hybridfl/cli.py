@@ -38,8 +38,9 @@ import click
 import typer
 
 from hybridfl.edge import FLEET_SIZE, LINK_RATE, MAX_BODY_MIB
+from hybridfl.flwr_cli import run_and_report
 from hybridfl.job import MAIN_JOB, parse_overrides
-from hybridfl.processes import run_and_report, terminated
+from hybridfl.processes import terminated
 
 app = typer.Typer(help=__doc__.split("\n\n")[0], no_args_is_help=True, add_completion=False,
                   context_settings={"help_option_names": ["-h", "--help"]})

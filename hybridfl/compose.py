@@ -41,18 +41,10 @@ from common.errors import ConfigError
 from common.fleet import Fleet, load_fleet
 from hybridfl.bundle import PROJECT_DIR
 from hybridfl.compose_fleet import ComposeSchedule, write_fleet_file
+from hybridfl.flwr_cli import Flwr, check_completed, flwr_run, register_supernode, run_and_report
 from hybridfl.job import MAIN_JOB, parse_overrides
 from hybridfl.pki import make_pki
-from hybridfl.processes import (
-    Flwr,
-    check_completed,
-    flower_env,
-    flwr_run,
-    interrupts_held,
-    register_supernode,
-    run_and_report,
-    terminated,
-)
+from hybridfl.processes import flower_env, interrupts_held, terminated
 from server_app.config import load_config, used_keys
 
 COMPOSE_DIR = PROJECT_DIR / "docker"

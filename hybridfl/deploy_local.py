@@ -31,19 +31,11 @@ from typing import Any
 from common.config import ConfigError
 from common.fleet import load_fleet
 from hybridfl.compose import PLAIN_HTTP_WARNING
+from hybridfl.flwr_cli import check_completed, flwr_run, register_supernode, write_connection
 from hybridfl.job import app_run_config, prepare
 from hybridfl.linkdb import private_file
 from hybridfl.pki import make_pki, make_secrets
-from hybridfl.processes import (
-    ProcessGroup,
-    check_completed,
-    flower_env,
-    flwr_run,
-    free_port,
-    register_supernode,
-    wait_healthy,
-    write_connection,
-)
+from hybridfl.processes import ProcessGroup, flower_env, free_port, wait_healthy
 from hybridfl.real_fleet import RealFleet
 
 CONNECTION = "hybridfl-local"

@@ -21,16 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from hybridfl import cluster
+from hybridfl.flwr_cli import check_completed, flwr_run, write_connection
 from hybridfl.job import prepare
-from hybridfl.processes import (
-    ProcessGroup,
-    check_completed,
-    flower_env,
-    flwr_run,
-    free_port,
-    wait_healthy,
-    write_connection,
-)
+from hybridfl.processes import ProcessGroup, flower_env, free_port, wait_healthy
 
 CONNECTION = "hybridfl-sim"
 # What Ray says when its raylet has not registered within the 30 s that ray._private.node allows (hard-coded): on a

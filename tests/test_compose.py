@@ -18,7 +18,7 @@ import pytest
 import yaml
 from helpers import compose_cli, needs_nginx
 
-from hybridfl import processes
+from hybridfl import flwr_cli, processes
 from hybridfl.bundle import PROJECT_DIR
 from hybridfl.compose import (
     COMPOSE_DIR,
@@ -396,10 +396,10 @@ class FakeLink:
 ])
 def test_the_final_status_outlives_a_superlink_restart_but_not_its_end(monkeypatch, replies, expected) -> None:
     link = FakeLink(replies)
-    monkeypatch.setattr(processes, "run_status", link.status)
-    monkeypatch.setattr(processes.time, "sleep", link.sleep)
-    monkeypatch.setattr(processes.time, "monotonic", lambda: link.now)
-    assert processes.final_status({}, "c", 1) == expected
+    monkeypatch.setattr(flwr_cli, "run_status", link.status)
+    monkeypatch.setattr(flwr_cli.time, "sleep", link.sleep)
+    monkeypatch.setattr(flwr_cli.time, "monotonic", lambda: link.now)
+    assert flwr_cli.final_status({}, "c", 1) == expected
 
 
 def test_flwr_run_gives_a_run_up_only_where_a_timeout_is_given(tmp_path) -> None:
@@ -411,8 +411,8 @@ def test_flwr_run_gives_a_run_up_only_where_a_timeout_is_given(tmp_path) -> None
     flwr.chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
     with pytest.raises(RuntimeError, match="flwr run did not finish within 1s"):
-        processes.flwr_run(env, "c", {}, timeout=1, app_dir=tmp_path)
-    assert processes.flwr_run(env, "c", {}, app_dir=tmp_path) == (7, "finished:completed")
+        flwr_cli.flwr_run(env, "c", {}, timeout=1, app_dir=tmp_path)
+    assert flwr_cli.flwr_run(env, "c", {}, app_dir=tmp_path) == (7, "finished:completed")
 
 
 def test_the_engine_test_skips_where_no_engine_can_start_and_fails_so_under_require(monkeypatch, tmp_path,

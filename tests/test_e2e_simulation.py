@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import digest, flower_threads, rows, simulated
 
-from hybridfl import processes, simulate
+from hybridfl import flwr_cli, processes, simulate
 from hybridfl.cli import main as cli
 from hybridfl.inprocess import run_inprocess
 from hybridfl.processes import process_tree
@@ -168,7 +168,7 @@ def test_a_run_whose_ray_did_not_start_runs_once_more_in_a_fresh_folder(tmp_path
     flwr.parent.mkdir()
     flwr.write_text(FAKE_FLWR.format(python=sys.executable, count=str(tmp_path / "runs"), fails=fails))
     flwr.chmod(0o755)
-    monkeypatch.setattr(simulate, "flwr_run", functools.partial(processes.flwr_run, flwr=lambda _: [str(flwr)]))
+    monkeypatch.setattr(simulate, "flwr_run", functools.partial(flwr_cli.flwr_run, flwr=lambda _: [str(flwr)]))
     pauses: list[float] = []
     real_sleep = time.sleep
 

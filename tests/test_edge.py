@@ -21,16 +21,9 @@ from helpers import needs_nginx
 from hybridfl import edge
 from hybridfl.cli import main
 from hybridfl.deploy_local import EXECUTORS, runtime_api, superexec
+from hybridfl.flwr_cli import flwr_run, register_supernode, write_connection
 from hybridfl.pki import make_pki
-from hybridfl.processes import (
-    ProcessGroup,
-    flower_env,
-    flwr_run,
-    free_port,
-    register_supernode,
-    wait_healthy,
-    write_connection,
-)
+from hybridfl.processes import ProcessGroup, flower_env, free_port, wait_healthy
 from tools import hostile_client as attacker
 
 FLEET = 4  # devices per address the test's edge is sized for: its per-client cap is 3 x 4 connections

@@ -156,9 +156,9 @@ def test_the_directory_takes_each_answer_as_it_comes_and_waits_for_one_on_its_wa
     node 11 is not asked again while its answer comes (even with `ask_again_s` 0, which asks again at every poll a
     node whose answer is not on its way), then both are known, one query each; queries are not counted as the
     devices' update bytes."""
-    from server_app.wire import NodeDirectory
-
     from flwr.supercore.task_identity import TaskIdentity
+
+    from server_app.wire import NodeDirectory
 
     for name, value in (("_task_id", 1), ("_run_id", 7), ("_node_id", 0)):  # a ServerApp's task, run, node
         monkeypatch.setattr(TaskIdentity, name, value)

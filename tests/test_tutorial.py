@@ -16,14 +16,8 @@ import pytest
 from helpers import needs_nginx, readme_commands
 
 from hybridfl.bundle import PROJECT_DIR
-from hybridfl.processes import (
-    ProcessGroup,
-    final_status,
-    flower_env,
-    free_port,
-    wait_healthy,
-    write_connection,
-)
+from hybridfl.flwr_cli import final_status, write_connection
+from hybridfl.processes import ProcessGroup, flower_env, free_port, wait_healthy
 from tools import intruder
 
 TUTORIAL = PROJECT_DIR / "docs" / "tutorials" / "deployment.md"

@@ -166,7 +166,7 @@ def test_the_apps_own_config_table_counts_and_hybridfls_defaults_do_not():
 def test_a_users_method_keys_pass_flower_run_c_packed_unless_the_app_declares_them():
     """Flower's `flwr run -c` refuses keys the app does not declare: hybridfl's own app carries a user's method keys
     in `method-options`; the example app declares its method's keys; a key neither can carry is refused by name."""
-    from hybridfl.processes import run_config_arg
+    from hybridfl.flwr_cli import run_config_arg
 
     assert run_config_arg({"preset": "x", "clip-norm": 0.1, "server-momentum": 0.5}) == (
         'preset="x" method-options="{ clip-norm = 0.1, server-momentum = 0.5 }"')

@@ -89,15 +89,9 @@ from hybridfl.compose import (
     supernodes,
 )
 from hybridfl.compose_fleet import SHAPER_PORT
+from hybridfl.flwr_cli import check_completed, flwr_run, register_supernode, write_connection
 from hybridfl.pki import make_pki, node_key
-from hybridfl.processes import (
-    check_completed,
-    flower_env,
-    flwr_run,
-    process_tree,
-    register_supernode,
-    write_connection,
-)
+from hybridfl.processes import flower_env, process_tree
 from tools import hostile_client, intruder
 from tools.docs import bash_blocks
 from tools.probes import acquire_task_anonymously, alive, device_timings

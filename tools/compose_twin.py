@@ -53,17 +53,8 @@ from hybridfl.compose import (
     superlink_port,
     volume_spec,
 )
-from hybridfl.processes import (
-    ProcessGroup,
-    check_completed,
-    flower_env,
-    flwr_run,
-    free_port,
-    register_supernode,
-    run_and_report,
-    wait_until,
-    write_connection,
-)
+from hybridfl.flwr_cli import check_completed, flwr_run, register_supernode, run_and_report, write_connection
+from hybridfl.processes import ProcessGroup, flower_env, free_port, wait_until
 
 UNIX_PATH_MAX = 107  # Linux's sun_path, less its terminating NUL
 

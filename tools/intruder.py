@@ -14,8 +14,9 @@ import json
 import subprocess
 from pathlib import Path
 
+from hybridfl.flwr_cli import Flwr, final_status, local_flwr, write_connection
 from hybridfl.pki import node_key
-from hybridfl.processes import Flwr, final_status, flower_env, local_flwr, write_connection
+from hybridfl.processes import flower_env
 from tools.probes import acquire_task_anonymously
 
 APP = Path(__file__).resolve().parent / "intruder_app"
