@@ -75,8 +75,8 @@ def _renamed(value: Any, i: int) -> Any:
 
 
 def fleet_services(compose: dict[str, Any], fleet: Fleet, fleet_file: Path | None = None) -> dict[str, Any]:
-    """The compose file (a mapping) that makes `compose` (the files merged, :func:`hybridfl.compose.load`) a fleet of
-    ``len(fleet)`` devices (see the module docstring). `fleet_file`, a user's fleet file, is mounted for the
+    """The compose file (a mapping) that makes `compose` (the files merged, :func:`hybridfl.compose_file.load`) a
+    fleet of ``len(fleet)`` devices (see the module docstring). `fleet_file`, a user's fleet file, is mounted for the
     ServerApp."""
     services = compose["services"]
     node0, executor0 = services[NODE.format(0)], services[EXECUTOR.format(0)]

@@ -21,7 +21,7 @@ from PIL import Image
 
 from client_app.app import app as client_app
 from common.protocol import ARRAYS
-from hybridfl.compose import COMPOSE_DIR, missing_modules
+from hybridfl.compose_file import COMPOSE_DIR, missing_modules
 
 
 def readme_commands(page: Path) -> list[str]:

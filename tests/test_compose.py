@@ -20,17 +20,15 @@ from helpers import compose_cli, needs_nginx
 
 from hybridfl import flwr_cli, processes
 from hybridfl.bundle import PROJECT_DIR
-from hybridfl.compose import (
+from hybridfl.compose import CONNECTION, demo_run_config, main
+from hybridfl.compose_file import (
     COMPOSE_DIR,
-    CONNECTION,
     ComposeError,
     _merge,
     compose_files,
-    demo_run_config,
     interpolate,
     is_setup,
     load,
-    main,
     on_demand,
     start_order,
     superlink_port,

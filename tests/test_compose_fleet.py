@@ -13,7 +13,8 @@ import pytest
 from helpers import compose_cli
 
 from common.fleet import DeviceProfile, Fleet
-from hybridfl.compose import compose_files, load, main, supernodes
+from hybridfl.compose import main
+from hybridfl.compose_file import compose_files, load, supernodes
 from hybridfl.compose_fleet import SHAPER_PORT, ComposeSchedule, fleet_services, write_fleet_file
 from hybridfl.shaper import parse_route
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hybridfl.cli import main
-from hybridfl.compose import compose_files, load
+from hybridfl.compose_file import compose_files, load
 from hybridfl.deploy_local import CONNECTION, deploy_runs
 from hybridfl.linkdb import file_size, prune
 from hybridfl.processes import flower_env

@@ -72,19 +72,14 @@ import psutil
 
 from common.fleet import load_fleet
 from hybridfl.bundle import PROJECT_DIR
-from hybridfl.compose import (
+from hybridfl.compose import CONNECTION, FLEET_FILE, IMAGE_UID, demo_run_config, hand_to_images, operator
+from hybridfl.compose_file import (
     COMPOSE_DIR,
-    CONNECTION,
-    FLEET_FILE,
-    IMAGE_UID,
     SERVERAPP,
     SUPERLINK,
     auth_key,
     compose_files,
-    demo_run_config,
-    hand_to_images,
     load,
-    operator,
     superlink_port,
     supernodes,
 )

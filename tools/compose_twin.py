@@ -32,23 +32,19 @@ from pathlib import Path
 from typing import Any
 
 from hybridfl.bundle import PROJECT_DIR
-from hybridfl.compose import (
-    CERTS,
+from hybridfl.compose import CERTS, CONNECTION, certificates, demo_run_config, read_command_line
+from hybridfl.compose_file import (
     COMPOSE_DIR,
-    CONNECTION,
     ENTRYPOINTS,
     SERVERAPP,
     SUPERLINK,
     ComposeError,
     auth_key,
-    certificates,
-    demo_run_config,
     image_of,
     is_setup,
     load,
     missing_modules,
     on_demand,
-    read_command_line,
     start_order,
     superlink_port,
     volume_spec,
