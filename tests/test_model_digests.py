@@ -1,10 +1,10 @@
-"""hybridfl.model_digests: what shows a restructuring changed no result."""
+"""tools.model_digests: what shows a restructuring changed no result."""
 
 from __future__ import annotations
 
 import json
 
-from hybridfl.model_digests import compare, digests, main
+from tools.model_digests import compare, digests, main
 
 
 def test_a_presets_digest_is_its_model_and_a_missing_dataset_is_recorded_as_skipped():

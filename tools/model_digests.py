@@ -1,8 +1,8 @@
 """The sha256 of ``model.pt`` after a short in-process run of every preset: run it at two commits and compare, to
 show a restructuring changed no result.
 
-    python -m hybridfl.model_digests > after.json                       # every preset (or name some), 3 rounds
-    python -m hybridfl.model_digests --compare before.json after.json   # exit 1 if a digest differs
+    python -m tools.model_digests > after.json                       # every preset (or name some), 3 rounds
+    python -m tools.model_digests --compare before.json after.json   # exit 1 if a digest differs
 
 A preset whose data this machine lacks (CelebA) is recorded as skipped, with why, and a run that fails (an
 asynchronous preset whose first reply is due after these few rounds has learned nothing) as failed, with what it
