@@ -3,7 +3,7 @@
 #   1. the CUDA tests: tests/test_gpu.py, tests/test_devices.py and tests/test_cohort.py's CUDA tests (full FP32
 #      for the cohort's comparison: the TF32 pin);
 #   2. the in-flight cohort against one client at a time on the Fashion-MNIST CNN's asynchronous protocol (FedBuff,
-#      Dir(0.1)/N(20)), side by side: one run's updates/s (benchmarks/cohort.py);
+#      Dir(0.1)/N(20)), side by side: one run's updates/s (benchmarks/cohort_speed.py);
 #   3. a sweep's runs per hour at 1, 4, 8 and 16 lanes sharing the GPU (benchmarks/lanes.py: --jobs N, each lane a
 #      process with its cohort, each lane count in a 45 s box), and on a one-node Ray cluster with fractional GPUs
 #      where the machine has Ray; GPU memory per lane;
@@ -62,7 +62,7 @@ timeout 120 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests
 echo "exit $? after $((SECONDS - START)) s"; tail -3 "$OUT/pytest.log"
 
 echo "== 2. the in-flight cohort against one client at a time ($(left) s left)"
-timeout 150 python3 -m benchmarks.cohort --preset feddle-fmnist/fedbuff-dir0.1-n20 --steps 10 --repeats 2 \
+timeout 150 python3 -m benchmarks.cohort_speed --preset feddle-fmnist/fedbuff-dir0.1-n20 --steps 10 --repeats 2 \
   --out "$OUT/cohort.jsonl" > "$OUT/cohort.log" 2>&1
 echo "exit $? after $((SECONDS - START)) s"; grep -h '"kind": "ratio"' "$OUT/cohort.jsonl"
 

@@ -44,7 +44,7 @@ from strategies import client_side
 from strategies.client import ClientSide, LocalTask
 
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults, which make_optimizer uses
-CUDA_GRAPHS = True  # capture each cohort step on CUDA (benchmarks/cohort.py turns it off to measure what it buys)
+CUDA_GRAPHS = True  # capture each cohort step on CUDA (benchmarks/cohort_speed.py turns it off to measure what it buys)
 
 
 def served(task: LocalTask) -> bool:

@@ -1,6 +1,6 @@
 """Cohort training against one client at a time: client updates per second of an in-process run, side by side.
 
-    python -m benchmarks.cohort [--preset feddle-fmnist/fedbuff-dir0.1-n20] [--steps 30] [--repeats 2]
+    python -m benchmarks.cohort_speed [--preset feddle-fmnist/fedbuff-dir0.1-n20] [--steps 30] [--repeats 2]
                                 [--processes 1,4,8] [--out results.jsonl]
 
 The job is a preset (default: the Feddle CNN table's protocol, FedBuff at Dir(0.1)/N(20): Fashion-MNIST on 500
@@ -92,7 +92,7 @@ def side_by_side(args: argparse.Namespace, device: str) -> None:
 def lanes(args: argparse.Namespace, device: str, count: int) -> None:
     """`count` processes of the cohort job at once; their total updates per second."""
     code = ("import json, logging, sys, tempfile, torch\ntorch.set_num_threads(1)\n"
-            "logging.getLogger('flwr').setLevel(logging.WARNING)\nfrom benchmarks.cohort import measure\n"
+            "logging.getLogger('flwr').setLevel(logging.WARNING)\nfrom benchmarks.cohort_speed import measure\n"
             "with tempfile.TemporaryDirectory() as tmp:\n"
             f"    print(json.dumps(measure({args.preset!r}, {args.steps}, 'on', tmp, 'lane')))\n")
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(count)]
