@@ -1,7 +1,7 @@
 """Cohort training against one client at a time: client updates per second of an in-process run, side by side.
 
     python -m benchmarks.cohort_speed [--preset feddle-fmnist/fedbuff-dir0.1-n20] [--steps 30] [--repeats 2]
-                                [--processes 1,4,8] [--out results.jsonl]
+                                       [--processes 1,4,8] [--out results.jsonl]
 
 The job is a preset (default: the Feddle CNN table's protocol, FedBuff at Dir(0.1)/N(20): Fashion-MNIST on 500
 clients, 10 sampled per step, Adam lr 1e-3 for 2 epochs of batch 32) for ``--steps`` server steps, evaluated only
