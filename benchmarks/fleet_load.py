@@ -536,8 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume-steps", type=int, default=0, help="after the run, resume it from its checkpoint "
                         "for this many more steps, as `hybridfl resume` does (the devices stay)")
     parser.add_argument("--no-edge", action="store_true", help="devices straight to the SuperLink")
-    parser.add_argument("--link-rate", type=int, default=edge.LINK_RATE, help="the edge's requests a second to the "
-                        "SuperLink from all devices, heartbeats apart (`hybridfl edge --link-rate`)")
+    parser.add_argument("--link-rate", type=int, default=edge.LINK_RATE, help="the edge's asks for work a second to "
+                        "the SuperLink from all devices (`hybridfl edge --link-rate`)")
     parser.add_argument("--workdir", type=Path, default=None, help="default: outputs/fleet-load/<time>")
     parser.add_argument("--fault", type=fault, action="append", default=[], metavar="KIND@SECONDS",
                         help=f"a fault SECONDS after training starts (every device connected), KIND one of "

@@ -3,7 +3,7 @@ limits that one hostile client cannot exhaust (docs/security.md "The edge's limi
 
 The files beside this module are docker/compose.yml's (the SuperLink through docker/link.conf's unix socket, the
 certificates in ``/app/certs/``, the devices' port ``0.0.0.0:8000``, the limits for :data:`FLEET_SIZE` devices,
-:data:`MAX_BODY_MIB` and :data:`LINK_RATE` requests a second to the SuperLink); :func:`write` renders them for a
+:data:`MAX_BODY_MIB` and :data:`LINK_RATE` asks for work a second to the SuperLink); :func:`write` renders them for a
 server of one's own (``hybridfl edge``, docs/tutorials/deployment.md).
 """
 
@@ -39,7 +39,7 @@ LINK_RATE = 60
 def sizing(fleet_size: int = FLEET_SIZE, max_body_mib: int = MAX_BODY_MIB, link_rate: int = LINK_RATE
            ) -> dict[str, tuple[str, int]]:
     """nginx.conf's sized directives for `fleet_size` devices (all of them possibly behind one address), a
-    push-object body limit of `max_body_mib` MiB and `link_rate` requests a second to the SuperLink in all: {the
+    push-object body limit of `max_body_mib` MiB and `link_rate` asks for work a second to the SuperLink in all: {the
     shipped line's pattern: (its line for these sizes, how many times the shipped file has it)}."""
     connections = max(MIN_WORKER_CONNECTIONS, 2 * CONNS_PER_DEVICE * fleet_size)  # a client and an upstream one each
     return {r"worker_rlimit_nofile \d+;": (f"worker_rlimit_nofile {2 * connections};", 1),
