@@ -6,6 +6,7 @@ timed out, while a registered device behind the edge trains through a run; the e
 from __future__ import annotations
 
 import json
+import re
 import ssl
 import threading
 import time
@@ -50,6 +51,18 @@ def test_the_rendered_limits_follow_the_fleet_and_the_body_limit_and_the_shipped
                       ({"link_rate": 0}, "--link-rate 0")):
         with pytest.raises(ValueError, match=says):
             edge.write(tmp_path / "bad", tmp_path, **bad)
+
+
+def test_every_route_that_sets_the_link_rate_keeps_the_per_address_rate(tmp_path: Path) -> None:
+    """nginx replaces an inherited ``limit_req`` wherever a location sets its own: each location limited by the
+    link rate restates the per-address rate, and only the asks for work (pulls, activations) are limited by it."""
+    text = edge.write(tmp_path / "edge", tmp_path, fleet_size=50).read_text()
+    limited = []
+    for route, body in re.findall(r"location = (\S+) \{(.*?)\n        \}", text, re.S):
+        if "zone=link_rate" in body:
+            limited.append(route)
+            assert "limit_req zone=per_client_rate burst=3200 nodelay;" in body, route
+    assert limited == ["/v1/fleet/pull-messages", "/v1/fleet/activate-node"]
 
 
 class _Upstream(BaseHTTPRequestHandler):
