@@ -82,7 +82,9 @@ RECONNECT_S = 10.0  # a device whose connection failed tries again after this lo
 # a SuperLink saturated by devices connecting left the operator's `flwr ls` unanswered for 30 s (1000 devices) while
 # its run went on: the load generator waits this long before it calls the SuperLink gone
 UNREACHABLE_S = 300.0
-RESUME_S = 600.0  # a resumed run's bound (--resume-steps: a few steps)
+# a resumed run's bound past its query phase and its evaluation (--resume-steps: a few steps); devices gone for
+# good keep it waiting the whole wait-nodes-s before it goes on without them
+RESUME_S = 600.0
 # devices keep answering this long past the run's time: its last round, and its evaluation on every client (in
 # waves of EVAL_WAVE, each picked up within a device's idle wait): 1000 devices gone after 120 s left its waves to
 # time out one by one
@@ -425,20 +427,21 @@ def figures(run: Path, summary: dict[str, Any], before: int, logs: list[Path], s
     }
 
 
-def resume(run: Path, steps: int, env: dict[str, str], log: Path) -> dict[str, Any]:
+def resume(run: Path, steps: int, env: dict[str, str], log: Path, grace: float) -> dict[str, Any]:
     """The run continued from its checkpoint for `steps` more steps (``hybridfl resume``'s overrides: the run folder
     and a larger num-rounds), on the same SuperLink and devices: where it started, what it did, what it left out."""
     metrics = (run / "metrics.jsonl").read_text().splitlines()
     last = json.loads(metrics[-1])["round"]
     overrides, _, _ = prepare({"resume": str(run), "num-rounds": last + steps})
-    run_id, status = flwr_run(env, CONNECTION, overrides, timeout=RESUME_S, log=log, unreachable_s=UNREACHABLE_S)
+    run_id, status = flwr_run(env, CONNECTION, overrides, timeout=RUN["wait-nodes-s"] + RESUME_S + grace, log=log,
+                              unreachable_s=UNREACHABLE_S)
     check_completed(run_id, status, run)
     after = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()[len(metrics):]]
     summary = json.loads((run / "summary.json").read_text())
     return {"from-step": last, "resumed-after-round": summary["resumed-after-round"],
             "steps": [after[0]["round"], after[-1]["round"]], "accepted": sum(m["accepted"] for m in after),
             "final-test-accuracy": summary["final-test-accuracy"],
-            "in-flight-at-end": summary["in-flight-at-end"]}
+            "in-flight-at-end": summary["in-flight-at-end"], "lost-at-resume": summary["lost-at-resume"]}
 
 
 FAULTS = ("restart-superlink", "restart-edge", "drop-devices", "replace-devices")
@@ -593,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         grace = GRACE_S + math.ceil(args.devices / EVAL_WAVE) * (args.idle_s + GRACE_S_PER_WAVE)
         until = time.time() + max(RAMP_S, RAMP_S_PER_DEVICE * args.devices) + RUN["wait-nodes-s"] \
             + 60.0 * args.minutes + grace + 60.0 \
-            + (RESUME_S if args.resume_steps else 0.0)
+            + (RUN["wait-nodes-s"] + RESUME_S + grace if args.resume_steps else 0.0)
         address = f"127.0.0.1:{server.edge_port if server.edge_port else server.link_port}"
         workers = Workers(server, lambda first, count: [
             sys.executable, "-m", "benchmarks.fleet_load", "--worker", str(first), str(count), str(args.devices),
@@ -628,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         resumed = None
         if args.resume_steps:
             try:
-                resumed = resume(run, args.resume_steps, env, workdir / "flwr-run-resumed.log")
+                resumed = resume(run, args.resume_steps, env, workdir / "flwr-run-resumed.log", grace)
             except Exception as err:  # noqa: BLE001 - the run's figures are written all the same, and this exits 1
                 resumed = {"error": f"{type(err).__name__}: {err}"[:500]}
         workers.stop()  # they would end by themselves at `until`: they leave now

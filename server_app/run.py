@@ -151,7 +151,9 @@ class Run:
             describe(self.server_data), cfg.num_clients, cfg.num_rounds,
             f" (resumed after round {self.first_round - 1})" if self.first_round > 1 else "", cfg.clock,
             cfg.delay_sigma, cfg.loop, self.out)
-        self.runner.directory.wait_for(cfg.num_clients, cfg.wait_nodes_s, cfg.poll_interval_s)
+        # a resumed run goes on without devices gone for good, as a running one does (a new one needs them all)
+        self.runner.directory.wait_for(cfg.num_clients, cfg.wait_nodes_s, cfg.poll_interval_s,
+                                       least=1 if self.first_round > 1 else None)
         if self.first_round == 1:
             self.recorder.round(self.evaluate(RoundLog(0, 0)).to_dict())
         t_train = self.started = time.perf_counter()
@@ -177,6 +179,7 @@ class Run:
             "final-version": self.strategy.version, "client-eval": client_eval,
             "server-data": describe(self.server_data), "resumed-after-round": self.first_round - 1,
             "reply-to-dispatch-s": self.runner.latency_summary(), "in-flight-at-end": self.runner.discarded,
+            "lost-at-resume": self.runner.lost_at_resume,
             "wall-seconds": time.perf_counter() - self.t_start, "run-wall-seconds": self.run_seconds(),
             "train-seconds": train_seconds}, models,
             type(self.strategy).figures, cfg.plots)

@@ -95,7 +95,8 @@ class RuntimeConfig:
     reply_timeout_s: float = option(600.0, POSITIVE, "seconds a dispatched update may take before it is given up")
     poll_interval_s: float = option(0.05, Range(0, 1, low_open=True), "seconds between pulls for replies")
     wait_nodes_s: float = option(120.0, POSITIVE,
-                                 "seconds to wait for `num-clients` nodes at start, or for any node later")
+                                 "seconds to wait for `num-clients` nodes at start (a resumed run then goes on with "
+                                 "those connected), or for any node later")
     max_num_examples: int = option(0, Range(0), "the most `num-examples` a client's reply may claim; 0 = its "
                                    "partition's training size as the server cuts it (a reply claiming more is "
                                    "rejected: a device's lie would set its weight in every example-weighted mean)")
@@ -231,6 +232,7 @@ class Runner:
         self._delay_rng = np.random.default_rng([seed, 2])
         self.flights: dict[int, Flight] = {}  # client -> its flight
         self.discarded: list[str] = []  # the train messages still in flight when the run ended
+        self.lost_at_resume: list[int] = []  # clients of flights restored from a checkpoint whose device is gone
         self._replies: dict[str, Message | None] = {}  # message id -> reply (None: timed out)
         self._seq = 0
         self._reachable: set[int] = set()
@@ -364,6 +366,14 @@ class Runner:
     def _resend(self) -> None:
         """Send the flights restored from a checkpoint again (they were in the air when it was written)."""
         restored = sorted((f for f in self.flights.values() if not f.message_id), key=lambda f: f.seq)
+        gone = [f for f in restored if f.client not in self.directory.node_of]
+        for f in gone:  # its device did not come back (the run resumed without it): counted, not sent
+            del self.flights[f.client]
+            restored.remove(f)
+        self.lost_at_resume = [f.client for f in gone]
+        if gone:
+            log(WARNING, "%d updates in flight at the checkpoint were for clients whose devices did not come back, "
+                "lost: clients %s", len(gone), self.lost_at_resume)
         if restored:
             log(INFO, "resending the %d updates that were in flight at the checkpoint", len(restored))
             self._push(restored)

@@ -16,9 +16,10 @@ import pytest
 import torch
 from helpers import Crash, crashing, digest, rows
 
+from client_app.app import app as client_app
 from common.config import ConfigError
 from hybridfl.bundle import PROJECT_DIR
-from hybridfl.inprocess import run_inprocess
+from hybridfl.inprocess import InProcessGrid, run_inprocess
 from server_app.checkpoint import CHECKPOINT, pack_state, read_checkpoint, unpack_state, write_checkpoint
 from server_app.config import MAY_CHANGE_ON_RESUME, load_config
 
@@ -231,6 +232,31 @@ def test_wall_clock_resume_sends_again_what_was_in_flight(tmp_path):
     assert first_back == in_flight
     summary = json.loads((out / "summary.json").read_text())
     assert [r["round"] for r in rows(out)] == [0, 1, 2, 3, 4, 5] and summary["total-accepted"] >= 10
+
+
+def test_a_resumed_run_goes_on_without_a_device_gone_for_good_and_counts_its_lost_update(tmp_path):
+    """A new run waits for every device; a resumed one, after ``wait-nodes-s``, goes on with those that came back
+    (a running one does too); the update that was in flight to the device that is gone is counted, not sent."""
+    wall = job(tmp_path, "wall", clock="wall", concurrency=3, **{"delay-sigma": 0.0, "num-rounds": 5})
+    with pytest.raises(Crash):
+        run_inprocess(wall, client_app=crashing(3, tmp_path / "wall"))
+    checkpoint = read_checkpoint(tmp_path / "wall")
+    busy, kept = sorted(f["client"] for f in checkpoint["runner"]["flights"]), checkpoint["recorder"]["events"]
+    lost = busy[0]
+
+    def fleet() -> InProcessGrid:  # every partition's device but `lost`'s
+        grid = InProcessGrid(client_app, JOB["num-clients"])
+        grid.disconnect(next(n for n, c in grid.contexts.items() if c.node_config["partition-id"] == lost))
+        return grid
+
+    with pytest.raises(RuntimeError, match=r"only 3 of 4 clients connected within 1s"):
+        run_inprocess(job(tmp_path, "new", **{"wait-nodes-s": 1.0}), grid=fleet())
+    out = run_inprocess({"resume": str(tmp_path / "wall"), "wait-nodes-s": 1.0}, grid=fleet())
+    summary = json.loads((out / "summary.json").read_text())
+    after = rows(out, "events.jsonl")[kept:]
+    assert summary["lost-at-resume"] == [lost] and lost not in {e["client"] for e in after}
+    assert {e["client"] for e in after[:2]} == set(busy[1:])  # the others' flights sent again first
+    assert [r["round"] for r in rows(out)][-1] == 5 and all(e["outcome"] == "accepted" for e in after)
 
 
 def test_a_run_under_flowers_loop_resumes_identically(tmp_path):
