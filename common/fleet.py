@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from common.config import OneOf
 from common.errors import ConfigError
 
 FLEET_STREAM = 3  # the fleet's draws: numpy seed [seed, FLEET_STREAM, client]
@@ -154,6 +155,17 @@ class Fleet:
 
 def fleet_names() -> list[str]:
     return sorted(FLEETS)
+
+
+@dataclass(frozen=True)
+class FleetName(OneOf):
+    """A built-in fleet, or a fleet YAML file (common/fleet.py)."""
+
+    def ok(self, v: str) -> bool:
+        return v == "" or super().ok(v) or v.endswith((".yaml", ".yml"))
+
+    def describe(self) -> str:
+        return f"'' (ideal), one of {', '.join(map(repr, self.allowed()))}, or a fleet YAML file (.yaml)"
 
 
 def load_fleet(fleet: str, num_clients: int, seed: int, base: Path | None = None) -> Fleet:

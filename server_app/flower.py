@@ -1,10 +1,10 @@
 """Every hybridfl strategy as a Flower ``Strategy``: ``FlowerStrategy(FedBuff()).start(grid, arrays, ...)``.
 
 The wrapper drives the same :class:`~server_app.runtime.Runner` the hybridfl runtime uses —
-its client sampling, train seeds, payloads, reply checks, counters and events — through its public
-round API under Flower's own ``start()`` round loop: ``configure_train`` is ``Runner.begin_round``
-(``clients_per_round`` clients, each with its ``model_for`` payload); ``aggregate_train`` is
-``Runner.end_round`` (the replies in dispatch order, a bad one rejected and counted, the strategy
+its client sampling, train seeds, payloads, reply checks, counters and events — one round at a time
+under Flower's own ``start()`` round loop (``server_app.clocks.OuterLoop``): ``configure_train`` is its
+``begin_round`` (``clients_per_round`` clients, each with its ``model_for`` payload); ``aggregate_train`` its
+``end_round`` (the replies in dispatch order, a bad one rejected and counted, the strategy
 stepping when it is ready). Flower's rounds end with a barrier, so this is
 the virtual clock with σ = 0: a synchronous method gives the same models and metrics under both
 loops (tested).
@@ -28,8 +28,10 @@ from flwr.serverapp.strategy import Strategy as FlowerBase
 
 from common.params import ParamSpec
 from common.protocol import METRICS, NUM_EXAMPLES, PARTITION_ID
+from server_app.clocks import OuterLoop
 from server_app.evaluation import federated_evaluate, weighted_mean
-from server_app.runtime import Round, RoundLog, Runner, RuntimeConfig
+from server_app.rounds import Round, RoundLog
+from server_app.runtime import Runner, RuntimeConfig
 from strategies.base import Strategy
 
 
@@ -71,12 +73,12 @@ class FlowerStrategy(FlowerBase):
     # -- Flower's Strategy --------------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        self._round = self._runner(grid, arrays, config).begin_round(self.first_round + server_round - 1)
+        self._round = OuterLoop(self._runner(grid, arrays, config)).begin_round(self.first_round + server_round - 1)
         return self._round.messages
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        entry = self.runner.end_round(self._round, replies)
+        entry = OuterLoop(self.runner).end_round(self._round, replies)
         if self.on_round:
             self.on_round(entry)
         row = {k: v for k, v in entry.to_dict().items() if isinstance(v, (int, float))}

@@ -30,7 +30,8 @@ from server_app.config import RunConfig, client_config
 from server_app.evaluation import client_evaluate, federated_evaluate, personal_summary
 from server_app.flower import FlowerStrategy
 from server_app.outputs import Recorder, run_dir
-from server_app.runtime import RoundLog, Runner, RuntimeConfig
+from server_app.rounds import RoundLog
+from server_app.runtime import Runner, RuntimeConfig
 from server_app.tracking import open_tracker
 from strategies import Strategy, build_strategy
 

@@ -8,27 +8,8 @@ step (a buffer still filling) or several (FedAsync steps on every update), and t
 At most one message is in flight per client (= per node); every dispatch is tagged with the
 model version it carries, and staleness = current version − that version.
 
-Two clocks decide when an update is handed over:
-
-* ``virtual`` (simulation, tests, benchmarks; Feddle App. D): in round k the runner samples N idle
-  clients (fewer if fewer are idle), draws each one's delay d = round(|z|), z ~ N(0, σ²), in
-  rounds, and hands its update over in round k + d, whatever order replies physically arrive in.
-  The event sequence and the final model depend only on the seed. σ = 0 is synchronous FL: every
-  update of round k arrives in round k (a barrier).
-* ``wall`` (deployment): keeps ``concurrency`` clients busy and hands updates over in real arrival
-  order, re-dispatching to an idle client as soon as a slot frees; a round closes every N arrivals.
-* ``device`` (simulation of a fleet in device time): the ``wall`` clock's protocol on the fleet's clock
-  instead of the host's: a message dispatched at device time t completes at t + its device's
-  :meth:`~common.fleet.DeviceProfile.message_s` (download, compute, upload), updates are handed over in
-  that order (ties by dispatch order), only clients online at t are dispatched to, and one whose device goes
-  offline before its message completes is lost at that moment (``vanished``). Deterministic by seed.
-
-Every run keeps **device time** (``device-t`` in metrics.jsonl and events.jsonl) under the run's ``fleet``
-(common/fleet.py; the ideal fleet costs no time): the ``device`` clock's own; the ``virtual`` clock's is a
-barrier's (a round ends when the last message handed over in it completes; devices offline at a round's start
-are not sampled, a message whose device goes offline before it completes is lost as ``vanished``), which is
-synchronous FL's wall-clock time for σ = 0; the ``wall`` clock's is the host's elapsed time (a real fleet paces
-itself: hybridfl/real_fleet.py).
+Three clocks decide when an update is handed over (``virtual``, ``wall``, ``device``): server_app/clocks.py,
+one class each, over the runner's one table of flights (server_app/flights.py).
 
 An error reply, an unusable reply or a reply slower than ``reply-timeout-s`` frees its slot and the
 work goes to another idle client; a run with no reachable client for ``wait-nodes-s`` fails.
@@ -40,11 +21,10 @@ and a resumed run sends exactly the same messages again (:meth:`Runner.state_dic
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
@@ -57,34 +37,24 @@ from flwr.serverapp import Grid
 
 from common.codecs import encoded_nbytes
 from common.config import COUNT, POSITIVE, OneOf, Range, check_options, option
-from common.fleet import Fleet, fleet_names
+from common.fleet import Fleet, FleetName, fleet_names
 from common.protocol import STRATEGY, UPDATES_BEFORE
+from server_app.clocks import CLOCKS
 from server_app.evaluation import weighted_mean
+from server_app.flights import Flight, Flights
 from server_app.replies import ReplyPuller, push
-from server_app.wire import MAX_COUNT, Dispatcher, NodeDirectory, RejectedReply, parse_reply
-from strategies.base import Payload, Strategy, Unusable, Update
-
-CLOCKS = ("virtual", "wall", "device")
-
-
-@dataclass(frozen=True)
-class FleetName(OneOf):
-    """A built-in fleet, or a fleet YAML file (common/fleet.py)."""
-
-    def ok(self, v: str) -> bool:
-        return v == "" or super().ok(v) or v.endswith((".yaml", ".yml"))
-
-    def describe(self) -> str:
-        return f"'' (ideal), one of {', '.join(map(repr, self.allowed()))}, or a fleet YAML file (.yaml)"
+from server_app.rounds import RoundLog
+from server_app.wire import MAX_COUNT, Dispatcher, NodeDirectory, RejectedReply, read_update
+from strategies.base import Strategy, Unusable, Update
 
 
 @dataclass(frozen=True, kw_only=True)
 class RuntimeConfig:
-    """The runtime keys: how the runner drives the clients (the module docstring says how each clock works)."""
+    """The runtime keys: how the runner drives the clients (server_app/clocks.py says how each clock works)."""
 
     clients_per_round: int = option(10, COUNT, "clients sampled per round (virtual clock); arrivals per round "
                                     "(wall clock)", "1 … `num-clients`")
-    clock: str = option("virtual", OneOf(CLOCKS), "virtual: seeded delays in rounds; wall: real arrival order; "
+    clock: str = option("virtual", OneOf(tuple(CLOCKS)), "virtual: seeded delays in rounds; wall: real arrival order; "
                         "device: arrival order in the fleet's device time (see above)")
     fleet: str = option("", FleetName(fleet_names), "the devices' profiles (compute, link, availability) that "
                         "device time follows: a built-in fleet or a fleet YAML file ([A real fleet]"
@@ -106,87 +76,6 @@ class RuntimeConfig:
     time_budget_s: float = option(0.0, Range(0), "seconds of training after which the run ends with the round under "
                                   "way, evaluated and saved as its last (0 = none; a resumed run counts from its "
                                   "resumption): a deadline, or a load test's length")
-
-
-@dataclass
-class Flight:
-    """One dispatched update on its way."""
-
-    seq: int  # dispatch order: ties between arrivals are broken by it, so runs are reproducible
-    client: int
-    version: int  # the model version it carries
-    dispatch_round: int
-    due_round: int  # virtual clock: the round it is handed over in; wall clock: unused (-1)
-    payload: Payload  # what the client was sent
-    train_seed: int
-    device_start: float = 0.0  # device time it was dispatched at
-    device_done: float = 0.0  # ... it completes at, on its device's profile
-    device_off: float = float("inf")  # ... its device goes offline at (before device_done: it vanishes)
-    node: int = -1  # where it went (transient: node ids change when a run resumes)
-    message_id: str = ""
-    sent_at: float = 0.0  # perf_counter() at push
-
-    def state(self) -> dict[str, Any]:
-        """What survives a restart (not where it went: node ids change)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.name not in ("node", "message_id", "sent_at")}
-
-
-@dataclass
-class Round:
-    """A round driven from another loop (:meth:`Runner.begin_round`): its log so far and its train messages."""
-
-    entry: RoundLog
-    accepted: list[Update]
-    started: float
-    outgoing: list[tuple[Message, Flight]]
-
-    @property
-    def messages(self) -> list[Message]:
-        return [m for m, _ in self.outgoing]
-
-
-@dataclass
-class RoundLog:
-    """What happened in one round; a line of metrics.jsonl."""
-
-    round: int
-    version: int
-    sampled: int = 0  # dispatches made in this round (replacements included)
-    accepted: int = 0
-    failures: int = 0  # error replies: exception on the device, node unavailable
-    rejected: int = 0  # replies that arrived but could not be used (shape, NaN, missing keys, wrong version)
-    refused_steps: int = 0  # strategy steps whose model was not finite: undone, the run went on from the last good one
-    timeouts: int = 0  # no reply within reply-timeout-s
-    vanished: int = 0  # the device went offline before its message completed (device time; a fleet's windows)
-    device_t: float = 0.0  # device time at the round's close (module docstring)
-    bytes_down: int = 0  # models and arrays sent in this round's dispatches (as the run's model-codec encodes them)
-    bytes_up: int = 0  # ... and received in its accepted updates (update-codec)
-    pulled_replies: int = 0  # deployment: train replies pulled from the SuperLink in this round ...
-    pulled_bytes: int = 0  # ... and their objects' bytes, as the devices sent them (0 in-process)
-    bytes_extra_down: int = 0  # of bytes-down, what is not the model: extra arrays (examples, a central gradient)
-    staleness: list[int] = field(default_factory=list)
-    train: dict[str, float] = field(default_factory=dict)
-    test: dict[str, float] = field(default_factory=dict)
-    validation: dict[str, float] = field(default_factory=dict)  # with validation-size, for tuning
-    personal: dict[str, float] = field(default_factory=dict)  # every client's model on its own held-out split
-    steps: list[dict[str, float]] = field(default_factory=list)  # what each strategy step of the round measured
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {k.replace("_", "-"): v for k, v in self.__dict__.items()
-               if k not in ("train", "test", "validation", "personal", "staleness", "steps")}
-        # the round's model comes from its last step: its measures head the line, every step's follow in "steps"
-        out.update({k: v for k, v in (self.steps[-1] if self.steps else {}).items() if k != "version"})
-        out["steps"] = [dict(m) for m in self.steps]
-        if self.staleness:
-            out["staleness-mean"] = float(np.mean(self.staleness))
-            out["staleness-max"] = int(max(self.staleness))
-        out.update({f"train-{k.removeprefix('train-')}": v for k, v in self.train.items()})
-        out.update({f"test-{k}": v for k, v in self.test.items()})
-        out.update({f"val-{k}": v for k, v in self.validation.items()})
-        out.update({f"personal-{k}": v for k, v in self.personal.items()})
-        return out
 
 
 class Runner:
@@ -230,10 +119,9 @@ class Runner:
         self.on_event = on_event or (lambda event: None)
         self._sample_rng = random.Random(seed)
         self._delay_rng = np.random.default_rng([seed, 2])
-        self.flights: dict[int, Flight] = {}  # client -> its flight
+        self.flights = Flights()
         self.discarded: list[str] = []  # the train messages still in flight when the run ended
         self.lost_at_resume: list[int] = []  # clients of flights restored from a checkpoint whose device is gone
-        self._replies: dict[str, Message | None] = {}  # message id -> reply (None: timed out)
         self._seq = 0
         self._reachable: set[int] = set()
         self._reachable_at = -1e9
@@ -252,7 +140,7 @@ class Runner:
         # Flower's push of the next message to the SuperLink
         self.reply_parts: dict[str, list[float]] = {"hand-over": [], "push": []}
         self.first_loss = ""  # why the run's first lost update (failed, rejected, timed out) was lost
-        self._pushed_in = 0.0
+        self.pushed_in = 0.0
         self._good: dict[str, Any] | None = None  # the strategy's state after its last step with a finite model
 
     # -- checkpointing ------------------------------------------------------------------------
@@ -260,7 +148,7 @@ class Runner:
         """What a resumed run needs from the runner: its generators, the dispatch counter, the flights in
         the air with their payloads and seeds, each client's dispatch count and the elapsed time."""
         return {"sample-rng": self._sample_rng.getstate(), "delay-rng": self._delay_rng.bit_generator.state,
-                "seq": self._seq, "flights": [f.state() for f in sorted(self.flights.values(), key=lambda f: f.seq)],
+                "seq": self._seq, "flights": [f.state() for f in self.flights.in_order()],
                 "dispatches": dict(self.dispatcher.dispatches), "elapsed": time.perf_counter() - self._t0,
                 "device-t": self.device_t}
 
@@ -269,8 +157,7 @@ class Runner:
         self._sample_rng.setstate(state["sample-rng"])
         self._delay_rng.bit_generator.state = state["delay-rng"]
         self._seq = state["seq"]
-        self.flights = {f["client"]: Flight(**f) for f in state["flights"]}
-        self._replies = {}
+        self.flights = Flights(Flight(**f) for f in state["flights"])
         self.dispatcher.dispatches = dict(state["dispatches"])
         self._t0 = time.perf_counter() - state["elapsed"]
         self.device_t = state.get("device-t", 0.0)
@@ -291,7 +178,7 @@ class Runner:
             self._gone = {c: t for c, t in self._gone.items() if t >= read_at}
         return self._reachable - set(self._gone)
 
-    def _idle(self, exclude: set[int] = frozenset(), refresh_every: float = 0.0) -> list[int]:
+    def idle(self, exclude: set[int] = frozenset(), refresh_every: float = 0.0) -> list[int]:
         """Reachable clients with nothing in flight (in device time: whose device is online now)."""
         idle = self._reachable_clients(refresh_every) - set(self.flights) - exclude
         return sorted(c for c in idle if self._online(c))
@@ -306,7 +193,7 @@ class Runner:
         themselves: a device offline has no node)."""
         return self.fleet is None or self.runtime.clock == "wall" or self.fleet.devices[client].online(self.device_t)
 
-    def _skip_to_online(self) -> bool:
+    def skip_to_online(self) -> bool:
         """Nobody idle is online: move device time to the first time a reachable idle client's device comes online;
         False when none ever does (or device time does not apply)."""
         if self.fleet is None or self.runtime.clock == "wall":
@@ -318,12 +205,12 @@ class Runner:
         self.device_t = t
         return True
 
-    def _sample(self, k: int, exclude: set[int] = frozenset(), refresh_every: float = 0.0) -> list[int]:
+    def sample(self, k: int, exclude: set[int] = frozenset(), refresh_every: float = 0.0) -> list[int]:
         """`k` idle reachable clients (fewer if fewer are idle), drawn with the run's seed, in client order."""
-        idle = self._idle(exclude, refresh_every)
+        idle = self.idle(exclude, refresh_every)
         return sorted(self._sample_rng.sample(idle, min(k, len(idle))))
 
-    def _launch(self, clients: list[int], rnd: int, virtual: bool) -> list[Flight]:
+    def launch(self, clients: list[int], rnd: int, virtual: bool) -> list[Flight]:
         """New flights to `clients`: each gets the strategy's payload, a train seed and (virtual) a delay."""
         flights = []
         for c in clients:
@@ -344,7 +231,7 @@ class Runner:
             flights.append(flight)
         return flights
 
-    def _message(self, flight: Flight) -> Message:
+    def message(self, flight: Flight) -> Message:
         """The train message of `flight`, addressed to its client's current node."""
         flight.node = self.directory.node_of[flight.client]
         return self.dispatcher.message(flight.node, flight.payload, flight.version, train_seed=flight.train_seed,
@@ -354,18 +241,18 @@ class Runner:
         if not flights:
             return
         now = time.perf_counter()
-        ids = push(self.grid, lambda: [self._message(f) for f in flights])
-        self._pushed_in = time.perf_counter() - now
+        ids = push(self.grid, lambda: [self.message(f) for f in flights])
+        self.pushed_in = time.perf_counter() - now
         for flight, mid in zip(flights, ids):
             flight.message_id, flight.sent_at = mid, now
             self.flights[flight.client] = flight
 
-    def _dispatch(self, clients: list[int], rnd: int, virtual: bool) -> None:
-        self._push(self._launch(clients, rnd, virtual))
+    def dispatch(self, clients: list[int], rnd: int, virtual: bool) -> None:
+        self._push(self.launch(clients, rnd, virtual))
 
     def _resend(self) -> None:
         """Send the flights restored from a checkpoint again (they were in the air when it was written)."""
-        restored = sorted((f for f in self.flights.values() if not f.message_id), key=lambda f: f.seq)
+        restored = [f for f in self.flights.in_order() if not f.message_id]
         gone = [f for f in restored if f.client not in self.directory.node_of]
         for f in gone:  # its device did not come back (the run resumed without it): counted, not sent
             del self.flights[f.client]
@@ -378,26 +265,11 @@ class Runner:
             log(INFO, "resending the %d updates that were in flight at the checkpoint", len(restored))
             self._push(restored)
 
-    def _poll(self, flights: list[Flight] | None = None) -> bool:
-        """Pull the replies of `flights` (default: every flight), mark those past the timeout; True if anything
-        new. The virtual clock pulls only the flights due now: a reply is held (and, in-process, the client's work
-        done) only when it is handed over, so the server holds the replies of one round, not of every flight."""
-        flights = list(self.flights.values()) if flights is None else flights
-        waiting = [f.message_id for f in flights if f.message_id not in self._replies]
-        if not waiting:
-            return False
-        got = self.replies.pull(waiting)
-        for m in got:
-            self._replies[m.metadata.reply_to_message_id] = m
-        now = time.perf_counter()
-        timeout = self.runtime.reply_timeout_s
-        late = [f for f in flights if f.message_id not in self._replies and now - f.sent_at > timeout]
-        for f in late:
-            self._replies[f.message_id] = None
-            self.replies.discard(f.message_id)
-        return bool(got or late)
+    def poll(self, flights: list[Flight] | None = None) -> bool:
+        """Pull the replies of `flights` (default: every flight); True if anything new (:meth:`Flights.poll`)."""
+        return self.flights.poll(self.replies, self.runtime.reply_timeout_s, flights)
 
-    def _hand_over(self, flight: Flight, reply: Message | None, rnd: int, entry: RoundLog,
+    def hand_over(self, flight: Flight, reply: Message | None, rnd: int, entry: RoundLog,
                    accepted: list[Update]) -> bool:
         """Give `flight`'s reply (None: timed out) to the strategy, stepping whenever it is ready; False if
         the update is lost (error, unusable, late)."""
@@ -407,7 +279,7 @@ class Runner:
                  "dispatch-round": flight.dispatch_round, "t": round(time.perf_counter() - self._t0, 4),
                  "device-start": round(flight.device_start, 4),
                  "device-t": round(self._device_now() if self.runtime.clock == "wall"
-                                   else min(flight.device_done, flight.device_off), 4)}
+                                   else flight.ends, 4)}
         update, outcome, reason = None, "accepted", ""
         if flight.device_off < flight.device_done:
             outcome, reason = "vanished", (f"its device went offline at device time {flight.device_off:.1f}s, "
@@ -418,13 +290,9 @@ class Runner:
             entry.timeouts += 1
         else:
             try:
-                update = parse_reply(reply, self.dispatcher.spec, self._max_examples(flight.client),
-                                     self.dispatcher.codecs)
-                if (update.client, update.base_version) != (flight.client, flight.version):
-                    raise RejectedReply(f"reply is for client {update.client} at version {update.base_version}, "
-                                        f"but client {flight.client} was sent version {flight.version}")
-                update.sent = flight.payload
-                self._check_size(update)
+                update = read_update(reply, flight.client, flight.version, flight.payload, self.dispatcher.spec,
+                                     self._max_examples(flight.client), self.dispatcher.codecs,
+                                     self.runtime.max_update_ratio)
                 self.strategy.check(update)
             except (RejectedReply, Unusable) as err:
                 outcome, reason = ("failure" if reply.has_error() else "rejected"), str(err)
@@ -458,17 +326,6 @@ class Runner:
         float32)."""
         return encoded_nbytes(codec, flat.numel(), self.dispatcher.codecs)
 
-    def _check_size(self, update: Update) -> None:
-        """Reject `update` if ‖Δ‖ > ``max-update-ratio`` · max(‖ω^τ‖, 1) (norms in float64: a finite float32
-        update's norm cannot overflow there)."""
-        ratio = self.runtime.max_update_ratio
-        if not ratio:
-            return
-        size, start = (float(torch.linalg.vector_norm(t, dtype=torch.float64)) for t in (update.delta, update.start))
-        if size > ratio * max(start, 1.0):
-            raise RejectedReply(f"update norm {size:.3g} is over max-update-ratio {ratio:g} x the norm of the model "
-                                f"it started from ({start:.3g})")
-
     def _max_examples(self, client: int) -> int:
         """The most ``num-examples`` `client`'s train reply may claim (``max-num-examples``, else its training
         size)."""
@@ -499,18 +356,18 @@ class Runner:
         self._good = self.strategy.state_dict()
         self._strategy_steps.append({"version": self.strategy.version, **measured})
 
-    def _open_round(self, rnd: int) -> tuple[RoundLog, list[Update]]:
+    def open_round(self, rnd: int) -> tuple[RoundLog, list[Update]]:
         self._strategy_steps, self._bytes_down, self._bytes_extra = [], 0, 0
         return RoundLog(rnd, self.strategy.version), []
 
-    def _is_last(self, rnd: int, num_rounds: int) -> bool:
+    def is_last(self, rnd: int, num_rounds: int) -> bool:
         """Whether round `rnd` ends the run: the last of `num_rounds`, or the one under way when ``time-budget-s``
         ran out (kept in :attr:`final_round`, by which the ServerApp evaluates and saves it as the last)."""
         if rnd == num_rounds or time.perf_counter() >= self._deadline:
             self.final_round = rnd
         return self.final_round == rnd
 
-    def _close_round(self, entry: RoundLog, accepted: list[Update], started: float) -> RoundLog:
+    def close_round(self, entry: RoundLog, accepted: list[Update], started: float) -> RoundLog:
         self.strategy.close_round()
         if self.strategy.ready():
             self._strategy_step(entry)
@@ -525,11 +382,11 @@ class Runner:
         entry.seconds = time.perf_counter() - started
         return entry
 
-    def _wait_for_reachable(self, rnd: int) -> None:
+    def wait_for_reachable(self, rnd: int) -> None:
         """Nothing in flight and nobody to dispatch to: wait for a client to (re)connect, or fail."""
         deadline = time.perf_counter() + self.runtime.wait_nodes_s
-        while not self._idle(refresh_every=1.0):
-            if self._skip_to_online():
+        while not self.idle(refresh_every=1.0):
+            if self.skip_to_online():
                 return
             if time.perf_counter() >= deadline:
                 raise RuntimeError(f"round {rnd}: no reachable client for {self.runtime.wait_nodes_s:.0f}s "
@@ -546,32 +403,11 @@ class Runner:
                 "p99": float(np.percentile(lat, 99)), "count": int(lat.size),
                 **{f"{part}-median": float(np.median(v)) for part, v in self.reply_parts.items()}}
 
-    # -- the public API: a run, or one round at a time from another loop (Flower's) ---------------
+    # -- the public API: a run (below), or one round at a time from another loop (clocks.OuterLoop) ----
     def wait_for_nodes(self, count: int, timeout: float | None = None) -> None:
         """Wait until `count` clients have a node (default: ``wait-nodes-s``), or fail."""
         self.directory.wait_for(count, self.runtime.wait_nodes_s if timeout is None else timeout,
                                 self.runtime.poll_interval_s)
-
-    def begin_round(self, rnd: int) -> Round:
-        """Open round `rnd` driven from another loop (a barrier: every update comes back in this round): sample
-        ``clients-per-round`` idle clients and build their train messages (:attr:`Round.messages`)."""
-        if len(self.directory.node_of) < self.runtime.clients_per_round:
-            self.wait_for_nodes(self.runtime.clients_per_round)
-        entry, accepted = self._open_round(rnd)
-        flights = self._launch(self._sample(self.runtime.clients_per_round), rnd, virtual=True)
-        entry.sampled = len(flights)
-        return Round(entry, accepted, time.perf_counter(), [(self._message(f), f) for f in flights])
-
-    def end_round(self, current: Round, replies: Iterable[Message]) -> RoundLog:
-        """Hand `current`'s replies to the strategy in dispatch order, whatever order they came in (a missing one
-        counts as timed out, a bad one is rejected and counted), and close the round."""
-        by_request = {m.metadata.reply_to_message_id: m for m in replies}
-        self.device_t = max([self.device_t, *(min(f.device_done, f.device_off) for _, f in current.outgoing)])
-        for msg, flight in current.outgoing:
-            flight.message_id = msg.metadata.message_id  # Flower's loop pushed it
-            self._hand_over(flight, by_request.get(msg.metadata.message_id), current.entry.round, current.entry,
-                            current.accepted)
-        return self._close_round(current.entry, current.accepted, current.started)
 
     def evaluate_messages(self, count: int, rng: random.Random, config: dict[str, Any]) -> list[Message]:
         """Evaluation messages to `count` connected clients drawn with `rng`, each with its ``model_for``
@@ -584,114 +420,16 @@ class Runner:
                                                     self.strategy.version, MessageType.EVALUATE, config=config))
         return messages
 
-    # -- the two clocks -----------------------------------------------------------------------
+    # -- a run on its clock (server_app/clocks.py) -------------------------------------------
     def run(self, num_rounds: int, on_round: Callable[[RoundLog], None], first_round: int = 1) -> None:
         """Run rounds `first_round` .. `num_rounds`, calling `on_round` after each (evaluation, logging,
         checkpoints); flights restored from a checkpoint are sent again first."""
         self._deadline = time.perf_counter() + (self.runtime.time_budget_s or float("inf"))
         self._resend()
-        loop = {"virtual": self._run_virtual, "wall": self._run_wall, "device": self._run_device}[self.runtime.clock]
-        loop(first_round, num_rounds, on_round)
-        self.discarded = [f.message_id for f in sorted(self.flights.values(), key=lambda f: f.seq)]
+        CLOCKS[self.runtime.clock](self).run(first_round, num_rounds, on_round)
+        self.discarded = [f.message_id for f in self.flights.in_order()]
         if self.flights:
             log(INFO, "%d dispatched updates still in flight at the end are discarded", len(self.flights))
         # their models and replies are not kept through the final evaluation, nor the copy of the last good state
-        self.flights, self._replies, self._good = {}, {}, None
+        self.flights, self._good = Flights(), None
         self.replies.close()
-
-    def _run_virtual(self, first_round: int, num_rounds: int, on_round: Callable[[RoundLog], None]) -> None:
-        for rnd in range(first_round, num_rounds + 1):
-            started = time.perf_counter()
-            entry, accepted = self._open_round(rnd)
-            barrier = self.device_t  # device time: the round lasts until its last message handed over completes
-            if not self.flights and not self._idle():
-                self._wait_for_reachable(rnd)
-            chosen = self._sample(self.runtime.clients_per_round)
-            self._dispatch(chosen, rnd, virtual=True)
-            entry.sampled = len(chosen)
-            sampled = set(chosen)  # a client is sampled at most once per round
-            while due := sorted((f for f in self.flights.values() if f.due_round <= rnd), key=lambda f: f.seq):
-                while any(f.message_id not in self._replies for f in due):
-                    if not self._poll(due):
-                        time.sleep(self.runtime.poll_interval_s)
-                for f in due:
-                    barrier = max(barrier, min(f.device_done, f.device_off))
-                    if not self._hand_over(f, self._replies.pop(f.message_id), rnd, entry, accepted):
-                        replacement = self._sample(1, exclude=sampled)
-                        self._dispatch(replacement, rnd, virtual=True)
-                        sampled.update(replacement)
-                        entry.sampled += len(replacement)
-            self.device_t = max(self.device_t, barrier)  # (device time may have jumped to a device coming online)
-            last = self._is_last(rnd, num_rounds)
-            on_round(self._close_round(entry, accepted, started))
-            if last:
-                return
-
-    def _run_wall(self, first_round: int, num_rounds: int, on_round: Callable[[RoundLog], None]) -> None:
-        rnd, started = first_round, time.perf_counter()
-        entry, accepted = self._open_round(rnd)
-        while True:
-            if not self.flights and not self._idle(refresh_every=1.0):
-                self._wait_for_reachable(rnd)
-            free = self.runtime.concurrency - len(self.flights)
-            if free > 0:
-                fresh = self._sample(free, refresh_every=1.0)
-                self._dispatch(fresh, rnd, virtual=False)
-                entry.sampled += len(fresh)
-            if not self._poll():
-                time.sleep(self.runtime.poll_interval_s)
-                continue
-            arrived = sorted((f for f in self.flights.values() if f.message_id in self._replies), key=lambda f: f.seq)
-            for f in arrived:
-                got_at = time.perf_counter()
-                self._hand_over(f, self._replies.pop(f.message_id), rnd, entry, accepted)
-                handed = time.perf_counter() - got_at
-                # Refill the freed slot at once: the reply -> next dispatch latency is the runtime's overhead.
-                fresh = self._sample(1, refresh_every=1.0)
-                self._dispatch(fresh, rnd, virtual=False)
-                if fresh:
-                    self.reply_to_dispatch.append(time.perf_counter() - got_at)
-                    self.reply_parts["hand-over"].append(handed)
-                    self.reply_parts["push"].append(self._pushed_in)
-                    entry.sampled += 1
-                if entry.accepted + entry.failures + entry.rejected + entry.timeouts >= self.runtime.clients_per_round:
-                    last = self._is_last(rnd, num_rounds)
-                    on_round(self._close_round(entry, accepted, started))
-                    if last:
-                        return
-                    rnd, started = rnd + 1, time.perf_counter()
-                    entry, accepted = self._open_round(rnd)
-
-    def _run_device(self, first_round: int, num_rounds: int, on_round: Callable[[RoundLog], None]) -> None:
-        """The wall clock's protocol in device time: the next event is the flight that completes (or vanishes)
-        first, or a device coming online while a slot is free; the host waits only for that flight's reply."""
-        rnd, started = first_round, time.perf_counter()
-        entry, accepted = self._open_round(rnd)
-        while True:
-            if not self.flights and not self._idle():
-                self._wait_for_reachable(rnd)
-            free = self.runtime.concurrency - len(self.flights)
-            if free > 0 and (fresh := self._sample(free)):
-                self._dispatch(fresh, rnd, virtual=False)
-                entry.sampled += len(fresh)
-                continue
-            nxt = min(self.flights.values(), key=lambda f: (min(f.device_done, f.device_off), f.seq))
-            end = min(nxt.device_done, nxt.device_off)
-            if free > 0:  # a device coming online before the next completion takes a free slot first
-                before = self.device_t
-                if self._skip_to_online() and self.device_t < end:
-                    continue
-                self.device_t = before
-            while nxt.message_id not in self._replies:
-                if not self._poll([nxt]):
-                    time.sleep(self.runtime.poll_interval_s)
-            self.device_t = max(self.device_t, end)
-            self._hand_over(nxt, self._replies.pop(nxt.message_id), rnd, entry, accepted)
-            if entry.accepted + entry.failures + entry.rejected + entry.timeouts + entry.vanished \
-                    >= self.runtime.clients_per_round:
-                last = self._is_last(rnd, num_rounds)
-                on_round(self._close_round(entry, accepted, started))
-                if last:
-                    return
-                rnd, started = rnd + 1, time.perf_counter()
-                entry, accepted = self._open_round(rnd)

@@ -116,6 +116,27 @@ def parse_reply(msg: Message, spec: ParamSpec, max_examples: int = MAX_COUNT, co
     return Update(int(client), int(base), delta, int(examples), extras, rest)
 
 
+def read_update(reply: Message, client: int, version: int, sent: Payload, spec: ParamSpec, max_examples: int,
+                codecs: WireCodecs, max_update_ratio: float) -> Update:
+    """The update `reply` brings to `client`'s train message of model `version`, which carried `sent`: parsed
+    (:func:`parse_reply`), for that client and version, and no larger than ``max-update-ratio`` allows; else
+    :class:`RejectedReply`.
+
+    Size: ‖Δ‖ ≤ `max_update_ratio` · max(‖ω^τ‖, 1), ω^τ the model it started from (0: no bound; norms in float64,
+    where a finite float32 update's norm cannot overflow)."""
+    update = parse_reply(reply, spec, max_examples, codecs)
+    if (update.client, update.base_version) != (client, version):
+        raise RejectedReply(f"reply is for client {update.client} at version {update.base_version}, "
+                            f"but client {client} was sent version {version}")
+    update.sent = sent
+    if max_update_ratio:
+        size, start = (float(torch.linalg.vector_norm(t, dtype=torch.float64)) for t in (update.delta, update.start))
+        if size > max_update_ratio * max(start, 1.0):
+            raise RejectedReply(f"update norm {size:.3g} is over max-update-ratio {max_update_ratio:g} x the norm of "
+                                f"the model it started from ({start:.3g})")
+    return update
+
+
 @rejecting
 def parse_metrics(msg: Message) -> tuple[int, dict[str, float]]:
     """(partition id, metrics) of a query or an evaluate reply, every value checked as :func:`parse_reply` checks

@@ -17,8 +17,8 @@ from client_app.app import app as client_app
 from hybridfl.inprocess import InProcessGrid
 from server_app.config import load_config
 from server_app.evaluation import client_evaluate
+from server_app.rounds import RoundLog
 from server_app.run import build_run
-from server_app.runtime import RoundLog
 
 
 class CountingGrid(InProcessGrid):

@@ -1,0 +1,90 @@
+"""The table of updates in flight: at most one dispatched update per client, what each carries, and the replies
+pulled for them (by message id; None: given up after ``reply-timeout-s``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.app import Message
+
+from server_app.replies import ReplyPuller
+from strategies.base import Payload
+
+
+@dataclass
+class Flight:
+    """One dispatched update on its way."""
+
+    seq: int  # dispatch order: ties between arrivals are broken by it, so runs are reproducible
+    client: int
+    version: int  # the model version it carries
+    dispatch_round: int
+    due_round: int  # virtual clock: the round it is handed over in; wall clock: unused (-1)
+    payload: Payload  # what the client was sent
+    train_seed: int
+    device_start: float = 0.0  # device time it was dispatched at
+    device_done: float = 0.0  # ... it completes at, on its device's profile
+    device_off: float = float("inf")  # ... its device goes offline at (before device_done: it vanishes)
+    node: int = -1  # where it went (transient: node ids change when a run resumes)
+    message_id: str = ""
+    sent_at: float = 0.0  # perf_counter() at push
+
+    def state(self) -> dict[str, Any]:
+        """What survives a restart (not where it went: node ids change)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("node", "message_id", "sent_at")}
+
+    @property
+    def ends(self) -> float:
+        """Device time it is handed over at: when it completes, or when its device goes offline first."""
+        return min(self.device_done, self.device_off)
+
+
+class Flights(dict[int, Flight]):
+    """Client -> its flight, and :attr:`replies` pulled for them; every listing is in dispatch order."""
+
+    def __init__(self, flights: Iterable[Flight] = ()) -> None:
+        super().__init__((f.client, f) for f in flights)
+        self.replies: dict[str, Message | None] = {}  # message id -> reply (None: timed out)
+
+    def in_order(self) -> list[Flight]:
+        return sorted(self.values(), key=lambda f: f.seq)
+
+    def due(self, rnd: int) -> list[Flight]:
+        """The virtual clock's: flights handed over in round `rnd` or before."""
+        return [f for f in self.in_order() if f.due_round <= rnd]
+
+    def arrived(self) -> list[Flight]:
+        """Flights whose reply is in (or given up)."""
+        return [f for f in self.in_order() if f.message_id in self.replies]
+
+    def first_to_end(self) -> Flight:
+        """The device clock's next event: the flight that completes (or vanishes) first, ties in dispatch order."""
+        return min(self.values(), key=lambda f: (f.ends, f.seq))
+
+    def poll(self, puller: ReplyPuller, timeout_s: float, flights: list[Flight] | None = None) -> bool:
+        """Pull the replies of `flights` (default: every flight), mark those past `timeout_s` as given up; True if
+        anything new. The virtual clock pulls only the flights due now: a reply is held (and, in-process, the client's
+        work done) only when it is handed over, so the server holds the replies of one round, not of every flight."""
+        flights = list(self.values()) if flights is None else flights
+        waiting = [f.message_id for f in flights if f.message_id not in self.replies]
+        if not waiting:
+            return False
+        got = puller.pull(waiting)
+        for m in got:
+            self.replies[m.metadata.reply_to_message_id] = m
+        now = time.perf_counter()
+        late = [f for f in flights if f.message_id not in self.replies and now - f.sent_at > timeout_s]
+        for f in late:
+            self.replies[f.message_id] = None
+            puller.discard(f.message_id)
+        return bool(got or late)
+
+    def take(self, flight: Flight) -> Message | None:
+        """`flight`'s reply (None: timed out), out of the table with it."""
+        self.pop(flight.client, None)
+        return self.replies.pop(flight.message_id)
