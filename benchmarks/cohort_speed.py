@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from common import cohort_step
 from hybridfl import cohort, inprocess
 from hybridfl.inprocess import run_inprocess
 
@@ -38,7 +39,7 @@ MODES = ("off", "on", "eager")
 
 def measure(preset: str, steps: int, mode: str, out_dir: str, name: str) -> dict[str, Any]:
     """One run of `preset` for `steps` steps in `mode` (:data:`MODES`): its updates and step seconds."""
-    cohort.CUDA_GRAPHS = mode != "eager"
+    cohort_step.CUDA_GRAPHS = mode != "eager"
     trained: list[int] = []
 
     def counted(messages, contexts):  # the cohort trains messages in flight ahead of their steps: count them
@@ -57,7 +58,7 @@ def measure(preset: str, steps: int, mode: str, out_dir: str, name: str) -> dict
     steps_rows = [r for r in rows if r["round"] > 0]
     seconds = sum(r["seconds"] for r in steps_rows)
     accepted = sum(r["accepted"] for r in steps_rows)
-    graphed = [s.graph is not None for s in cohort._STEPS.values()]
+    graphed = [s.graph is not None for s in cohort_step._STEPS.values()]
     # trained ahead, a reply due after the last step is computed and never accepted: a short run charges the
     # cohort for it, so `trained-by-cohort` says how many it computed
     return {"mode": mode, "steps": len(steps_rows), "accepted": accepted, "seconds": round(seconds, 3),

@@ -40,6 +40,12 @@ def server_seed(seed: int, version: int) -> int:
     return derive_seed(seed, SERVER_STREAM, version)
 
 
+# The local optimizers, each setting stated once: torch.optim's for one client (:func:`make_optimizer`), and the same
+# step for C clients at once (common/cohort_step.py's kernels). Adam's betas and eps are torch's defaults.
+OPTIMIZERS = ("sgd", "adam")
+ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8
+
+
 @dataclass(frozen=True)
 class LocalRecipe:
     """The local recipe keys: how a client trains. Travel in every train message's config (with the client
@@ -48,18 +54,19 @@ class LocalRecipe:
     local_epochs: int = option(1, COUNT, "local epochs per client update")
     batch_size: int = option(32, COUNT, "local mini-batch size")
     lr: float = option(0.05, POSITIVE, "local learning rate")
-    optimizer: str = option("sgd", OneOf(("sgd", "adam")), "local optimizer")
+    optimizer: str = option("sgd", OneOf(OPTIMIZERS), "local optimizer")
     momentum: float = option(0.9, Range(0, 1), "SGD momentum (ignored by adam)")
     local_objective: str = option("cross-entropy", OneOf(lambda: OBJECTIVES),
                                   "the clients' loss: a registered client objective (common/objectives.py)")
 
 
 def make_optimizer(recipe: LocalRecipe, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """`recipe`'s optimizer over `params`: SGD with momentum (no dampening, no Nesterov) or Adam."""
     if recipe.optimizer == "sgd":
         return torch.optim.SGD(params, lr=recipe.lr, momentum=recipe.momentum)
     if recipe.optimizer == "adam":
-        return torch.optim.Adam(params, lr=recipe.lr)
-    raise ValueError(f"unknown optimizer {recipe.optimizer!r}; known: 'sgd', 'adam'")
+        return torch.optim.Adam(params, lr=recipe.lr, betas=ADAM_BETAS, eps=ADAM_EPS)
+    raise ValueError(f"unknown optimizer {recipe.optimizer!r}; known: {', '.join(map(repr, OPTIMIZERS))}")
 
 
 def run_epochs(optimizer: torch.optim.Optimizer, n: int, batch_size: int, epochs: int, seed: int,

@@ -21,8 +21,8 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.app import app as default_client_app
+from common.cohort_step import release as release_cohort
 from common.user_code import import_paths
-from hybridfl.cohort import release as release_cohort
 from hybridfl.cohort import train_cohort
 from server_app.app import RUN_STATE
 from server_app.app import app as default_server_app

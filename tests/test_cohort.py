@@ -16,6 +16,7 @@ from flwr.common.constant import ErrorCode
 from helpers import digest
 
 from client_app.app import app as client_app
+from common import cohort_step
 from common.config import options_dict, part_of
 from common.data import client_partition, data_spec
 from common.models import build_from_config
@@ -218,6 +219,17 @@ def test_models_whose_training_step_is_not_a_function_of_parameters_and_input_ar
     assert not cohort.served(empty)
 
 
+def test_a_recipe_key_the_batched_step_does_not_name_is_served_only_at_its_default(monkeypatch):
+    """served() derives its checks from LocalRecipe's keys: one that REPRODUCED does not name (as a key added to the
+    recipe later would be) is served at its default only; the named ones at the values they list."""
+    task = _tasks([8], "sgd", [1], momentum=0.5)[0]
+    assert cohort.served(task)
+    monkeypatch.setattr(cohort, "REPRODUCED", {k: v for k, v in cohort.REPRODUCED.items() if k != "momentum"})
+    assert not cohort.served(task) and cohort.served(_tasks([8], "sgd", [1])[0])  # 0.5, then the default 0.9
+    monkeypatch.setattr(cohort, "REPRODUCED", {**cohort.REPRODUCED, "optimizer": ("adam",)})
+    assert not cohort.served(_tasks([8], "sgd", [1])[0]) and cohort.served(_tasks([8], "adam", [1])[0])
+
+
 @pytest.mark.parametrize("overrides", NOT_SERVED, ids=lambda o: o.get("local-objective", o["strategy"]))
 def test_a_method_with_its_own_client_side_or_objective_runs_one_at_a_time(tmp_path, overrides):
     """Its own client side (Ditto) or objective (SCAFFOLD, FedDUAL, FedProx): the cohort serves none of its
@@ -235,7 +247,7 @@ def test_a_failing_batched_run_falls_back_to_one_message_at_a_time(tmp_path, mon
 
     logged: list[str] = []
     monkeypatch.setattr(cohort, "train_together", broken)
-    monkeypatch.setattr(cohort, "log", lambda level, fmt, *args: logged.append(fmt % args))
+    monkeypatch.setattr(cohort_step, "log", lambda level, fmt, *args: logged.append(fmt % args))
     together, grid = _run(tmp_path, "cohort", {"num-rounds": 2}, use_cohort=True)
     alone, _ = _run(tmp_path, "alone", {"num-rounds": 2}, use_cohort=False)
     served = grid.served
@@ -254,21 +266,21 @@ def test_a_runs_cohort_steps_are_freed_when_it_ends(tmp_path):
     import weakref
 
     made: list[weakref.ref] = []
-    original = cohort.CohortStep.__init__
+    original = cohort_step.CohortStep.__init__
 
     def tracked(self, *args, **kwargs) -> None:
         original(self, *args, **kwargs)
         made.append(weakref.ref(self))
 
-    cohort.CohortStep.__init__ = tracked
+    cohort_step.CohortStep.__init__ = tracked
     try:
         for seed in range(3):
             _, grid = _run(tmp_path, f"cohort-{seed}", {"num-rounds": 2, "seed": seed}, use_cohort=True)
             gc.collect()
-            assert sum(grid.served) > 0 and made and cohort._STEPS == {}
+            assert sum(grid.served) > 0 and made and cohort_step._STEPS == {}
             assert [ref for ref in made if ref() is not None] == []
     finally:
-        cohort.CohortStep.__init__ = original
+        cohort_step.CohortStep.__init__ = original
 
 
 def test_the_key_chooses_cohort_training_on_cuda_only_unless_told(tmp_path):
