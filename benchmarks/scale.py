@@ -198,19 +198,18 @@ def ingest(replies: int = 100, repeats: int = 5) -> str:
 
     import torch
     from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
-    from flwr.common.constant import SUPERLINK_NODE_ID
-    from flwr.supercore.task_identity import TaskIdentity
 
     from common.models import build_model
     from common.params import ParamSpec
     from common.protocol import ARRAYS, BASE_VERSION, METRICS, NUM_EXAMPLES, PARTITION_ID
+    from flower_internals.engine import act_as_serverapp
     from server_app.wire import Dispatcher, parse_reply
     from strategies import build_strategy
     from strategies.base import Update, deliver
 
     torch.set_num_threads(1)
     # Messages take their sender from the process's task identity, as in a ServerApp process.
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, SUPERLINK_NODE_ID
+    act_as_serverapp(1)
     model = build_model("cnn", 1, 28, 10, seed=0, cnn_width=32)
     spec = ParamSpec.of(model)
     mb = 4 * spec.numel / 2**20

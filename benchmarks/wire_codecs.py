@@ -7,8 +7,8 @@ decode time on this CPU, the error each makes, and the seconds an update takes t
 The model and the update are real: the preset's model (the papers' Fashion-MNIST CNN, 1.67 M parameters) and one
 client's update from its local training on its own partition with the preset's recipe (lr 3e-3 x 5 epochs, the
 headline's). Each codec encodes that update (``update-codec``) and the model (``model-codec``); bytes are what
-Flower's transport pushes (every object of the record, deflated: ``common.codecs.wire_bytes``), times are medians
-over ``--repeats`` runs with one torch thread, and the link time is the update's serialised bytes pushed through
+Flower's transport pushes (every object of the record, deflated: ``flower_internals.wire.wire_bytes``), times are
+medians over ``--repeats`` runs with one torch thread, and the link time is the update's serialised bytes pushed through
 hybridfl's user-space link shaper (hybridfl/shaper.py) at ``--link-mbit`` to a sink on loopback, until the sink
 has them all. Ratios are against ``none``, measured in the same run.
 """
@@ -26,12 +26,13 @@ import numpy as np
 import torch
 
 from benchmarks.runs import median_seconds
-from common.codecs import MODEL_CODECS, UPDATE_CODECS, WireCodecs, decode, encode, wire_bytes
+from common.codecs import MODEL_CODECS, UPDATE_CODECS, WireCodecs, decode, encode
 from common.config import part_of
 from common.data import client_partition, data_spec, task_data
 from common.models import build_from_config
 from common.params import ParamSpec
 from common.training import LocalRecipe, train
+from flower_internals.wire import wire_bytes
 from hybridfl.shaper import Link, Route, Shaper
 from server_app.config import load_config
 

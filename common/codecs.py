@@ -173,11 +173,3 @@ def encoded_nbytes(codec: str, n: int, wire: WireCodecs) -> int:
     simulated link carries, and the runtime counts."""
     return {"none": 4 * n, "fp16": 2 * n, "int8": n + 4 * -(-n // wire.int8_block),
             "topk": 8 * topk_count(n, wire.topk_fraction)}[codec]
-
-
-def wire_bytes(record: ArrayRecord) -> int:
-    """The bytes of `record`'s arrays as Flower's transport serialises them (each array's data, its dtype,
-    shape and framing: the objects Flower pushes)."""
-    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
-
-    return sum(len(obj.deflate()) for obj in get_all_nested_objects(record).values())

@@ -58,7 +58,7 @@ def import_paths(values: Mapping[str, Any]) -> dict[str, str]:
 
 
 # hybridfl's top-level packages: a user's own package of one of these names is never imported (ours come first)
-OWN_PACKAGES = ("common", "client_app", "server_app", "strategies", "hybridfl")
+OWN_PACKAGES = ("flower_internals", "common", "client_app", "server_app", "strategies", "hybridfl")
 
 # The folder a hybridfl command ran in (its launchers pass it to every Flower process): where a user's own code is
 # found when no installed package (and not the run's own app) provides it

@@ -15,14 +15,13 @@ from typing import Any
 
 from flwr.app import Context, Error, Message, MessageType, RecordDict
 from flwr.clientapp import ClientApp
-from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
-from flwr.supercore.run import Run
-from flwr.supercore.task_identity import TaskIdentity
 
 from client_app.app import app as default_client_app
 from common.cohort_step import release as release_cohort
 from common.user_code import import_paths
+from flower_internals.engine import Run, act_as_serverapp, empty_run
 from hybridfl.cohort import train_cohort
 from server_app.app import RUN_STATE
 from server_app.app import app as default_server_app
@@ -57,10 +56,9 @@ class InProcessGrid(Grid):
                  cohort_size: int = 32) -> None:
         self.client_app = client_app
         self.cohort, self.cohort_size = cohort, cohort_size
-        self._run = Run.create_empty(run_id)
-        self._run.override_config = dict(override_config or {})
+        self._run = empty_run(run_id, override_config)
         # Messages take their sender from the process's task identity, as in Flower's ServerApp process.
-        TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, run_id, SUPERLINK_NODE_ID
+        act_as_serverapp(run_id)
         # Node ids unrelated to partition ids, as in Flower's runtimes.
         ids = random.Random(run_id).sample(range(1, 2**31), num_nodes)
         self.contexts = {

@@ -14,7 +14,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from common.protocol import NUM_EXAMPLES
-from server_app.replies import push
+from flower_internals.replies import push
 from server_app.wire import MAX_COUNT, Dispatcher, NodeDirectory, RejectedReply, collect, parse_metrics, reply_number
 from strategies.base import Strategy
 

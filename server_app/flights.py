@@ -11,7 +11,7 @@ from typing import Any
 
 from flwr.app import Message
 
-from server_app.replies import ReplyPuller
+from flower_internals.replies import ReplyPuller
 from strategies.base import Payload
 
 

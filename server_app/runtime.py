@@ -39,10 +39,10 @@ from common.codecs import encoded_nbytes
 from common.config import COUNT, POSITIVE, OneOf, Range, check_options, option
 from common.fleet import Fleet, FleetName, fleet_names
 from common.protocol import STRATEGY, UPDATES_BEFORE
+from flower_internals.replies import ReplyPuller, push
 from server_app.clocks import CLOCKS
 from server_app.evaluation import weighted_mean
 from server_app.flights import Flight, Flights
-from server_app.replies import ReplyPuller, push
 from server_app.rounds import RoundLog
 from server_app.wire import MAX_COUNT, Dispatcher, NodeDirectory, RejectedReply, read_update
 from strategies.base import Strategy, Unusable, Update

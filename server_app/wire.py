@@ -39,7 +39,7 @@ from common.protocol import (
     VERSION,
 )
 from common.training import derive_seed
-from server_app.replies import ReplyPuller, push
+from flower_internals.replies import ReplyPuller, push
 from strategies.base import Payload, Update
 
 POLL_INTERVAL_S = 0.05

@@ -37,10 +37,10 @@ from common.codecs import (
     encode,
     encoded_nbytes,
     topk_count,
-    wire_bytes,
 )
 from common.config import ConfigError, options_dict
 from common.protocol import ARRAYS, CONFIG, METRICS, PARTITION_ID, UPDATES_BEFORE
+from flower_internals.wire import wire_bytes
 from hybridfl.cli import main
 from server_app.config import make_config
 

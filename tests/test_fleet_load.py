@@ -159,7 +159,7 @@ def test_memory_growth_is_the_latest_process_slope_after_warm_up_per_hour():
 def test_the_reply_pull_request_follows_the_fields_flower_s_proto_has(monkeypatch):
     """Flower 1.42's ServerAppIo pull asks by `message_ids`; the 1.43 development line's by a `reply_to_message_ids`
     list (what benchmarks/fleet_load.py runs against flwr-nightly)."""
-    from server_app import replies
+    from flower_internals import replies
 
     assert list(replies.pull_request(["a", "b"]).message_ids) == ["a", "b"]
 

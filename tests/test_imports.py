@@ -14,13 +14,15 @@ import pytest
 
 from hybridfl.bundle import PROJECT_DIR
 
-PACKAGES = ("common", "strategies", "server_app", "client_app", "hybridfl")
-# What each package may import from the others: common is the bottom; a method's client side lives with its
-# strategy, so the ClientApp imports strategies; the ServerApp never imports the ClientApp (they meet only through
-# messages); the command, its launchers and the in-process engine, which runs both apps (hybridfl/), are the top.
-ALLOWED = {"common": set(), "strategies": {"common"}, "client_app": {"common", "strategies"},
-           "server_app": {"common", "strategies"},
-           "hybridfl": {"common", "strategies", "client_app", "server_app"}}
+PACKAGES = ("flower_internals", "common", "strategies", "server_app", "client_app", "hybridfl")
+# What each package may import from the others: what hybridfl changes in Flower (flower_internals/) is the bottom,
+# then common; a method's client side lives with its strategy, so the ClientApp imports strategies; the ServerApp
+# never imports the ClientApp (they meet only through messages); the command, its launchers and the in-process
+# engine, which runs both apps (hybridfl/), are the top.
+ALLOWED = {"flower_internals": set(), "common": {"flower_internals"}, "strategies": {"flower_internals", "common"},
+           "client_app": {"flower_internals", "common", "strategies"},
+           "server_app": {"flower_internals", "common", "strategies"},
+           "hybridfl": {"flower_internals", "common", "strategies", "client_app", "server_app"}}
 # The one crossing: a device reads the preset its run names as the ServerApp reads it, to know which code the run
 # declared (client_app/declared.py; imported only for a message that names code). server_app/presets.py imports
 # nothing of the server (test below)

@@ -86,10 +86,9 @@ def test_the_query_handler_runs_without_importing_torch() -> None:
     code = """
 import sys
 from flwr.app import Context, Message, RecordDict
-from flwr.common.constant import SUPERLINK_NODE_ID
-from flwr.supercore.task_identity import TaskIdentity
+from flower_internals.engine import act_as_serverapp
 from client_app.app import app
-TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, SUPERLINK_NODE_ID
+act_as_serverapp(1)
 ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 3, "num-partitions": 4}, state=RecordDict(),
               run_config={})
 msg = Message(RecordDict(), dst_node_id=1, message_type="query")

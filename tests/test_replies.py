@@ -1,9 +1,9 @@
-"""server_app/replies.py: replies pulled so that one device's upload holds only its own reply, against a SuperLink's
-Runtime API played by Flower's own message and object functions; and the Flower internals it relies on."""
+"""flower_internals/replies.py: replies pulled so that one device's upload holds only its own reply, against a
+SuperLink's Runtime API played by Flower's own message and object functions (the internals it relies on:
+tests/test_flower_internals.py)."""
 
 from __future__ import annotations
 
-import inspect
 import time
 
 import numpy as np
@@ -18,8 +18,8 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, 
 from flwr.superlink.grid.http_grid import HttpGrid
 
 from common.protocol import METRICS, PARTITION_ID
-from server_app import replies
-from server_app.replies import ReplyPuller
+from flower_internals import replies
+from flower_internals.replies import ReplyPuller
 
 
 class FakeLink:
@@ -119,21 +119,6 @@ def test_a_discarded_flights_reply_is_never_handed_over(monkeypatch) -> None:
     time.sleep(0.5)
     assert puller.pull(["a"]) == []
     puller.close()
-
-
-def test_the_flower_internals_the_puller_uses_are_where_it_expects_them() -> None:
-    """Flower 1.42's HttpGrid keeps its Runtime API client, node and run in these attributes, and its object
-    functions take these arguments: a Flower that moves one fails here, naming it."""
-    source = inspect.getsource(HttpGrid)
-    for attribute in ("def _runtime_client(self)", "self.node =", "self._run = run"):
-        assert attribute in source, f"flwr's HttpGrid no longer sets {attribute!r}: server_app/replies.py uses it"
-    from flwr.supercore.inflatable import inflatable_protobuf_utils, inflatable_utils
-    assert set(inspect.signature(inflatable_protobuf_utils.make_pull_object_fn_protobuf).parameters) == {
-        "pull_object_protobuf", "node", "run_id"}
-    for name in ("ObjectPullError", "ObjectPushError", "ObjectUnavailableError", "inflate_object_from_contents"):
-        assert hasattr(inflatable_utils, name), f"flwr.supercore.inflatable.inflatable_utils.{name} is gone"
-    for name in ("PullMessages", "PullObject", "ConfirmMessageReceived"):
-        assert hasattr(HttpGrid.__init__.__globals__["RuntimeHttpClient"], name), f"RuntimeHttpClient.{name} is gone"
 
 
 def test_another_grid_is_pulled_by_its_own_pull_messages() -> None:

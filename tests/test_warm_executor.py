@@ -1,6 +1,7 @@
-"""The warm ClientApp executor (client_app/warm_executor.py): what it uses of Flower is where it expects it, and a
-local deployment on it (TLS, node authentication, the Runtime APIs' secrets) runs as the in-process engine does,
-also after its fork server was killed between two runs."""
+"""The warm ClientApp executor (client_app/warm_executor.py, flower_internals/superexec.py and fork_server.py) and the
+paced SuperNode (client_app/supernode.py, flower_internals/supernode.py; what they rely on of Flower:
+tests/test_flower_internals.py), and a local deployment on them (TLS, node authentication, the Runtime APIs' secrets)
+runs as the in-process engine does, also after its fork server was killed between two runs."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExec
 from flwr.supercore.superexec.executor.types import ExecutionSpec, LaunchResult
 from helpers import flower_threads
 
-from client_app import supernode
-from client_app.warm_executor import _SERVER, ORPHAN_GRACE_S, PRELOAD, WarmExecutor
+from client_app import supernode as command
+from flower_internals import supernode
+from flower_internals.superexec import ORPHAN_GRACE_S, WarmExecutor, fork_server_command
 from hybridfl.bundle import PROJECT_DIR
 from hybridfl.deploy_local import deploy, deploy_runs
 from hybridfl.inprocess import run_inprocess
@@ -37,35 +39,11 @@ EXAMPLE = PROJECT_DIR / "examples" / "tabular"
 JOB = {"preset": "fedavg-digits", "num-clients": 2, "clients-per-round": 2, "num-rounds": 2, "eval-every": 2}
 
 
-def test_what_it_uses_of_flower_is_there():
-    """Flower 1.41–1.42's SuperExec: its loop takes the executor from a module-level ``get_executor``, an executor
-    launches an ExecutionSpec, and ``run_clientapp`` takes a task's token and installs the FAB through its module's
-    ``install_from_fab``. If Flower moves these, this says which."""
-    loop = importlib.import_module("flwr.supercore.superexec.run_superexec")
-    assert callable(getattr(loop, "get_executor", None)), "flwr's run_superexec no longer calls get_executor"
-    for method in ("get_eligible_capacity", "wait_for_capacity", "launch", "reconcile", "close"):
-        assert callable(getattr(SubprocessExecutor, method, None)), f"Flower's executor has no {method}()"
-    fields = {"task_type", "runtime_api_address", "token", "insecure", "root_certificates_path",
-              "runtime_dependency_install", "parent_pid"}
-    assert fields <= set(inspect.signature(ExecutionSpec).parameters), "ExecutionSpec lost a field the executor reads"
-    from flwr.supernode.runtime.run_clientapp import run_clientapp
-
-    params = set(inspect.signature(run_clientapp).parameters)
-    runtime = importlib.import_module("flwr.supernode.runtime.run_clientapp")
-    assert callable(getattr(runtime, "install_from_fab", None)) and "install_from_fab(" in inspect.getsource(
-        run_clientapp), "run_clientapp no longer installs the FAB through its module's install_from_fab"
-    assert {"runtime_api_address", "token", "insecure", "certificates", "runtime_dependency_install",
-            "parent_pid"} <= params
-    assert TaskType.CLIENT_APP.value == "flwr-clientapp" and callable(LaunchResult.failed)
-    for module in PRELOAD:
-        importlib.import_module(module)
-
-
 def test_a_child_of_the_fork_server_trains_without_importing_anything_more_of_torch():
     """What the fork server imports (PRELOAD) covers what local training imports lazily: torch.optim's first
     optimizer imports torch._dynamo (1.8 s on an idle 2-core machine), once in the fork server instead of in every
     message's child."""
-    script = ("import importlib, sys; from client_app.warm_executor import PRELOAD\n"
+    script = ("import importlib, sys; from flower_internals.superexec import PRELOAD\n"
               "for m in PRELOAD: importlib.import_module(m)\n"
               "import torch; before = set(sys.modules)\n"
               "m = torch.nn.Linear(3, 2); m(torch.ones(1, 3)).sum().backward()\n"
@@ -117,16 +95,16 @@ def test_the_paced_supernode_s_idle_ceiling_is_its_flag_and_the_rest_are_flowers
     import flwr.supernode.cli
 
     got: list[tuple[list[str], float]] = []
-    monkeypatch.setattr(supernode, "pace", lambda loop, paced: got.append((list(sys.argv[1:]), paced.idle_wait_s)))
+    monkeypatch.setattr(command, "pace", lambda loop, paced: got.append((list(sys.argv[1:]), paced.idle_wait_s)))
     monkeypatch.setattr(flwr.supernode.cli, "flower_supernode", lambda: None)
     monkeypatch.setattr(sys, "argv", ["supernode", "--superlink", "127.0.0.1:1", "--idle-wait-s", "10",
                                       "--insecure", "--node-config", "partition-id=0"])
-    supernode.main()
+    command.main()
     assert got == [(["--superlink", "127.0.0.1:1", "--insecure", "--node-config", "partition-id=0"], 10.0)]
     for bad in ("0", "-1", "inf", "soon"):
         monkeypatch.setattr(sys, "argv", ["supernode", "--idle-wait-s", bad])
         with pytest.raises(SystemExit) as done:
-            supernode.main()
+            command.main()
         assert done.value.code == 2 and len(got) == 1 and "--idle-wait-s" in capsys.readouterr().err
 
 
@@ -175,12 +153,12 @@ def test_the_paced_supernode_s_heartbeat_is_its_flag_in_flower_s_own_connection(
     monkeypatch.setattr(fleet_http_connection, "FleetHttpClient", Transport)
     monkeypatch.setattr(fleet_http_connection, "HeartbeatSender", Sender)
     got: list[list[str]] = []
-    monkeypatch.setattr(supernode, "pace", lambda loop, paced: got.append(list(sys.argv[1:])))
+    monkeypatch.setattr(command, "pace", lambda loop, paced: got.append(list(sys.argv[1:])))
     import flwr.supernode.cli
 
     monkeypatch.setattr(flwr.supernode.cli, "flower_supernode", lambda: None)
     monkeypatch.setattr(sys, "argv", ["supernode", "--heartbeat-s", "120", "--superlink", "127.0.0.1:1"])
-    supernode.main()
+    command.main()
     assert got == [["--superlink", "127.0.0.1:1"]]
     private = ec.generate_private_key(ec.SECP384R1())
     with fleet_http_connection.http_request_response("127.0.0.1:1", True, None,
@@ -194,7 +172,7 @@ def test_the_paced_supernode_s_heartbeat_is_its_flag_in_flower_s_own_connection(
     for bad in ("9", "1801", "nan", "soon"):
         monkeypatch.setattr(sys, "argv", ["supernode", "--heartbeat-s", bad])
         with pytest.raises(SystemExit) as done:
-            supernode.main()
+            command.main()
         assert done.value.code == 2 and len(got) == 1 and "--heartbeat-s" in capsys.readouterr().err
 
 
@@ -216,7 +194,7 @@ def test_a_child_ends_when_its_executor_dies_as_flower_s_clientapp_does():
     child retried for over a minute (measured), an orphan."""
     script = ("import os, time\nfrom flwr.supercore.constant import TaskType\n"
               "from flwr.supercore.superexec.executor.types import ExecutionSpec\n"
-              "from client_app.warm_executor import WarmExecutor\nex = WarmExecutor()\n"
+              "from flower_internals.superexec import WarmExecutor\nex = WarmExecutor()\n"
               "spec = ExecutionSpec(TaskType.CLIENT_APP, '127.0.0.1:1', 'token', True, None, False, os.getpid(), "
               "False, 1)\nprint(ex.launch(spec).status, ex._server.pid, flush=True)\ntime.sleep(300)\n")
     executor = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
@@ -240,8 +218,7 @@ def fork_server(*modules: str, env: dict[str, str] | None = None):
     task_r, task_w = os.pipe()
     reply_r, reply_w = os.pipe()
     with __import__("tempfile").TemporaryDirectory() as marks:
-        server = subprocess.Popen([sys.executable, "-P", "-c", _SERVER, str(task_r), str(reply_w), marks,
-                                   str(ORPHAN_GRACE_S), *modules], pass_fds=(task_r, reply_w),
+        server = subprocess.Popen(fork_server_command(task_r, reply_w, marks, modules), pass_fds=(task_r, reply_w),
                                   stderr=subprocess.PIPE, text=True, env=env)
         os.close(task_r)
         os.close(reply_w)
@@ -287,9 +264,9 @@ def test_the_paced_supernode_on_another_loop_ends_with_one_line(tmp_path, monkey
     what moved and what to run instead, before it connects anywhere."""
     (tmp_path / "moved_loop.py").write_text("import time\n\ndef loop():\n    time.sleep(5)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(supernode, "LOOP", "moved_loop")
+    monkeypatch.setattr(command, "LOOP", "moved_loop")
     with pytest.raises(SystemExit) as done:
-        supernode.main()
+        command.main()
     message = str(done.value.code)
     assert message.startswith("error: flwr ") and "moved_loop has no `time.sleep(3)`" in message
     assert "\n" not in message and "run Flower's own flower-supernode instead" in message
@@ -383,15 +360,13 @@ def test_a_fab_install_that_a_killed_child_left_half_done_is_installed_again(tmp
     and a whole install is used as it is."""
     from flwr.cli.install import install_from_fab
 
-    from client_app.warm_executor import _INSTALL
+    from flower_internals.fork_server import install_once as once
 
     monkeypatch.setenv("FLWR_HOME", str(tmp_path / "home"))
     marks = tmp_path / "marks"
     marks.mkdir()
     fab = _fab(tmp_path / "app")
-    fork_server = {"install_from_fab": install_from_fab, "marks": str(marks)}
-    exec(_INSTALL, fork_server)
-    install_once = fork_server["install_once"]
+    install_once = once(str(marks), install_from_fab)
     path = install_once(fab, skip_prompt=True)
     assert path.parent == tmp_path / "home" / "apps" and (path / "pyproject.toml").is_file()
     whole = sorted(str(f.relative_to(path)) for f in path.rglob("*"))

@@ -19,10 +19,10 @@ SuperLink killed and restarted from its database during that upload answered an 
 ServerApp (seen once on the engine test's SuperLink restart). The messages are built and pushed again: a new
 session, new message ids.
 
-Flower internals it uses (pinned by tests/test_replies.py, which fails naming the one that moved):
-``HttpGrid._runtime_client`` (``PullMessages``, ``PullObject``, ``ConfirmMessageReceived``), ``HttpGrid._run``,
-``HttpGrid.node``, and ``flwr.supercore.inflatable``'s ``iterate_object_tree``, ``inflate_object_from_contents``,
-``make_pull_object_fn_protobuf``, ``ObjectPullError``, ``ObjectPushError``, ``ObjectUnavailableError``.
+Flower internals it uses (:data:`RELIES_ON` and :func:`check`, run by tests/test_flower_internals.py, which fails
+naming the one that moved): ``HttpGrid._runtime_client`` (``PullMessages``, ``PullObject``,
+``ConfirmMessageReceived``), ``HttpGrid._run``, ``HttpGrid.node``, the ServerAppIo requests, and
+``flwr.supercore.inflatable``'s object functions and errors.
 """
 
 from __future__ import annotations
@@ -53,6 +53,16 @@ from flwr.supercore.inflatable.inflatable_utils import (
     inflate_object_from_contents,
 )
 from flwr.superlink.grid.http_grid import HttpGrid
+
+RELIES_ON = ("flwr.app.message:make_message", "flwr.proto.message_pb2:ConfirmMessageReceivedRequest",
+             "flwr.proto.runtime_pb2:PullAppMessagesRequest", "flwr.supercore.constant:SYSTEM_MESSAGE_TYPE",
+             "flwr.supercore.date:now", "flwr.supercore.inflatable.inflatable_object:iterate_object_tree",
+             "flwr.supercore.inflatable.inflatable_protobuf_utils:make_pull_object_fn_protobuf",
+             "flwr.supercore.inflatable.inflatable_utils:ObjectPullError",
+             "flwr.supercore.inflatable.inflatable_utils:ObjectPushError",
+             "flwr.supercore.inflatable.inflatable_utils:ObjectUnavailableError",
+             "flwr.supercore.inflatable.inflatable_utils:inflate_object_from_contents",
+             "flwr.superlink.grid.http_grid:HttpGrid", "flwr.proto.recorddict_pb2:StringList")
 
 INITIAL_BACKOFF_S, BACKOFF_CAP_S = 0.05, 0.5  # an object still uploading is asked for again this soon ...
 # ... while the downloads together ask at most this often a second: the SuperLink's one loop also serves the fleet
@@ -185,3 +195,22 @@ class ReplyPuller:
                             reason=f"the reply could not be pulled from the SuperLink ({type(err).__name__}: "
                                    f"{err})"))
         future.set_result(message)
+
+
+def check() -> list[str]:
+    """What :data:`RELIES_ON` cannot say: the attributes HttpGrid sets, the arguments of the object pull function,
+    the Runtime API client's calls; one line per thing that moved."""
+    import inspect
+
+    from flwr.supercore.inflatable import inflatable_protobuf_utils
+
+    source = inspect.getsource(HttpGrid)
+    moved = [f"HttpGrid no longer sets {attr!r}" for attr in ("def _runtime_client(self)", "self.node =",
+                                                                "self._run = run") if attr not in source]
+    params = set(inspect.signature(inflatable_protobuf_utils.make_pull_object_fn_protobuf).parameters)
+    if params != {"pull_object_protobuf", "node", "run_id"}:
+        moved.append(f"make_pull_object_fn_protobuf takes {sorted(params)}")
+    client = HttpGrid.__init__.__globals__.get("RuntimeHttpClient")
+    moved += [f"RuntimeHttpClient.{name} is gone" for name in ("PullMessages", "PullObject", "ConfirmMessageReceived")
+              if not hasattr(client, name)]
+    return moved

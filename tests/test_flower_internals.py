@@ -1,0 +1,98 @@
+"""What hybridfl relies on under Flower's public API (flower_internals/): every internal each module names is in the
+installed Flower, and nothing outside the package reaches under that API. A Flower that moves one fails here, naming
+the module that relies on it and what moved."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
+import flwr
+import pytest
+
+import flower_internals
+from hybridfl.bundle import PROJECT_DIR
+
+HERE = PROJECT_DIR / "flower_internals"
+# Flower's public API (its API reference): what the rest of hybridfl may import
+PUBLIC = ("flwr.app", "flwr.clientapp", "flwr.serverapp", "flwr.common")
+PRODUCT = ("common", "strategies", "server_app", "client_app", "hybridfl")
+
+
+def relies_on(path: Path) -> tuple[str, ...]:
+    """The module's ``RELIES_ON``, read from its source (a module that no longer imports is still checked)."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "RELIES_ON" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    return ()
+
+
+def missing(ref: str) -> str | None:
+    """Why ``"module:attr.attr"`` does not resolve in this Flower, or None."""
+    module, _, attrs = ref.partition(":")
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as err:
+        return f"no module {module} ({err})"
+    for name in attrs.split("."):
+        try:  # statically: a class's property (TaskIdentity's) raises until set
+            obj = inspect.getattr_static(obj, name)
+        except AttributeError:
+            return f"{module} has no {attrs}"
+    return None
+
+
+def flwr_imports(path: Path) -> set[str]:
+    """``module:name`` of every ``from flwr... import name`` in `path` (``module`` for ``import flwr...``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "flwr":
+            found |= {f"{node.module}:{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "flwr"}
+    return found
+
+
+def public(ref: str) -> bool:
+    module = ref.partition(":")[0]
+    return module == "flwr" or any(module == p or module.startswith(p + ".") for p in PUBLIC)
+
+
+@pytest.mark.parametrize("name", flower_internals.MODULES)
+def test_every_internal_a_module_relies_on_is_in_this_flower(name: str) -> None:
+    path = HERE / f"{name}.py"
+    refs = relies_on(path)
+    assert refs, f"flower_internals/{name}.py names no RELIES_ON"
+    moved = [f"{ref}: {why}" for ref in refs if (why := missing(ref))]
+    module = importlib.import_module(f"flower_internals.{name}")
+    moved += getattr(module, "check", list)()
+    assert not moved, (f"flwr {flwr.__version__} moved what flower_internals/{name}.py relies on:\n  "
+                       + "\n  ".join(moved))
+
+
+@pytest.mark.parametrize("name", flower_internals.MODULES)
+def test_a_module_names_every_internal_it_imports(name: str) -> None:
+    """An import from under Flower's public API is named in ``RELIES_ON`` (itself or an attribute of it)."""
+    path = HERE / f"{name}.py"
+    refs = relies_on(path)
+    unnamed = sorted(ref for ref in flwr_imports(path) if not public(ref) and not any(
+        r == ref or r.startswith((ref + ".", ref.replace(":", ".") + ":")) for r in refs))  # a module imported whole
+    assert not unnamed, f"flower_internals/{name}.py imports {unnamed} without naming them in RELIES_ON"
+
+
+def test_every_module_of_the_package_is_listed_and_nothing_else_reaches_under_flowers_api() -> None:
+    assert sorted(p.stem for p in HERE.glob("*.py") if p.stem != "__init__") == sorted(flower_internals.MODULES)
+    under = sorted(f"{p.relative_to(PROJECT_DIR)}: {ref}" for pkg in PRODUCT for p in (PROJECT_DIR / pkg).rglob("*.py")
+                   for ref in flwr_imports(p) if not public(ref))
+    assert not under, "outside flower_internals/, imports from under Flower's public API:\n  " + "\n  ".join(under)
+
+
+def test_a_flower_that_moved_an_internal_is_named() -> None:
+    """The check itself: an internal that is not there, and a module that is not, each say what is missing."""
+    assert missing("flwr.supercore.superexec.run_superexec:get_executor") is None
+    assert missing("flwr.supercore.superexec.run_superexec:no_such_thing") == (
+        "flwr.supercore.superexec.run_superexec has no no_such_thing")
+    assert missing("flwr.no_such_module:x").startswith("no module flwr.no_such_module")
+    assert not public("flwr.supercore.run:Run") and public("flwr.common.constant:ErrorCode")
