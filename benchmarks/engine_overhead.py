@@ -49,10 +49,10 @@ from typing import Any
 import torch
 
 from common.config import part_of
-from common.data import client_partition, data_spec, load_dataset, make_splits
 from common.models import build_model
 from common.params import ParamSpec
 from common.server_data import build_server_data
+from common.splits import client_partition, data_spec, load_dataset, make_splits
 from common.training import LocalRecipe, derive_seed, evaluate, train
 from hybridfl.inprocess import run_inprocess
 from server_app.config import RunConfig, load_config

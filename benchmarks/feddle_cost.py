@@ -27,10 +27,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from common.config import part_of
-from common.data import ArrayDataset
 from common.models import build_from_config
 from common.params import ParamSpec
 from common.server_data import ServerData
+from common.splits import ArrayDataset
 from common.training import LocalRecipe
 from server_app.config import load_config
 from strategies import build_strategy

@@ -22,9 +22,9 @@ import time
 import numpy as np
 import torch
 
-from common.data import ArrayDataset
 from common.models import build_model
 from common.params import ParamSpec
+from common.splits import ArrayDataset
 from common.training import LocalRecipe, train
 
 BATCH = 32

@@ -50,7 +50,7 @@ def cluster_recovery(out: Path) -> dict[str, float]:
     import numpy as np
     from sklearn.metrics import adjusted_rand_score
 
-    from common.data import client_partition, data_spec
+    from common.splits import client_partition, data_spec
     from server_app.checkpoint import read_config
     from server_app.config import load_config
 

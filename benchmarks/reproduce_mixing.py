@@ -46,8 +46,8 @@ def lacking_accuracy(out: Path, lacking: Sequence[int]) -> float:
     import numpy as np
     import torch
 
-    from common.data import data_spec, make_splits
     from common.models import build_from_config
+    from common.splits import data_spec, make_splits
     from common.training import evaluate
     from server_app.checkpoint import read_config
     from server_app.config import load_config

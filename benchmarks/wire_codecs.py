@@ -28,9 +28,9 @@ import torch
 from benchmarks.runs import median_seconds
 from common.codecs import MODEL_CODECS, UPDATE_CODECS, WireCodecs, decode, encode
 from common.config import part_of
-from common.data import client_partition, data_spec, task_data
 from common.models import build_from_config
 from common.params import ParamSpec
+from common.splits import client_partition, data_spec, task_data
 from common.training import LocalRecipe, train
 from flower_internals.wire import wire_bytes
 from hybridfl.shaper import Link, Route, Shaper

@@ -91,7 +91,7 @@ def check(context: Context, key: str, value: str) -> None:
 def check_message(config: Mapping[str, Any], context: Context) -> None:
     """Refuse (:func:`check`) a message whose configuration `config` names undeclared code in any value, before
     anything in it is used. ``imagefolder:<folder>`` names a folder of images, not code."""
-    from common.data import IMAGEFOLDER
+    from common.splits import IMAGEFOLDER
 
     for key, value in config.items():
         for name in _strings([value]):

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from common.config import options_dict
-from common.data import CLIENT_PARTS, DataSpec, client_partition
 from common.datasets import ArrayDataset
+from common.splits import CLIENT_PARTS, DataSpec, client_partition
 
 CACHE_DIR = "cache-dir"
 STALE_S = 24 * 3600.0
@@ -42,7 +42,7 @@ def cache_dir(node_config: Mapping[str, Any]) -> Path | None:
 
 
 def client_parts(spec: DataSpec, partition_id: int, run_id: int, directory: Path | None) -> dict[str, ArrayDataset]:
-    """Client `partition_id`'s ``train`` / ``validation`` / ``test`` parts (common.data.client_partition), read
+    """Client `partition_id`'s ``train`` / ``validation`` / ``test`` parts (common.splits.client_partition), read
     from `directory`'s file for this run when there is one, else built and written there (atomically: messages
     of other nodes on the same disk may read it at the same time). An unreadable cache is rebuilt; an unwritable
     one is skipped."""

@@ -19,11 +19,11 @@ import strategies  # noqa: F401 - registers every method's client side and clien
 from client_app.declared import check_message
 from client_app.node_cache import cache_dir, client_parts
 from common.config import from_keys
-from common.data import DataSpec
 from common.devices import resolve_device
 from common.models import build_from_config, model_config
 from common.params import ParamSpec, extras_from_record, extras_to_record
 from common.protocol import ARRAYS, BASE_VERSION, CONFIG, EXTRAS, METRICS, NUM_EXAMPLES, PARTITION_ID, VERSION
+from common.splits import DataSpec
 from strategies import client_side
 from strategies.client import LocalTask
 

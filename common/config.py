@@ -1,7 +1,7 @@
 """The option machinery: how a configuration key is declared, checked and documented.
 
 A key is declared once, as an :func:`option` field of the frozen dataclass that carries it to where it
-is used: the data spec (``common.data.DataSpec``), the model (``common.models.ModelSpec``), the clients'
+is used: the data spec (``common.splits.DataSpec``), the model (``common.models.ModelSpec``), the clients'
 local recipe (``common.training.LocalRecipe``), the runtime (``server_app.runtime.RuntimeConfig``), the
 method's name (``strategies.MethodChoice``), each method's options (a strategy's or a client objective's
 ``Config``), and the run itself (``server_app.config.RunConfig``, which inherits the first five). A key is

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from common.data import ArrayDataset, Splits, load_dataset
 from common.devices import resolve_device
 from common.errors import ConfigError
+from common.splits import ArrayDataset, Splits, load_dataset
 
 SERVER_NEEDS = ("none", "in-domain", "any")  # what a strategy needs of the server's data (Strategy.server_need)
 

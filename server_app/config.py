@@ -33,11 +33,11 @@ from common.config import (
     specs_of,
     validate,
 )
-from common.data import DatasetName, DataSpec, dataset_names
 from common.devices import DEVICES
 from common.fleet import load_fleet
 from common.models import ModelSpec
 from common.objectives import OBJECTIVES
+from common.splits import DatasetName, DataSpec, dataset_names
 from common.training import LocalRecipe
 from common.user_code import is_import_path, resolve
 from server_app.checkpoint import read_config

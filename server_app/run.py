@@ -1,6 +1,6 @@
 """The one wiring path: :func:`build_run` builds a run from its configuration — data, server data, model,
 strategy, runner, recorder, and, with ``resume``, everything restored from the checkpoint — and
-:meth:`Run.execute` drives it with the hybridfl runtime or Flower's own ``start()`` rounds
+:meth:`TrainingRun.execute` drives it with the hybridfl runtime or Flower's own ``start()`` rounds
 (``loop``), evaluating, recording and checkpointing every round the same way under both. The
 ServerApp, the in-process engine and ``flwr run`` all go through here.
 """
@@ -19,11 +19,11 @@ from flwr.serverapp import Grid
 from torch import nn
 
 from common.config import part_of
-from common.data import Splits, check_partitions, client_sizes, data_spec, make_splits, task_data
 from common.fleet import load_fleet
 from common.models import build_from_config, check_on_data
 from common.params import ParamSpec
 from common.server_data import ServerData, build_server_data
+from common.splits import Splits, check_partitions, client_sizes, data_spec, make_splits, task_data
 from common.training import LocalRecipe, evaluate
 from server_app.checkpoint import CHECKPOINT, check_layout, pack_state, read_checkpoint, unpack_state, write_checkpoint
 from server_app.config import RunConfig, client_config
@@ -44,7 +44,7 @@ def describe(server_data: ServerData | None) -> str:
 
 
 @dataclass
-class Run:
+class TrainingRun:
     """A run, built and ready to go: :meth:`execute` trains it and writes its outputs."""
 
     grid: Grid
@@ -202,7 +202,7 @@ def duration(seconds: float) -> str:
 FEW_TEST_ROWS = 10  # fewer test samples per client than this make a personalised accuracy coarse
 
 
-def build_run(grid: Grid, cfg: RunConfig) -> Run:
+def build_run(grid: Grid, cfg: RunConfig) -> TrainingRun:
     """Everything a run needs, from its configuration; with ``resume``, restored from the run's checkpoint."""
     resumed = read_checkpoint(Path(cfg.resume)) if cfg.resume else None
     spec = data_spec(cfg)
@@ -240,5 +240,5 @@ def build_run(grid: Grid, cfg: RunConfig) -> Run:
         earlier = resumed.get("run-seconds")
     recorder = Recorder(out, resumed["recorder"] if resumed is not None else None, open_tracker(cfg, out))
     runner.on_event = recorder.event
-    return Run(grid, cfg, out, splits, server_data, model, pspec, strategy, runner, recorder, first_round,
+    return TrainingRun(grid, cfg, out, splits, server_data, model, pspec, strategy, runner, recorder, first_round,
                earlier_seconds=earlier)

@@ -18,10 +18,10 @@ from helpers import digest
 from client_app.app import app as client_app
 from common import cohort_step
 from common.config import options_dict, part_of
-from common.data import client_partition, data_spec
 from common.models import build_from_config
 from common.params import WIRE_KEY, ParamSpec
 from common.protocol import ARRAYS, TRAIN_SEED
+from common.splits import client_partition, data_spec
 from common.training import LocalRecipe
 from hybridfl import cohort
 from hybridfl.inprocess import InProcessGrid, cohort_training, run_inprocess

@@ -25,7 +25,7 @@ from common.server_data import ServerData
 from hybridfl.inprocess import InProcessGrid, run_inprocess
 from hybridfl.sweep import config_digest
 from server_app.config import load_config
-from server_app.run import Run, build_run
+from server_app.run import TrainingRun, build_run
 from strategies import STRATEGIES, Center, FedAvg, FedDF, Feddle, FedFT, GradientTransfer
 from strategies.base import Update
 from strategies.feddual import LOSS_GRADIENT
@@ -88,7 +88,7 @@ def same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def built(tmp_path: Path, name: str, run_name: str, **kw: Any) -> Run:
+def built(tmp_path: Path, name: str, run_name: str, **kw: Any) -> TrainingRun:
     cfg = load_config(config(name, **{"output-dir": str(tmp_path), "run-name": run_name, **kw}))
     r = build_run(InProcessGrid(client_app, cfg.num_clients), cfg)
     r.runner.directory.wait_for(cfg.num_clients, 10)
@@ -104,7 +104,7 @@ REPLY_ARRAYS = {
 }
 
 
-def feed(r: Run, step: int) -> None:
+def feed(r: TrainingRun, step: int) -> None:
     """The same two made-up updates, then the end of a step, into `r`'s strategy."""
     s = r.strategy
     for c in (0, 1):

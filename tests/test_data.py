@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from common.config import ConfigError, from_keys, options_dict
-from common.data import DataSpec, client_holdout, client_partition, load_dataset, make_splits, partition_indices
+from common.splits import DataSpec, client_holdout, client_partition, load_dataset, make_splits, partition_indices
 
 
 def spec(**kw) -> DataSpec:
@@ -119,8 +119,8 @@ def test_spec_round_trips_through_message_config():
 def test_server_data_in_domain_is_the_central_split_and_out_of_domain_another_dataset():
     import torch
 
-    from common.data import data_spec
     from common.server_data import build_server_data, resolve_device
+    from common.splits import data_spec
     from server_app.config import load_config
 
     cfg = load_config({"central-size": 50})
@@ -186,9 +186,9 @@ def test_label_noise_touches_exactly_the_asked_fraction_of_client_labels_and_no_
 def test_ood_digits_feed_a_model_built_for_animal_mnist_clients():
     """The papers' offline OOD setting: Animal-MNIST (1×28×28) clients, scikit-learn digits (1×8×8)
     on the server; the model's input adapter upsamples the digits."""
-    from common.data import data_spec
     from common.models import build_from_config
     from common.server_data import build_server_data
+    from common.splits import data_spec
     from server_app.config import load_config
 
     cfg = load_config({"dataset": "animal-mnist", "server-dataset": "digits", "server-dataset-size": 100})

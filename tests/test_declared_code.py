@@ -29,7 +29,7 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context
 from flwr.serverapp import Grid, ServerApp
 
-from common.data import data_spec, task_data
+from common.splits import data_spec, task_data
 from common.models import build_from_config
 from common.params import ParamSpec
 from common.protocol import STRATEGY

@@ -11,11 +11,11 @@ from helpers import DITTO_TWO_NODES, flower_threads, personal_accuracies, simula
 
 from client_app.app import app as client_app
 from common.config import options_dict, part_of
-from common.data import client_partition, data_spec
 from common.models import build_from_config
 from common.objectives import Received, build_loss
 from common.params import ParamSpec
 from common.protocol import TRAIN_SEED
+from common.splits import client_partition, data_spec
 from common.training import LocalRecipe, derive_seed, evaluate, train
 from hybridfl.inprocess import InProcessGrid, run_inprocess
 from server_app.config import load_config

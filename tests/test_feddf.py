@@ -9,10 +9,10 @@ from helpers import stepped
 from torch.nn import functional as F
 
 from common.config import ConfigError
-from common.data import ArrayDataset
 from common.models import build_model
 from common.params import ParamSpec
 from common.server_data import ServerData
+from common.splits import ArrayDataset
 from server_app.config import load_config
 from strategies import STRATEGIES, FedAvg, FedDF, build_strategy
 from strategies.base import Update

@@ -11,10 +11,10 @@ from torch.func import functional_call
 from torch.nn import functional as F
 
 from common.config import ConfigError
-from common.data import ArrayDataset
 from common.models import build_model
 from common.params import ParamSpec
 from common.server_data import ServerData
+from common.splits import ArrayDataset
 from strategies import FedBuff, Feddle
 from strategies.base import Update
 from strategies.feddle import median_normalize

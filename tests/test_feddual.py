@@ -15,11 +15,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from common.config import ConfigError
-from common.data import load_dataset
 from common.datasets import ArrayDataset
 from common.models import build_from_config
 from common.objectives import Received, build_loss
 from common.params import ParamSpec
+from common.splits import load_dataset
 from common.training import LocalRecipe, accuracy_of, evaluate, train
 from hybridfl.inprocess import run_inprocess
 from server_app.config import load_config

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from common.data import ArrayDataset
 from common.params import ParamSpec
+from common.splits import ArrayDataset
 from common.training import LocalRecipe, evaluate
 from strategies import FedEM
 from strategies.base import Unusable, Update

@@ -10,9 +10,9 @@ from helpers import digest
 from torch import nn
 
 from common.config import ConfigError
-from common.data import client_partition, data_spec
 from common.models import build_from_config
 from common.params import ParamSpec
+from common.splits import client_partition, data_spec
 from common.training import evaluate
 from hybridfl.inprocess import run_inprocess
 from server_app.checkpoint import read_strategy_state

@@ -13,9 +13,9 @@ from conftest import SMALL
 from helpers import digest, rows
 
 from common.config import ConfigError
-from common.data import client_sizes, data_spec, task_data
 from common.fleet import DeviceProfile, load_fleet, make_fleet
 from common.models import build_from_config
+from common.splits import client_sizes, data_spec, task_data
 from server_app.config import load_config
 
 

@@ -9,10 +9,10 @@ import torch
 from helpers import stepped
 
 from common.config import ConfigError, part_of
-from common.data import ArrayDataset
 from common.models import build_model
 from common.params import ParamSpec
 from common.server_data import ServerData
+from common.splits import ArrayDataset
 from common.training import LocalRecipe, evaluate, server_seed, train, train_on_server
 from server_app.config import load_config
 from strategies import HFCL, STRATEGIES, Center, FedAvg, FedFT, build_strategy

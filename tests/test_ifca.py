@@ -11,9 +11,9 @@ from flwr.clientapp import ClientApp
 from torch import nn
 
 from client_app.app import app as client_app
-from common.data import ArrayDataset
 from common.params import ParamSpec
 from common.protocol import METRICS
+from common.splits import ArrayDataset
 from common.training import evaluate
 from hybridfl.inprocess import run_inprocess
 from strategies import IFCA

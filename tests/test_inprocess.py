@@ -13,10 +13,10 @@ from flwr.clientapp import ClientApp
 from helpers import faulty_client_app, rows
 
 from client_app.app import app as client_app
-from common.data import data_spec, load_dataset, make_splits
 from common.models import build_model
 from common.params import ParamSpec
 from common.protocol import ARRAYS, TRAIN_SEED
+from common.splits import data_spec, load_dataset, make_splits
 from common.training import evaluate
 from hybridfl.inprocess import InProcessGrid, run_inprocess
 from server_app.config import client_config, load_config

@@ -14,11 +14,11 @@ from torch.nn import functional as F
 
 from client_app.app import app as client_app
 from common.config import ConfigError
-from common.data import data_spec, make_splits
 from common.models import build_from_config
 from common.params import ParamSpec
 from common.protocol import ARRAYS, EXTRAS
 from common.server_data import ServerData
+from common.splits import data_spec, make_splits
 from common.training import LocalRecipe, evaluate, server_seed, train_on_server
 from hybridfl.inprocess import InProcessGrid, run_inprocess
 from server_app.config import load_config

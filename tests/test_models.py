@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from common.data import ArrayDataset
 from common.models import MODELS, VIT_SMALL, InputAdapter, PretrainedWeightsError, build_model, split_attention
 from common.params import ParamSpec
+from common.splits import ArrayDataset
 from common.training import LocalRecipe, evaluate, train
 
 SMALL = {"cnn": {}, "lenet": {}, "resnet18": {"input_size": 32}, "vit-small": {}}

@@ -15,7 +15,7 @@ import numpy as np
 
 from client_app import node_cache
 from client_app.node_cache import cache_dir, client_parts
-from common.data import CLIENT_PARTS, DataSpec, client_partition
+from common.splits import CLIENT_PARTS, DataSpec, client_partition
 from hybridfl.bundle import PROJECT_DIR
 
 SPEC = DataSpec(dataset="synthetic", seed=3, partitioner="dirichlet", dirichlet_alpha=0.5, num_clients=4,
@@ -31,7 +31,7 @@ def _same(a, b) -> None:
 
 def test_the_cached_parts_are_the_partition_and_a_second_read_comes_from_the_file(tmp_path: Path, monkeypatch) -> None:
     first = client_parts(SPEC, 2, run_id=7, directory=tmp_path)
-    for part in CLIENT_PARTS:  # label noise on train only, held-out parts: exactly common.data's
+    for part in CLIENT_PARTS:  # label noise on train only, held-out parts: exactly common.splits's
         _same(first[part], client_partition(SPEC, 2, part))
     files = list((tmp_path / "run-7").glob("partition-2-*.npz"))
     assert len(files) == 1

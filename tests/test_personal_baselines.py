@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from common.config import part_of
-from common.data import client_partition, data_spec
 from common.models import build_from_config
 from common.params import ParamSpec
+from common.splits import client_partition, data_spec
 from common.training import EVAL_STREAM, LocalRecipe, derive_seed, evaluate, train
 from hybridfl.inprocess import run_inprocess
 from server_app.checkpoint import read_strategy_state

@@ -82,7 +82,7 @@ def test_the_cost_benchmark_times_each_variant_on_what_its_dispatch_really_carri
 def test_the_celeba_presets_run_the_papers_shift_when_its_files_are_present(tmp_path, method):
     """The paper's own experiment on LEAF CelebA files written here: the clients keep the smiling faces, the server
     holds every unsmiling one (the oracle federates both)."""
-    from common.data import data_spec, make_splits
+    from common.splits import data_spec, make_splits
 
     users = {}
     for c in range(8):

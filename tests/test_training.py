@@ -10,11 +10,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from client_app.app import app as client_app
-from common.data import ArrayDataset, load_dataset
 from common.models import build_from_config
 from common.objectives import Received, build_loss
 from common.params import ParamSpec
 from common.protocol import ARRAYS, TRAIN_SEED
+from common.splits import ArrayDataset, load_dataset
 from common.training import evaluate, predict, run_epochs
 from hybridfl.inprocess import InProcessGrid
 from server_app.config import client_config, load_config

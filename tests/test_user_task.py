@@ -14,8 +14,8 @@ from flwr.app import Context, RecordDict
 from helpers import readme_commands
 
 from common.config import ConfigError
-from common.data import load_dataset
 from common.models import build_from_config
+from common.splits import load_dataset
 from hybridfl.bundle import PROJECT_DIR, app_config
 from hybridfl.inprocess import InProcessGrid, run_inprocess
 from server_app.config import load_config

@@ -11,9 +11,9 @@ from __future__ import annotations
 from flwr.app import ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 
-from common.data import data_spec, make_splits, task_data
 from common.models import build_from_config
 from common.params import ParamSpec
+from common.splits import data_spec, make_splits, task_data
 from common.training import evaluate
 from server_app.config import client_config, load_config
 from server_app.flower import FlowerStrategy
