@@ -38,7 +38,10 @@ class FakeLink:
         self.slow, self.left, self.gone, self.corrupt, self.confirmed = slow, unavailable, gone, corrupt, []
 
     def PullMessages(self, request):
-        found = [self.replies.pop(i) for i in request.message_ids if i in self.replies]  # handed out once
+        # Flower 1.42's field, or the 1.43 development line's (replies.pull_request sends the one this Flower has)
+        nightly = "reply_to_message_ids" in request.DESCRIPTOR.fields_by_name
+        ids = request.reply_to_message_ids.vals if nightly else request.message_ids
+        found = [self.replies.pop(i) for i in ids if i in self.replies]  # handed out once
         return PullAppMessagesResponse(messages_list=[p for p, _ in found],
                                        message_object_trees=[t for _, t in found])
 
