@@ -64,8 +64,8 @@ from flwr.supercore.inflatable.inflatable_utils import (
 from flwr.supernode import fleet_http_connection
 from flwr.supernode.fleet_http_connection import http_request_response
 
-from client_app import supernode
 from client_app.app import app
+from flower_internals import supernode
 from hybridfl import edge
 from hybridfl.deploy_local import superexec
 from hybridfl.flwr_cli import check_completed, flwr_run, run_status, write_connection
@@ -240,6 +240,17 @@ def register(home: Path, certs: Path, n: int) -> float:
     finally:
         client.close()
     return time.monotonic() - started
+
+
+def serverapp_pid(superexec_pid: Callable[[], int], link_port: int) -> int:
+    """The run's ServerApp process (``flwr-serverapp`` on this SuperLink), else its SuperExec: a SuperExec that died
+    leaves its ServerApp running on its own (Flower 1.42's SuperExec exits on a 500 from its task poll: the SQLite
+    soak), and that is the process to measure."""
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if any(a.endswith("flwr-serverapp") for a in cmd[:2]) and any(str(link_port) in a for a in cmd):
+            return proc.pid
+    return superexec_pid()
 
 
 class Sampler(threading.Thread):
@@ -604,7 +615,8 @@ def main(argv: list[str] | None = None) -> int:
             *(["--heartbeat-s", str(args.heartbeat_s)] if args.heartbeat_s is not None else [])],
             {**env, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}, args.devices, args.processes)
         logs = [workdir / "devices" / f"devices-{first}.jsonl" for first, _ in workers.parts]
-        roots = {"superlink": partial(server.pid, "superlink"), "serverapp": lambda: serverapp.pid}
+        roots = {"superlink": partial(server.pid, "superlink"),
+                 "serverapp": partial(serverapp_pid, lambda: serverapp.pid, server.link_port)}
         if server.edge_port:
             roots["edge"] = partial(server.pid, "edge")
         sampler = Sampler(roots, warm_up_s=max(RAMP_S, RAMP_S_PER_DEVICE * args.devices) + 120.0)
