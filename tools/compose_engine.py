@@ -301,8 +301,9 @@ def build_images(engine: Engine, version: str, edge: str, wheels_ready: Callable
 
 class Deployment:
     """docker/'s compose files (+ host-network.yml) copied into <workdir>/docker with the files they mount (the link's
-    configuration, the operator's connection; the warm devices' programs beside it), so that their relative paths
-    (certificates, keys, secrets, ../data, ../client_app) land in `workdir`, brought up with ``docker compose``."""
+    configuration, the operator's connection; the warm devices' programs and flower_internals/ beside it), so that their
+    relative paths (certificates, keys, secrets, ../data, ../client_app) land in `workdir`, brought up with
+    ``docker compose``."""
 
     def __init__(self, engine: Engine, workdir: Path, version: str) -> None:
         self.dir = workdir / "docker"
@@ -319,6 +320,9 @@ class Deployment:
                 if source.startswith(".") and not source.startswith("./certs/") and (COMPOSE_DIR / source).is_file():
                     (self.dir / source).resolve().parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(COMPOSE_DIR / source, self.dir / source)
+                elif (COMPOSE_DIR / source / "__init__.py").is_file():  # a package (flower_internals), not ../data
+                    shutil.copytree(COMPOSE_DIR / source, self.dir / source, dirs_exist_ok=True,
+                                    ignore=shutil.ignore_patterns("__pycache__"))
         self.flwr_home = workdir / "flwr-home"  # the host's `flwr`, which (e) shows cannot reach the SuperLink
         self.cli_env = {**flower_env(self.flwr_home),  # and the engine, for the operator's container
                         **{k: v for k, v in self.env.items() if k.startswith("DOCKER_") or k == "FLWR_VERSION"}}
