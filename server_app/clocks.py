@@ -27,6 +27,7 @@ runner's part it drives; the runner owns sampling, dispatch, the hand-over and t
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Protocol
 
@@ -66,7 +67,7 @@ class Driven(Protocol):
                   accepted: list[Update]) -> bool: ...
 
 
-class Clock:
+class Clock(ABC):
     """Runs rounds `first_round` .. `num_rounds` of `runner`, calling `on_round` with each closed round."""
 
     name: ClassVar[str]
@@ -74,8 +75,9 @@ class Clock:
     def __init__(self, runner: Driven) -> None:
         self.runner = runner
 
+    @abstractmethod
     def run(self, first_round: int, num_rounds: int, on_round: OnRound) -> None:
-        raise NotImplementedError
+        """Hand every update over in this clock's order, closing each round as it ends, until the run ends."""
 
     def _close(self, rnd: int, num_rounds: int, entry: RoundLog, accepted: list[Update], started: float,
                on_round: OnRound) -> bool:
