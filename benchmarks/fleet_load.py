@@ -368,12 +368,13 @@ def flower_version() -> str:
     return f"flwr {flwr.__version__}"
 
 
-def reconcile(events: list[dict[str, Any]], in_flight: list[str], device: list[dict[str, Any]],
-              killed: set[int]) -> dict[str, Any]:
+def reconcile(events: list[dict[str, Any]], in_flight: list[str], pushed_again: list[str],
+              device: list[dict[str, Any]], killed: set[int]) -> dict[str, Any]:
     """Every train reply the devices sent, by message id, against the run's fates of its train messages (an event
-    each, or in flight when the run ended): each reply's fate by kind; ``reconciled`` when no message has two fates,
-    every reply has one, and no update was accepted that no device logged sending, except from devices of a process
-    killed (`killed`: its log may end between a reply's push and its line). A reply is sent once the SuperLink
+    each, in flight when the run ended, or pushed again: a push the SuperLink lost in a restart, sent again under a
+    new id, whose first message it may still deliver): each reply's fate by kind; ``reconciled`` when no message has
+    two fates, every reply has one, and no update was accepted that no device logged sending, except from devices of a
+    process killed (`killed`: its log may end between a reply's push and its line). A reply is sent once the SuperLink
     registered it: logged replied, or failed while its objects were pushed (a SuperLink killed mid-upload may have
     stored them and not said so: their fates, e.g. accepted, are also counted apart as ``push-failed``)."""
     replied = {d["message"] for d in device if d["event"] == "replied" and d["kind"] == "train"}
@@ -385,6 +386,8 @@ def reconcile(events: list[dict[str, Any]], in_flight: list[str], device: list[d
             fates.setdefault(e["message"], []).append(e["outcome"])
     for m in in_flight:
         fates.setdefault(m, []).append("in flight at the end")
+    for m in pushed_again:
+        fates.setdefault(m, []).append("pushed again")
     sent = replied | push_failed
     twice = sorted(m for m, f in fates.items() if len(f) > 1)
     unknown = [e for e in events if e.get("message") not in sent and e["outcome"] == "accepted"]
@@ -396,6 +399,7 @@ def reconcile(events: list[dict[str, Any]], in_flight: list[str], device: list[d
             "accepted-from-a-killed-device-log": len(unknown) - len(unexplained),
             "device-failures": sum(d["event"] == "failed" for d in device),
             "two-fates": len(twice), "accepted-without-a-device-reply": len(unexplained),
+            "replies-without-a-fate": sorted(m for m in sent if m not in fates)[:10],
             "reconciled": not twice and not unexplained and "no fate" not in replies}
 
 
@@ -406,8 +410,9 @@ def figures(run: Path, summary: dict[str, Any], before: int, logs: list[Path], s
     before any resume) and the devices' logs; the replies reconciled over the run and its resumed part."""
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     device = [json.loads(line) for log in logs for line in log.read_text().splitlines()]
-    in_flight = summary["in-flight-at-end"] + (resumed or {}).get("in-flight-at-end", [])
-    reconciliation = reconcile(events, in_flight, device, killed)
+    in_flight, pushed_again = ([*summary[key], *(resumed or {}).get(key, [])]
+                               for key in ("in-flight-at-end", "pushed-again"))
+    reconciliation = reconcile(events, in_flight, pushed_again, device, killed)
     events = events[:before]
     pulls = np.concatenate([np.frombuffer(log.with_suffix(".pulls.npy").read_bytes(), dtype=np.float32)
                             for log in logs if log.with_suffix(".pulls.npy").exists()] or [np.zeros(0)])
@@ -452,7 +457,7 @@ def resume(run: Path, steps: int, env: dict[str, str], log: Path, grace: float) 
     return {"from-step": last, "resumed-after-round": summary["resumed-after-round"],
             "steps": [after[0]["round"], after[-1]["round"]], "accepted": sum(m["accepted"] for m in after),
             "final-test-accuracy": summary["final-test-accuracy"],
-            "in-flight-at-end": summary["in-flight-at-end"], "lost-at-resume": summary["lost-at-resume"]}
+            **{key: summary[key] for key in ("in-flight-at-end", "lost-at-resume", "pushed-again")}}
 
 
 FAULTS = ("restart-superlink", "restart-edge", "drop-devices", "replace-devices")

@@ -76,17 +76,22 @@ MAX_WAIT_S = 600.0  # an object not in by then is given up (Flower's own pull wa
 PUSH_ATTEMPTS = 3  # a push whose session the SuperLink lost, tried this often (a restart takes one)
 
 
-def push(grid: Grid, build: Callable[[], list[Message]], attempts: int = PUSH_ATTEMPTS) -> list[str]:
+def push(grid: Grid, build: Callable[[], list[Message]], attempts: int = PUSH_ATTEMPTS,
+         abandoned: list[str] | None = None) -> list[str]:
     """The ids of `build()`'s messages pushed to the SuperLink. A push whose objects the SuperLink refuses
     (``ObjectPushError``: its push session lost with a restart) is built and pushed again, up to `attempts` times
-    in all; the messages registered by a failed push are left to the SuperLink, whose session expiry removes
-    them. Fresh messages, because a message's id is its content's hash: the same message cannot be stored twice."""
+    in all: fresh messages, because a message's id is its content's hash and the same message cannot be stored
+    twice. The messages a failed push registered are left to the SuperLink; where it had stored all of their
+    objects before it lost the session, it still delivers them and a device may answer one, a reply nobody pulls:
+    their ids are appended to `abandoned`, so that every message sent can be accounted for."""
     attempt = 1
     while True:
         msgs = build()
         try:
             return list(grid.push_messages(msgs))
         except ObjectPushError as err:
+            if abandoned is not None:  # Flower sets each message's id before it pushes any
+                abandoned.extend(m.metadata.message_id for m in msgs if m.metadata.message_id)
             if attempt == attempts:
                 raise RuntimeError(f"the SuperLink refused the objects of {len(msgs)} messages {attempts} times "
                                    f"in a row: {err}") from err
@@ -198,8 +203,8 @@ class ReplyPuller:
 
 
 def check() -> list[str]:
-    """What :data:`RELIES_ON` cannot say: the attributes HttpGrid sets, the arguments of the object pull function,
-    the Runtime API client's calls; one line per thing that moved."""
+    """What :data:`RELIES_ON` cannot say: the attributes HttpGrid sets (each message's id, before its push), the
+    arguments of the object pull function, the Runtime API client's calls; one line per thing that moved."""
     import inspect
 
     from flwr.supercore.inflatable import inflatable_protobuf_utils
@@ -207,6 +212,10 @@ def check() -> list[str]:
     source = inspect.getsource(HttpGrid)
     moved = [f"HttpGrid no longer sets {attr!r}" for attr in ("def _runtime_client(self)", "self.node =",
                                                                 "self._run = run") if attr not in source]
+    pushed = inspect.getsource(HttpGrid.push_messages)  # push() reads a failed push's ids from its messages
+    if pushed.find('msg.metadata.__dict__["_message_id"]') < 0 or pushed.find("_try_push_messages") < pushed.find(
+            '"_message_id"'):
+        moved.append("HttpGrid.push_messages no longer sets each message's id before it pushes")
     params = set(inspect.signature(inflatable_protobuf_utils.make_pull_object_fn_protobuf).parameters)
     if params != {"pull_object_protobuf", "node", "run_id"}:
         moved.append(f"make_pull_object_fn_protobuf takes {sorted(params)}")

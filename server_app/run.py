@@ -180,7 +180,7 @@ class TrainingRun:
             "final-version": self.strategy.version, "client-eval": client_eval,
             "server-data": describe(self.server_data), "resumed-after-round": self.first_round - 1,
             "reply-to-dispatch-s": self.runner.latency_summary(), "in-flight-at-end": self.runner.discarded,
-            "lost-at-resume": self.runner.lost_at_resume,
+            "lost-at-resume": self.runner.lost_at_resume, "pushed-again": self.runner.pushed_again,
             "wall-seconds": time.perf_counter() - self.t_start, "run-wall-seconds": self.run_seconds(),
             "train-seconds": train_seconds}, models,
             type(self.strategy).figures, cfg.plots)

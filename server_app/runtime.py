@@ -122,6 +122,7 @@ class Runner:
         self.flights = Flights()
         self.discarded: list[str] = []  # the train messages still in flight when the run ended
         self.lost_at_resume: list[int] = []  # clients of flights restored from a checkpoint whose device is gone
+        self.pushed_again: list[str] = []  # train messages of pushes the SuperLink lost, sent again under new ids
         self._seq = 0
         self._reachable: set[int] = set()
         self._reachable_at = -1e9
@@ -241,7 +242,7 @@ class Runner:
         if not flights:
             return
         now = time.perf_counter()
-        ids = push(self.grid, lambda: [self.message(f) for f in flights])
+        ids = push(self.grid, lambda: [self.message(f) for f in flights], abandoned=self.pushed_again)
         self.pushed_in = time.perf_counter() - now
         for flight, mid in zip(flights, ids):
             flight.message_id, flight.sent_at = mid, now

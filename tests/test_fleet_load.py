@@ -56,27 +56,36 @@ def _device(message: str, kind: str = "train", event: str = "replied", **fields:
 
 def test_reconciliation_finds_a_reply_with_two_fates_one_with_none_and_an_update_no_device_sent():
     """What `reconcile` must catch, each alone: a message handed over twice, a device's reply the run has no fate
-    for, an accepted update no device logged (allowed only from a device whose process was killed)."""
+    for (a push the SuperLink lost is one), an accepted update no device logged (allowed only from a device whose
+    process was killed)."""
     events = [{"message": "a", "outcome": "accepted", "client": 0}, {"message": "b", "outcome": "timeout", "client": 1}]
-    good = reconcile(events, ["c"], [_device("a"), _device("b"), _device("c"), _device("q", "query")], set())
+    good = reconcile(events, ["c"], [], [_device("a"), _device("b"), _device("c"), _device("q", "query")], set())
     assert good["reconciled"] and good["by-fate"] == {"accepted": 1, "timeout": 1, "in flight at the end": 1}
-    twice = reconcile([*events, {"message": "a", "outcome": "accepted", "client": 0}], ["c"],
+    twice = reconcile([*events, {"message": "a", "outcome": "accepted", "client": 0}], ["c"], [],
                       [_device("a"), _device("b"), _device("c")], set())
     assert not twice["reconciled"] and twice["two-fates"] == 1
-    no_fate = reconcile(events, [], [_device("a"), _device("b"), _device("c")], set())
+    no_fate = reconcile(events, [], [], [_device("a"), _device("b"), _device("c")], set())
     assert not no_fate["reconciled"] and no_fate["by-fate"]["no fate"] == 1
-    unsent = reconcile(events, ["c"], [_device("b"), _device("c")], set())
+    unsent = reconcile(events, ["c"], [], [_device("b"), _device("c")], set())
     assert not unsent["reconciled"] and unsent["accepted-without-a-device-reply"] == 1
-    killed = reconcile(events, ["c"], [_device("b"), _device("c")], {0})
+    killed = reconcile(events, ["c"], [], [_device("b"), _device("c")], {0})
     assert killed["reconciled"] and killed["accepted-from-a-killed-device-log"] == 1
     # a device whose push failed after the SuperLink registered its reply (seen through a SuperLink restart: the
     # objects were stored, the acknowledgement lost) sent it; failing before the push, it did not
-    pushed = reconcile(events, ["c"], [_device("a", event="failed", stage="push"), _device("b"), _device("c")], set())
+    pushed = reconcile(events, ["c"], [], [_device("a", event="failed", stage="push"), _device("b"), _device("c")],
+                       set())
     assert pushed["reconciled"] and pushed["push-failed"] == {"accepted": 1} and pushed["by-fate"]["accepted"] == 1
-    trained = reconcile(events, ["c"], [_device("a", event="failed", stage="train"), _device("b"), _device("c")], set())
+    trained = reconcile(events, ["c"], [], [_device("a", event="failed", stage="train"), _device("b"), _device("c")],
+                        set())
     assert not trained["reconciled"] and trained["accepted-without-a-device-reply"] == 1
-    lost = reconcile(events[1:], [], [_device("a", event="failed", stage="push"), _device("b")], set())
+    lost = reconcile(events[1:], [], [], [_device("a", event="failed", stage="push"), _device("b")], set())
     assert not lost["reconciled"] and lost["push-failed"] == {"no fate": 1}
+    # a train message whose push the SuperLink lost in a restart (sent again under a new id) may still be delivered
+    # and answered: its fate is "pushed again", and a message both pushed again and handed over has two
+    again = reconcile(events, ["c"], ["d"], [_device("a"), _device("b"), _device("c"), _device("d")], set())
+    assert again["reconciled"] and again["by-fate"]["pushed again"] == 1
+    both = reconcile(events, ["c"], ["a"], [_device("a"), _device("b"), _device("c")], set())
+    assert not both["reconciled"] and both["two-fates"] == 1
 
 
 def test_a_profile_summary_leaves_out_idle_threads_and_counts_each_frame_once_per_sample(tmp_path, capsys):

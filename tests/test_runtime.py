@@ -238,24 +238,27 @@ def test_a_device_the_superlink_calls_unavailable_waits_for_a_fresh_node_list(sm
 
 class LosingGrid(InProcessGrid):
     """A SuperLink restarted during the pushes numbered in `lose`: the messages are registered (and never
-    answered: nobody asks for them), their objects refused, as Flower's HttpGrid raises it."""
+    answered: nobody asks for them), their objects refused, as Flower's HttpGrid raises it; `lost_train` the ids
+    of the train messages so lost."""
 
     def __init__(self, *args, lose: set[int], **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.lose, self.calls = lose, 0
+        self.lose, self.calls, self.lost_train = lose, 0, []
 
     def push_messages(self, messages):
         self.calls += 1
         ids = list(super().push_messages(messages))
         if self.calls in self.lose:
+            self.lost_train += [m.metadata.message_id for m in messages
+                                if m.metadata.message_type == MessageType.TRAIN]
             raise ObjectPushError(ids[0], self._run.run_id, "a session the restarted SuperLink lost")
         return ids
 
 
 def test_a_push_the_superlink_loses_is_pushed_again_and_the_run_ends_as_without_it(small_run, caplog):
     """Queries, train and evaluation messages whose push failed once or twice in a row are built and pushed again:
-    the same events and model as the run without the failures; a push refused three times ends the run naming
-    it."""
+    the same events and model as the run without the failures, the lost train messages listed in `pushed-again` (a
+    SuperLink may deliver one and a device answer it); a push refused three times ends the run naming it."""
     run = {**ASYNC, "num-rounds": 6}
     clean, clean_summary = small_run("clean", **run)
     calls = LosingGrid(client_app, num_nodes=12, lose=set())
@@ -263,7 +266,8 @@ def test_a_push_the_superlink_loses_is_pushed_again_and_the_run_ends_as_without_
     n = calls.calls  # the last: the final federated evaluation's, pushed after 4 failed tries in the lossy run
     assert n > 6
     lose = {1, 3, 4, 6, n + 4}  # the first query, one train push twice, another, the final evaluation
-    lost, lost_summary = small_run("lost", grid=LosingGrid(client_app, num_nodes=12, lose=lose), **run)
+    losing = LosingGrid(client_app, num_nodes=12, lose=lose)
+    lost, lost_summary = small_run("lost", grid=losing, **run)
     key = lambda e: (e["client"], e["base-version"], e["dispatch-round"], e["round"], e["outcome"])
     assert [key(e) for e in events(lost)] == [key(e) for e in events(clean)]
     assert digest(lost / "model.pt") == digest(clean / "model.pt")
@@ -272,6 +276,9 @@ def test_a_push_the_superlink_loses_is_pushed_again_and_the_run_ends_as_without_
     assert untimed(lost) == untimed(clean)
     assert lost_summary["client-eval"] == clean_summary["client-eval"] is not None
     assert caplog.text.count("pushing them again") == len(lose)
+    assert clean_summary["pushed-again"] == [] and len(losing.lost_train) >= 3  # pushes 3, 4 and 6 held train messages
+    assert lost_summary["pushed-again"] == losing.lost_train
+    assert not set(losing.lost_train) & {e["message"] for e in events(lost)}
     with pytest.raises(RuntimeError, match="refused the objects of 3 messages 3 times in a row"):
         small_run("refused", grid=LosingGrid(client_app, num_nodes=12, lose={4, 5, 6}), **run)
 
