@@ -70,7 +70,7 @@ from hybridfl import edge
 from hybridfl.deploy_local import superexec
 from hybridfl.flwr_cli import check_completed, flwr_run, run_status, write_connection
 from hybridfl.job import prepare
-from hybridfl.processes import ProcessGroup, flower_env
+from hybridfl.processes import flower_env
 from server_app.evaluation import EVAL_WAVE
 from tools import hostile_client
 
@@ -240,32 +240,6 @@ def register(home: Path, certs: Path, n: int) -> float:
     finally:
         client.close()
     return time.monotonic() - started
-
-
-class Restarted(threading.Thread):
-    """Process `name` of `procs`, started again within a second whenever it exits, until :attr:`stop` is set: the
-    restart policy docker/compose.yml gives the ServerApp's SuperExec (Flower 1.42's ``flower-superexec`` exits on
-    one 500 from the SuperLink's task poll, seen at 1000 devices on SQLite; without it, a resume finds no SuperExec).
-    Each restart (its time and the exit code it followed) is in :attr:`restarts`."""
-
-    def __init__(self, procs: ProcessGroup, name: str, cmd: list[str]) -> None:
-        super().__init__(daemon=True, name=f"restart-{name}")
-        self.procs, self.name_, self.cmd = procs, name, cmd
-        self.proc = procs.start(name, cmd)
-        self.restarts: list[dict[str, float | int]] = []
-        self.stop, self._t0 = threading.Event(), time.monotonic()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def run(self) -> None:
-        while not self.stop.wait(1.0):
-            code = self.proc.poll()
-            if code is not None and not self.stop.is_set():
-                self.restarts.append({"at-s": round(time.monotonic() - self._t0, 1), "exit-code": code})
-                print(f"{self.name_} exited ({code}): started again", flush=True)
-                self.proc = self.procs.start(f"{self.name_}-{len(self.restarts)}", self.cmd)
 
 
 def serverapp_pid(superexec_pid: Callable[[], int], link_port: int) -> int:
@@ -630,10 +604,9 @@ def main(argv: list[str] | None = None) -> int:
         write_connection(home, CONNECTION, server.link_port, server.ca)
         registered_s = register(home, server.certs, args.devices)
         print(f"{args.devices} device keys registered in {registered_s:.1f} s", flush=True)
-        serverapp = Restarted(server.procs, "superexec-serverapp", superexec(
+        serverapp = server.procs.keep("superexec-serverapp", superexec(
             ["--root-certificates", str(server.ca)], f"127.0.0.1:{server.link_port}",
             server.certs / "superlink.secret"))
-        serverapp.start()
         # the run's time counts from its first step, after every device described itself (up to wait-nodes-s: 1000
         # devices took 5 minutes); the devices leave when the run ends, or by themselves at `until`
         grace = GRACE_S + math.ceil(args.devices / EVAL_WAVE) * (args.idle_s + GRACE_S_PER_WAVE)
@@ -648,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
             {**env, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}, args.devices, args.processes)
         logs = [workdir / "devices" / f"devices-{first}.jsonl" for first, _ in workers.parts]
         roots = {"superlink": partial(server.pid, "superlink"),
-                 "serverapp": partial(serverapp_pid, lambda: serverapp.pid, server.link_port)}
+                 "serverapp": partial(serverapp_pid, lambda: serverapp.proc.pid, server.link_port)}
         if server.edge_port:
             roots["edge"] = partial(server.pid, "edge")
         sampler = Sampler(roots, warm_up_s=max(RAMP_S, RAMP_S_PER_DEVICE * args.devices) + 120.0)
@@ -679,7 +652,6 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as err:  # noqa: BLE001 - the run's figures are written all the same, and this exits 1
                 resumed = {"error": f"{type(err).__name__}: {err}"[:500]}
         workers.stop()  # they would end by themselves at `until`: they leave now
-        serverapp.stop.set()
     result = figures(run, summary, before, logs, sampler, registered_s, args, faults, workers.killed, resumed)
     result["superexec-restarts"] = serverapp.restarts
     result["superlink-answer-s"] = probe.figures()

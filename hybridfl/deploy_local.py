@@ -122,7 +122,7 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
                                              "--disable-runtime-dependency-installation"])
             wait_healthy(port, link, ca=ca)
             write_connection(flwr_home, CONNECTION, port, ca)
-            procs.start("superexec-serverapp", superexec(to_link, f"127.0.0.1:{port}", secret["superlink"]))
+            procs.keep("superexec-serverapp", superexec(to_link, f"127.0.0.1:{port}", secret["superlink"]))
             starts = [0] * n
 
             def start_node(i: int) -> None:

@@ -122,6 +122,7 @@ class ProcessGroup:
     def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
         self.log_dir, self.env = log_dir, env
         self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.kept: list[Kept] = []
         self.pids: set[int] = set()
         self.homes: set[Path] = set()
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -142,6 +143,16 @@ class ProcessGroup:
                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
             self.procs.append((name, proc))
         return proc
+
+    def keep(self, name: str, cmd: Sequence[str]) -> Kept:
+        """Start `cmd` as `name`, and again (as ``name-1``, ``name-2``, ...) within a second whenever it exits,
+        until the group stops: a restart policy, as docker/compose.yml's ``restart: unless-stopped``. For the
+        ServerApp's SuperExec: Flower 1.42's ``flower-superexec`` exits on one 500 from the SuperLink's task poll
+        (seen at 1000 devices on SQLite), and the next run on that SuperLink (a resume) would find none."""
+        kept = Kept(self, name, cmd)
+        self.kept.append(kept)
+        kept.start()
+        return kept
 
     def kill(self, name: str) -> None:
         """SIGKILL process `name` and its process group at once (a device that vanishes)."""
@@ -164,6 +175,9 @@ class ProcessGroup:
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM every group, SIGKILL what is left after `grace` s, descendants included."""
+        for kept in self.kept:  # nothing is started again from now on
+            kept.stop.set()
+            kept.join()
         tree = process_tree([p.pid for _, p in self.procs])  # while children are still linked to parents
         self.pids |= {p.pid for _, p in self.procs} | {p.pid for p in tree}  # those that ended already too
         for _, p in self.procs:
@@ -204,6 +218,29 @@ class ProcessGroup:
         finally:
             if self._on_term is not None:
                 signal.signal(signal.SIGTERM, self._on_term)
+
+
+class Kept(threading.Thread):
+    """A process of a :class:`ProcessGroup` started again whenever it exits (:meth:`ProcessGroup.keep`):
+    :attr:`proc` is its latest incarnation, :attr:`restarts` when each restart came (seconds since the first start)
+    and the exit code it followed."""
+
+    def __init__(self, procs: ProcessGroup, name: str, cmd: Sequence[str]) -> None:
+        super().__init__(daemon=True, name=f"keep-{name}")
+        self.procs, self.process_name, self.cmd = procs, name, list(cmd)
+        self.proc = procs.start(name, self.cmd)
+        self.restarts: list[dict[str, float | int]] = []
+        self.stop, self._t0 = threading.Event(), time.monotonic()
+
+    def run(self) -> None:
+        while not self.stop.wait(1.0):
+            code = self.proc.poll()
+            if code is None:
+                continue
+            self.restarts.append({"at-s": round(time.monotonic() - self._t0, 1), "exit-code": code})
+            print(f"{self.process_name} exited ({code}): started again", file=sys.stderr, flush=True)
+            if not self.stop.is_set():  # stop() joins this thread before it stops the group's processes
+                self.proc = self.procs.start(f"{self.process_name}-{len(self.restarts)}", self.cmd)
 
 
 def terminated(signum: int, frame: object) -> None:

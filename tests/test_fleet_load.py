@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 from helpers import needs_nginx
 
-from benchmarks.fleet_load import Restarted, reconcile
+from benchmarks.fleet_load import reconcile
 from hybridfl.bundle import PROJECT_DIR
 
 REPO = PROJECT_DIR
@@ -87,36 +86,6 @@ def test_reconciliation_finds_a_reply_with_two_fates_one_with_none_and_an_update
     assert again["reconciled"] and again["by-fate"]["pushed again"] == 1
     both = reconcile(events, ["c"], ["a"], [_device("a"), _device("b"), _device("c")], set())
     assert not both["reconciled"] and both["two-fates"] == 1
-
-
-def test_the_serverapps_superexec_is_started_again_each_time_it_exits_until_stopped(tmp_path):
-    """fleet_load's restart policy for the SuperExec (Flower 1.42's exits on one 500 from its task poll): a process
-    that exits is started again, each restart recorded with the exit code it followed; a running one is left alone,
-    and nothing is started once stopped."""
-    from hybridfl.processes import ProcessGroup
-
-    marks = tmp_path / "starts"
-    cmd = [sys.executable, "-c", f"open({str(marks)!r}, 'a').write('x'); raise SystemExit(3)"]
-    with ProcessGroup(tmp_path / "logs", {}) as procs:
-        kept = Restarted(procs, "superexec-serverapp", cmd)
-        kept.start()
-        deadline = time.monotonic() + 30
-        while len(kept.restarts) < 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        kept.stop.set()
-        kept.join(5)
-        assert not kept.is_alive()
-        assert [r["exit-code"] for r in kept.restarts[:2]] == [3, 3]
-        kept.proc.wait(10)
-        assert len(marks.read_text()) == len(kept.restarts) + 1  # the first start and one per restart
-        assert (tmp_path / "logs" / "superexec-serverapp-2.log").exists()
-    with ProcessGroup(tmp_path / "logs2", {}) as procs:
-        running = Restarted(procs, "sleeper", [sys.executable, "-c", "import time; time.sleep(30)"])
-        running.start()
-        time.sleep(2.5)
-        pid = running.pid
-        running.stop.set()
-        assert running.restarts == [] and running.pid == pid
 
 
 def test_a_profile_summary_leaves_out_idle_threads_and_counts_each_frame_once_per_sample(tmp_path, capsys):

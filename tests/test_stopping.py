@@ -158,3 +158,28 @@ time.sleep(600)
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_a_kept_process_is_started_again_each_time_it_exits_and_not_once_the_group_stops(tmp_path: Path) -> None:
+    """ProcessGroup.keep, the restart policy of the ServerApp's SuperExec (Flower 1.42's exits on one 500 from its
+    task poll): a process that exits is started again under a log of its own, each restart recorded with the exit
+    code it followed; a running one is left alone; once the group stops, nothing is started again and nothing is
+    left running."""
+    marks = tmp_path / "starts"
+    exits = [sys.executable, "-c", f"open({str(marks)!r}, 'a').write('x'); raise SystemExit(3)"]
+    with processes.ProcessGroup(tmp_path / "logs", {}) as procs:
+        kept = procs.keep("superexec-serverapp", exits)
+        running = procs.keep("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"])
+        first = running.proc.pid
+        deadline = time.monotonic() + 30
+        while len(kept.restarts) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [r["exit-code"] for r in kept.restarts[:2]] == [3, 3]
+        assert (tmp_path / "logs" / "superexec-serverapp-2.log").exists()
+        assert running.restarts == [] and running.proc.pid == first
+    assert not kept.is_alive() and not running.is_alive()
+    starts = [n for n, _ in procs.procs if n.startswith("superexec")]
+    assert len(starts) == len(kept.restarts) + 1 and len(marks.read_text()) >= 3
+    time.sleep(1.5)  # a keeper still watching would have started another by now
+    assert len(procs.procs) == len(starts) + 1
+    assert not [p for p in procs.pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
