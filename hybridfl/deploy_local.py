@@ -14,7 +14,8 @@ is served over HTTPS with a private CA (kept in <flwr-home>/pki), and only Super
 (``flwr supernode register``) before they start are admitted: the loopback ports are open to every user of the
 machine, not only this one's processes (docs/security.md). ``--plain-http`` drops both, and warns.
 It runs ``flwr run . --stream`` against them, checks that the run *finished:completed* and wrote
-``summary.json``, and stops exactly the processes it started (logs in <run>/flower-logs/).
+``summary.json``, and stops exactly the processes it started (logs in <run>/flower-logs/). The ServerApp's SuperExec
+is started again whenever it exits (:meth:`ProcessGroup.keep`), so that the deployment's next run still finds one.
 With a ``fleet`` (a run key: common/fleet.py), every node is made the device its profile draws: a shaped link,
 paced work, a memory limit, its availability windows (hybridfl/real_fleet.py; what it did: ``<run>/fleet.json``).
 Each device runs warm by default (``--executor``, :data:`EXECUTORS`): about 0.3 s per message besides its training
