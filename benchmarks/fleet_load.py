@@ -65,6 +65,8 @@ from flwr.supernode import fleet_http_connection
 from flwr.supernode.fleet_http_connection import http_request_response
 
 from client_app.app import app
+from common.config import ConfigError
+from common.splits import check_partitions, data_spec
 from flower_internals import supernode
 from hybridfl import edge
 from hybridfl.deploy_local import superexec
@@ -592,11 +594,16 @@ def main(argv: list[str] | None = None) -> int:
     workdir = (args.workdir or Path("outputs") / "fleet-load" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "devices").mkdir(exist_ok=True)
-    overrides, run, _ = prepare({**RUN, "num-clients": args.devices, "clients-per-round": max(1, args.concurrency // 2),
-                                 "buffer-size": max(1, args.concurrency // 2), "concurrency": args.concurrency,
-                                 "reply-timeout-s": args.reply_timeout_s,
-                                 "time-budget-s": 60.0 * args.minutes, "output-dir": str(workdir / "runs"),
-                                 "run-name": "fleet-load"})
+    overrides, run, cfg = prepare({**RUN, "num-clients": args.devices,
+                                   "clients-per-round": max(1, args.concurrency // 2),
+                                   "buffer-size": max(1, args.concurrency // 2), "concurrency": args.concurrency,
+                                   "reply-timeout-s": args.reply_timeout_s,
+                                   "time-budget-s": 60.0 * args.minutes, "output-dir": str(workdir / "runs"),
+                                   "run-name": "fleet-load"})
+    try:  # each device holds a part of digits' training set: a fleet larger than it stops here, not in the run
+        check_partitions(data_spec(cfg))
+    except ConfigError as err:
+        parser.error(f"--devices {args.devices}: {err}")
     home = workdir / "home"
     env = flower_env(home)
     with hostile_client.server(workdir, with_edge=not args.no_edge, nodes=args.devices, database=args.database,

@@ -181,3 +181,15 @@ def test_the_reply_pull_request_follows_the_fields_flower_s_proto_has(monkeypatc
     monkeypatch.setattr(replies, "PullAppMessagesRequest", Newer)
     asked = replies.pull_request(["a"]).fields["reply_to_message_ids"]
     assert list(asked.vals) == ["a"]
+
+
+def test_a_fleet_larger_than_the_data_is_refused_before_anything_starts(tmp_path, capsys):
+    """Each device holds a part of digits' 1438 training samples: 1439 devices stop at the arguments, naming the key,
+    the value and the bound, with nothing started (the run's own check came only once the ServerApp ran)."""
+    from benchmarks.fleet_load import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(["--devices", "1439", "--minutes", "1", "--workdir", str(tmp_path / "load")])
+    assert stopped.value.code == 2
+    assert "'num-clients' = 1439 is not allowed: expected at least 1 and at most the 1438" in capsys.readouterr().err
+    assert not (tmp_path / "load" / "home").exists() and not (tmp_path / "load" / "certs").exists()
