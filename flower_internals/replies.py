@@ -213,8 +213,8 @@ def check() -> list[str]:
     moved = [f"HttpGrid no longer sets {attr!r}" for attr in ("def _runtime_client(self)", "self.node =",
                                                                 "self._run = run") if attr not in source]
     pushed = inspect.getsource(HttpGrid.push_messages)  # push() reads a failed push's ids from its messages
-    if pushed.find('msg.metadata.__dict__["_message_id"]') < 0 or pushed.find("_try_push_messages") < pushed.find(
-            '"_message_id"'):
+    sets_id, pushes = pushed.find('msg.metadata.__dict__["_message_id"]'), pushed.find("_try_push_messages")
+    if not 0 <= sets_id < pushes:
         moved.append("HttpGrid.push_messages no longer sets each message's id before it pushes")
     params = set(inspect.signature(inflatable_protobuf_utils.make_pull_object_fn_protobuf).parameters)
     if params != {"pull_object_protobuf", "node", "run_id"}:

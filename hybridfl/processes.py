@@ -145,10 +145,11 @@ class ProcessGroup:
         return proc
 
     def keep(self, name: str, cmd: Sequence[str]) -> Kept:
-        """Start `cmd` as `name`, and again (as ``name-1``, ``name-2``, ...) within a second whenever it exits,
-        until the group stops: a restart policy, as docker/compose.yml's ``restart: unless-stopped``. For the
-        ServerApp's SuperExec: Flower 1.42's ``flower-superexec`` exits on one 500 from the SuperLink's task poll
-        (seen at 1000 devices on SQLite), and the next run on that SuperLink (a resume) would find none."""
+        """Start `cmd` as `name`, and again (as ``name-1``, ``name-2``, ...) within a second whenever it exits (later,
+        doubling up to 30 s, while it keeps dying within 10 s), until the group stops: a restart policy, as
+        docker/compose.yml's ``restart: unless-stopped``. For the ServerApp's SuperExec: Flower 1.42's
+        ``flower-superexec`` exits on one 500 from the SuperLink's task poll (seen at 1000 devices on SQLite), and the
+        next run on that SuperLink (a resume) would find none."""
         kept = Kept(self, name, cmd)
         self.kept.append(kept)
         kept.start()
@@ -220,6 +221,9 @@ class ProcessGroup:
                 signal.signal(signal.SIGTERM, self._on_term)
 
 
+QUICK_EXIT_S, MAX_RESTART_WAIT_S = 10.0, 30.0  # a kept process's crash loop: how short a life, how long a wait
+
+
 class Kept(threading.Thread):
     """A process of a :class:`ProcessGroup` started again whenever it exits (:meth:`ProcessGroup.keep`):
     :attr:`proc` is its latest incarnation, :attr:`restarts` when each restart came (seconds since the first start)
@@ -233,14 +237,19 @@ class Kept(threading.Thread):
         self.stop, self._t0 = threading.Event(), time.monotonic()
 
     def run(self) -> None:
-        while not self.stop.wait(1.0):
+        wait, started = 1.0, time.monotonic()
+        while not self.stop.wait(wait):
             code = self.proc.poll()
             if code is None:
                 continue
+            # one that dies at once (a wrong flag, a SuperLink not there) is not started every second for a whole
+            # run: the wait doubles, up to MAX_RESTART_WAIT_S, while incarnations live under QUICK_EXIT_S
+            wait = min(2 * wait, MAX_RESTART_WAIT_S) if time.monotonic() - started < QUICK_EXIT_S else 1.0
             self.restarts.append({"at-s": round(time.monotonic() - self._t0, 1), "exit-code": code})
-            print(f"{self.process_name} exited ({code}): started again", file=sys.stderr, flush=True)
             if not self.stop.is_set():  # stop() joins this thread before it stops the group's processes
+                print(f"{self.process_name} exited ({code}): started again", file=sys.stderr, flush=True)
                 self.proc = self.procs.start(f"{self.process_name}-{len(self.restarts)}", self.cmd)
+                started = time.monotonic()
 
 
 def terminated(signum: int, frame: object) -> None:

@@ -163,8 +163,9 @@ time.sleep(600)
 def test_a_kept_process_is_started_again_each_time_it_exits_and_not_once_the_group_stops(tmp_path: Path) -> None:
     """ProcessGroup.keep, the restart policy of the ServerApp's SuperExec (Flower 1.42's exits on one 500 from its
     task poll): a process that exits is started again under a log of its own, each restart recorded with the exit
-    code it followed; a running one is left alone; once the group stops, nothing is started again and nothing is
-    left running."""
+    code it followed, and one that keeps dying at once is started again later each time (waits of 1, 2, 4 s: a lower
+    bound, which a slow machine only lengthens); a running one is left alone; once the group stops, nothing is
+    started again and nothing is left running."""
     marks = tmp_path / "starts"
     exits = [sys.executable, "-c", f"open({str(marks)!r}, 'a').write('x'); raise SystemExit(3)"]
     with processes.ProcessGroup(tmp_path / "logs", {}) as procs:
@@ -172,9 +173,10 @@ def test_a_kept_process_is_started_again_each_time_it_exits_and_not_once_the_gro
         running = procs.keep("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"])
         first = running.proc.pid
         deadline = time.monotonic() + 30
-        while len(kept.restarts) < 2 and time.monotonic() < deadline:
+        while len(kept.restarts) < 3 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert [r["exit-code"] for r in kept.restarts[:2]] == [3, 3]
+        assert kept.restarts[2]["at-s"] - kept.restarts[1]["at-s"] >= 3.5  # every second, it would be ~1 (2 if slow)
         assert (tmp_path / "logs" / "superexec-serverapp-2.log").exists()
         assert running.restarts == [] and running.proc.pid == first
     assert not kept.is_alive() and not running.is_alive()
