@@ -2,7 +2,7 @@
 
     python -m benchmarks.fleet_load --devices N --minutes M [--processes P] [--concurrency C] [--database]
                                     [--idle-s S] [--heartbeat-s H] [--no-edge] [--fault KIND@SECONDS ...]
-                                    [--resume-steps K] [--workdir DIR]
+                                    [--resume-steps K] [--dataset digits|fashion-mnist] [--workdir DIR]
 
 Starts on loopback a SuperLink with the compose file's security (TLS with a private CA, SuperNode authentication,
 process isolation; Flower's in-memory state, or SQLite with ``--database``), the edge in front of it (nginx,
@@ -14,12 +14,15 @@ Each device is a real Fleet API client: Flower 1.42's own transport (``http_requ
 edge, its own registered key signing every request, its heartbeat thread), and Flower's SuperNode's pacing (a pull
 every 3 s while idle, at once after a reply: ``flower-supernode``'s loop, the load a stock fleet makes). A message
 is answered by hybridfl's own ClientApp, in the device's process (no SuperExec or process per message: the load is
-the protocol, not the device's runtime): the papers' CNN on scikit-learn's digits, trained for real. A device's loop
+the protocol, not the device's runtime): the papers' CNN on scikit-learn's digits (188 k parameters), trained for
+real; a fleet larger than digits' 1438 training samples takes ``--dataset fashion-mnist``, LeNet-5 on Fashion-MNIST
+(164 k parameters: messages of about the same size, 48 000 training samples). A device's loop
 ends by itself at the end of the run's time (and a grace), every wait in it is bounded.
 
 Printed (and written to <workdir>/figures.json): updates accepted per second, the ServerApp's reply→dispatch latency
 (p50, p99: the runtime's own, summary.json), the devices' pull latency (p50, p99 of every Fleet ``PullMessages``),
-CPU (mean, % of one core) and peak RSS of the SuperLink, the ServerApp and the edge, and the devices' replies against
+CPU (mean, % of one core), peak RSS and RSS growth per hour over training (from :data:`TRAIN_WARM_UP_S` after the
+first accepted update to the last) of the SuperLink, the ServerApp and the edge, and the devices' replies against
 the run's outcomes, reconciled by message id. With ``--resume-steps K`` the run, once completed, is resumed from its
 checkpoint for K more steps on the same SuperLink and devices, as ``hybridfl resume`` would.
 """
@@ -102,6 +105,11 @@ CLIENT_APP = threading.Lock()
 # in flight, a step every C/2 arrivals
 RUN = {"preset": "fedbuff-digits", "clock": "wall", "delay-sigma": 0.0, "partitioner": "iid", "local-epochs": 1,
        "num-rounds": 10**9, "eval-every": 50, "wait-nodes-s": 600.0, "max-failed-fraction": 0.5}
+# --dataset: the task every device trains; a model of about the digits CNN's size, so that a message weighs the same
+DATASETS = {"digits": {}, "fashion-mnist": {"dataset": "fashion-mnist", "model": "lenet"}}
+# the processes' memory growth is stated over training, from this long after its first accepted update: the query
+# phase (every device describing itself) and the first steps fill caches a steady state keeps
+TRAIN_WARM_UP_S = 300.0
 REPLY_TIMEOUT_S = 120.0
 
 
@@ -257,15 +265,18 @@ def serverapp_pid(superexec_pid: Callable[[], int], link_port: int) -> int:
 
 class Sampler(threading.Thread):
     """CPU time and RSS of named process trees, every :data:`SAMPLE_S`: mean CPU (% of one core), peak RSS, and the
-    RSS series from which :meth:`figures` states the growth per hour after warm-up. A root is looked up at every
-    sample (a restarted process is another pid)."""
+    RSS series from which :meth:`figures` states the growth per hour over training. A root is looked up at every
+    sample (a restarted process is another pid). Training is seen in the run's `events` file: from its first
+    accepted update (the file's first line) to its last (the file's last growth; the final evaluation adds none)."""
 
-    def __init__(self, roots: dict[str, Callable[[], int]], warm_up_s: float) -> None:
+    def __init__(self, roots: dict[str, Callable[[], int]], events: Path) -> None:
         super().__init__(daemon=True)
-        self.roots, self.warm_up_s, self.stop = roots, warm_up_s, threading.Event()
+        self.roots, self.events, self.stop = roots, events, threading.Event()
         self.cpu: dict[str, list[float]] = {k: [] for k in roots}
         self.series: dict[str, list[tuple[float, int, float]]] = {k: [] for k in roots}  # (t, pid, MiB)
         self.t0 = time.monotonic()
+        self.training: tuple[float, float] | None = None  # (first accepted update, last), in this sampler's clock
+        self.size = 0
 
     def tree(self, pid: int) -> list[psutil.Process]:
         try:
@@ -292,19 +303,33 @@ class Sampler(threading.Thread):
                 last[name] = (pid, cpu, now)
                 if rss:
                     self.series[name].append((now - self.t0, pid, rss / 2**20))
+            self.watch(time.monotonic() - self.t0)
+
+    def watch(self, now: float) -> None:
+        """Training's first and last accepted update so far: when the events file first grew, and last."""
+        with contextlib.suppress(FileNotFoundError):
+            if (size := self.events.stat().st_size) != self.size:
+                self.size, self.training = size, (self.training[0] if self.training else now, now)
 
     def growth(self, name: str) -> float | None:
-        """RSS growth in % per hour of process `name`'s latest pid, after :attr:`warm_up_s` and its own first
-        minute: the slope of a least-squares line through its samples over their mean (None: under 5 minutes)."""
+        """RSS growth in % per hour of process `name`'s latest pid over training, from :data:`TRAIN_WARM_UP_S` after
+        its first accepted update and the process's own first minute: the slope of a least-squares line through its
+        samples over their mean (None: under 5 minutes)."""
         points = self.series[name]
-        if not points:
+        if not points or not self.training:
             return None
-        pid, born = points[-1][1], min(t for t, p, _ in points if p == points[-1][1])
-        kept = np.array([(t, m) for t, p, m in points if p == pid and t >= max(self.warm_up_s, born + 60.0)])
+        (start, end), pid = self.training, points[-1][1]
+        born = min(t for t, p, _ in points if p == pid)
+        kept = np.array([(t, m) for t, p, m in points
+                         if p == pid and max(start + TRAIN_WARM_UP_S, born + 60.0) <= t <= end])
         if len(kept) < 2 or kept[-1, 0] - kept[0, 0] < 300.0:
             return None
         slope = np.polyfit(kept[:, 0], kept[:, 1], 1)[0]
         return round(float(100 * slope * 3600 / kept[:, 1].mean()), 2)
+
+    def window(self) -> list[float]:
+        """The seconds of training the growth is stated over (from its warm-up's end to its last update)."""
+        return [round(self.training[0] + TRAIN_WARM_UP_S, 1), round(self.training[1], 1)] if self.training else []
 
     def figures(self) -> dict[str, dict[str, float | None]]:
         return {name: {"cpu-mean-%": round(float(np.mean(v)), 1) if v else 0.0,
@@ -423,9 +448,8 @@ def figures(run: Path, summary: dict[str, Any], before: int, logs: list[Path], s
         outcomes[e["outcome"]] = outcomes.get(e["outcome"], 0) + 1
     replies = [d for d in device if d["event"] == "replied"]
     return {
-        "flower": flower_version(), "devices": args.devices, "processes": args.processes, "idle-s": args.idle_s,
-        "heartbeat-s": args.heartbeat_s,
-        "concurrency": args.concurrency,
+        "flower": flower_version(), "dataset": args.dataset, "devices": args.devices, "processes": args.processes,
+        "idle-s": args.idle_s, "heartbeat-s": args.heartbeat_s, "concurrency": args.concurrency,
         "state": "sqlite" if args.database else "in-memory", "edge": not args.no_edge, "minutes": args.minutes,
         "link-rate": None if args.no_edge else args.link_rate,
         "connected": len({d["device"] for d in device if d["event"] == "connected"}),
@@ -441,7 +465,7 @@ def figures(run: Path, summary: dict[str, Any], before: int, logs: list[Path], s
                            "failed": sum(d["event"] == "failed" for d in device),
                            "disconnections": sum(d["event"] == "disconnected" for d in device)},
         "faults": faults, "reconciliation": reconciliation, "resumed": resumed,
-        "processes-cost": sampler.figures(),
+        "processes-cost": sampler.figures(), "rss-growth-over-s": sampler.window(),
     }
 
 
@@ -559,6 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-edge", action="store_true", help="devices straight to the SuperLink")
     parser.add_argument("--link-rate", type=int, default=edge.LINK_RATE, help="the edge's asks for work a second to "
                         "the SuperLink from all devices (`hybridfl edge --link-rate`)")
+    parser.add_argument("--dataset", choices=DATASETS, default="digits", help="what every device trains: digits' "
+                        "CNN, or LeNet-5 on Fashion-MNIST (`make data`) for a fleet above digits' 1438 samples")
     parser.add_argument("--workdir", type=Path, default=None, help="default: outputs/fleet-load/<time>")
     parser.add_argument("--fault", type=fault, action="append", default=[], metavar="KIND@SECONDS",
                         help=f"a fault SECONDS after training starts (every device connected), KIND one of "
@@ -594,13 +620,13 @@ def main(argv: list[str] | None = None) -> int:
     workdir = (args.workdir or Path("outputs") / "fleet-load" / time.strftime("%Y%m%d-%H%M%S")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "devices").mkdir(exist_ok=True)
-    overrides, run, cfg = prepare({**RUN, "num-clients": args.devices,
+    overrides, run, cfg = prepare({**RUN, **DATASETS[args.dataset], "num-clients": args.devices,
                                    "clients-per-round": max(1, args.concurrency // 2),
                                    "buffer-size": max(1, args.concurrency // 2), "concurrency": args.concurrency,
                                    "reply-timeout-s": args.reply_timeout_s,
                                    "time-budget-s": 60.0 * args.minutes, "output-dir": str(workdir / "runs"),
                                    "run-name": "fleet-load"})
-    try:  # each device holds a part of digits' training set: a fleet larger than it stops here, not in the run
+    try:  # each device holds a part of the training set: a fleet larger than it stops here, not in the run
         check_partitions(data_spec(cfg))
     except ConfigError as err:
         parser.error(f"--devices {args.devices}: {err}")
@@ -631,7 +657,7 @@ def main(argv: list[str] | None = None) -> int:
                  "serverapp": partial(serverapp_pid, lambda: serverapp.proc.pid, server.link_port)}
         if server.edge_port:
             roots["edge"] = partial(server.pid, "edge")
-        sampler = Sampler(roots, warm_up_s=max(RAMP_S, RAMP_S_PER_DEVICE * args.devices) + 120.0)
+        sampler = Sampler(roots, run / "events.jsonl")
         sampler.start()
         probe = LoopProbe(server.link_port, server.ca, workdir / "superlink-health.jsonl")
         probe.start()

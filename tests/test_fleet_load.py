@@ -149,19 +149,30 @@ def test_device_faults_hit_a_new_process_each_and_a_replaced_one_starts_again():
     assert workers.killed == {4, 5, 6, 7, 8, 9} and workers.names[4] == "devices-4-dropped"
 
 
-def test_memory_growth_is_the_latest_process_slope_after_warm_up_per_hour():
-    """Sampler.growth: % per hour of the mean, from the latest pid's samples after the warm-up and its first minute;
-    None for under 5 minutes of them."""
-    from benchmarks.fleet_load import Sampler
+def test_memory_growth_is_the_latest_process_slope_over_training_after_its_warm_up_per_hour(tmp_path):
+    """Sampler.growth: % per hour of the mean, from the latest pid's samples between TRAIN_WARM_UP_S after the run's
+    first accepted update and its last (the events file's first and last growth, as the sampler sees it), and after
+    the pid's own first minute; None before training or for under 5 minutes of samples."""
+    from benchmarks.fleet_load import TRAIN_WARM_UP_S, Sampler
 
-    sampler = Sampler({"superlink": lambda: 1}, warm_up_s=100.0)
+    events = tmp_path / "events.jsonl"
+    sampler = Sampler({"superlink": lambda: 1}, events)
     old = [(t, 1, 500.0 + t) for t in range(0, 400, 10)]  # a process that grew fast, then was restarted
-    new = [(t, 2, 100.0 + (t - 400) / 360) for t in range(400, 1400, 10)]  # 10 MiB per hour around ~101 MiB
-    sampler.series["superlink"] = old + new
+    new = [(t, 2, 100.0 + (t - 400) / 360) for t in range(400, 2010, 10)]  # 10 MiB per hour around ~101 MiB
+    evaluation = [(t, 2, 300.0 + t) for t in range(2010, 2300, 10)]  # the final evaluation: not training
+    sampler.series["superlink"] = old + new + evaluation
+    sampler.watch(50.0)
+    assert sampler.growth("superlink") is None  # no update accepted yet
+    for now in (300.0, 900.0, 2000.0, 2200.0):  # updates at 300, 900 and 2000; none since
+        if now < 2100:
+            with events.open("a") as f:
+                f.write('{"outcome": "accepted"}\n')
+        sampler.watch(now)
+    assert sampler.training == (300.0, 2000.0) and sampler.window() == [300.0 + TRAIN_WARM_UP_S, 2000.0]
     growth = sampler.growth("superlink")
-    mean = np.mean([m for t, _, m in new if t >= 460])
+    mean = np.mean([m for t, _, m in new if t >= 300 + TRAIN_WARM_UP_S])
     assert growth == pytest.approx(100 * 10 / mean, abs=0.01)
-    sampler.series["superlink"] = new[:30]
+    sampler.series["superlink"] = new[:45]  # 400-840 s: 4 minutes after the warm-up's end at 600 s
     assert sampler.growth("superlink") is None
 
 
