@@ -604,6 +604,11 @@ def main(argv: list[str] | None = None) -> int:
             or args.resume_steps < 0 or args.reply_timeout_s <= 0 or args.link_rate < 1:
         parser.error("--devices ≥ 2, --processes ≥ 1, --concurrency ≥ 1, --minutes > 0, --idle-s > 0, "
                      "--resume-steps ≥ 0, --reply-timeout-s > 0, --link-rate ≥ 1")
+    if not args.no_edge and args.devices / args.idle_s > args.link_rate:
+        print(f"warning: {args.devices} devices asking every {args.idle_s:g} s when idle make "
+              f"{args.devices / args.idle_s:.0f} asks a second, above the edge's --link-rate {args.link_rate}: their "
+              "asks wait and are retried at the edge, and a round reaches its devices late (docs/how-to/sizing.md)",
+              file=sys.stderr)
     if args.heartbeat_s is not None:
         try:
             supernode.check_heartbeat(args.heartbeat_s)
@@ -641,11 +646,11 @@ def main(argv: list[str] | None = None) -> int:
             ["--root-certificates", str(server.ca)], f"127.0.0.1:{server.link_port}",
             server.certs / "superlink.secret"))
         # the run's time counts from its first step, after every device described itself (up to wait-nodes-s: 1000
-        # devices took 5 minutes); the devices leave when the run ends, or by themselves at `until`
+        # devices took 5 minutes); the devices leave when the run ends, or by themselves at `until`; the run is
+        # given up on as they leave (a fixed bound gave up on 2000 devices' final evaluation)
         grace = GRACE_S + math.ceil(args.devices / EVAL_WAVE) * (args.idle_s + GRACE_S_PER_WAVE)
-        until = time.time() + max(RAMP_S, RAMP_S_PER_DEVICE * args.devices) + RUN["wait-nodes-s"] \
-            + 60.0 * args.minutes + grace + 60.0 \
-            + (RUN["wait-nodes-s"] + RESUME_S + grace if args.resume_steps else 0.0)
+        run_s = max(RAMP_S, RAMP_S_PER_DEVICE * args.devices) + RUN["wait-nodes-s"] + 60.0 * args.minutes + grace
+        until = time.time() + run_s + 60.0 + (RUN["wait-nodes-s"] + RESUME_S + grace if args.resume_steps else 0.0)
         address = f"127.0.0.1:{server.edge_port if server.edge_port else server.link_port}"
         workers = Workers(server, lambda first, count: [
             sys.executable, "-m", "benchmarks.fleet_load", "--worker", str(first), str(count), str(args.devices),
@@ -665,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
         injector = threading.Thread(target=inject, args=(args.fault, server, workers, run, done, faults), daemon=True)
         injector.start()
         try:
-            run_id, status = flwr_run(env, CONNECTION, overrides, timeout=60.0 * args.minutes + 1800.0,
+            run_id, status = flwr_run(env, CONNECTION, overrides, timeout=run_s,
                                       log=workdir / "flwr-run.log", unreachable_s=UNREACHABLE_S)
         finally:
             done.set()
