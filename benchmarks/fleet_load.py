@@ -102,9 +102,10 @@ STOP = threading.Event()  # a worker's devices leave (their nodes deactivated) o
 # does: a process's devices run it one at a time
 CLIENT_APP = threading.Lock()
 # FedBuff on the wall clock, as the digits preset, for a fleet: every device one partition of digits, C updates
-# in flight, a step every C/2 arrivals
+# in flight, a step every C/2 arrivals; the run fails past the product's default max-failed-fraction (0.8): at 0.5
+# a SuperLink restart under CI's load, catching the first round's 10 messages with 2 accepted, ended the run
 RUN = {"preset": "fedbuff-digits", "clock": "wall", "delay-sigma": 0.0, "partitioner": "iid", "local-epochs": 1,
-       "num-rounds": 10**9, "eval-every": 50, "wait-nodes-s": 600.0, "max-failed-fraction": 0.5}
+       "num-rounds": 10**9, "eval-every": 50, "wait-nodes-s": 600.0}
 # --dataset: the task every device trains; a model of about the digits CNN's size, so that a message weighs the same
 DATASETS = {"digits": {}, "fashion-mnist": {"dataset": "fashion-mnist", "model": "lenet"}}
 # the processes' memory growth is stated over training, from this long after its first accepted update: the query
@@ -539,11 +540,12 @@ class Workers:
 
 def inject(schedule: list[tuple[str, float]], server: hostile_client.Server, workers: Workers, run: Path,
            done: threading.Event, record: list[dict[str, Any]]) -> None:
-    """Each fault of `schedule` at its time after training started (the run's round 0 in `run`/metrics.jsonl:
-    every device connected), unless the run is `done` first; what was done, when and how long it took goes to
-    `record`."""
-    metrics = run / "metrics.jsonl"
-    while not (metrics.exists() and metrics.stat().st_size):
+    """Each fault of `schedule` at its time after the run's first accepted update (the first line of `run`/
+    events.jsonl: every device connected and training under way; its round 0 was too early under CI's load, where
+    the first round's replies took 25 s), unless the run is `done` first; what was done, when and how long it took
+    goes to `record`."""
+    events = run / "events.jsonl"
+    while not (events.exists() and events.stat().st_size):
         if done.wait(0.5):
             return
     t0 = time.monotonic()
@@ -587,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
                         "CNN, or LeNet-5 on Fashion-MNIST (`make data`) for a fleet above digits' 1438 samples")
     parser.add_argument("--workdir", type=Path, default=None, help="default: outputs/fleet-load/<time>")
     parser.add_argument("--fault", type=fault, action="append", default=[], metavar="KIND@SECONDS",
-                        help=f"a fault SECONDS after training starts (every device connected), KIND one of "
+                        help=f"a fault SECONDS after the run's first accepted update, KIND one of "
                         f"{', '.join(FAULTS)}: the SuperLink or the edge killed (SIGKILL) and started again; the last "
                         "device process killed for good, or killed and started again with the same devices "
                         "(repeatable)")

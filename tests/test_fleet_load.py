@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -204,3 +206,27 @@ def test_a_fleet_larger_than_the_data_is_refused_before_anything_starts(tmp_path
     assert stopped.value.code == 2
     assert "'num-clients' = 1439 is not allowed: expected at least 1 and at most the 1438" in capsys.readouterr().err
     assert not (tmp_path / "load" / "home").exists() and not (tmp_path / "load" / "certs").exists()
+
+
+def test_faults_are_timed_from_the_run_s_first_accepted_update_not_its_round_zero(tmp_path):
+    """inject: a fault waits for the run's first accepted update (events.jsonl's first line; round 0's metrics alone
+    are too early: a restart in the first round under CI's load lost every message out), then comes at its time."""
+    from benchmarks.fleet_load import inject
+
+    calls: list[tuple[str, float]] = []
+
+    class Server:
+        def restart(self, what: str) -> None:
+            calls.append((what, time.monotonic()))
+
+    (tmp_path / "metrics.jsonl").write_text('{"round": 0}\n')
+    done, record = threading.Event(), []
+    thread = threading.Thread(target=inject, args=([("restart-edge", 0.3)], Server(), None, tmp_path, done, record))
+    thread.start()
+    time.sleep(1.0)
+    assert calls == [] and thread.is_alive()  # round 0 evaluated, nothing accepted yet: no fault
+    first = time.monotonic()
+    (tmp_path / "events.jsonl").write_text('{"outcome": "accepted"}\n')
+    thread.join(30)
+    assert [what for what, _ in calls] == ["edge"] and calls[0][1] - first >= 0.3
+    assert record[0]["fault"] == "restart-edge" and "error" not in record[0]
