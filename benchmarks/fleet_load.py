@@ -562,6 +562,7 @@ def inject(schedule: list[tuple[str, float]], server: hostile_client.Server, wor
         except Exception as err:  # noqa: BLE001 - a fault that failed is recorded with the run's figures, not lost
             entry["error"] = f"{type(err).__name__}: {err}"[:300]
         entry["took-s"] = round(time.monotonic() - started, 1)
+        entry["events-before"] = len(events.read_text().splitlines())  # the run's events up to the fault's end
         print(f"fault: {entry}", flush=True)
         record.append(entry)
 

@@ -21,17 +21,17 @@ REPO = PROJECT_DIR
 
 @pytest.mark.e2e
 def test_thirty_devices_through_a_superlink_restart_have_every_reply_reconciled(tmp_path):
-    """30 devices (Flower's Fleet client through the edge, registered keys) answer FedBuff for a minute on a
-    SuperLink with SQLite state, killed (SIGKILL) 20 s into training and started again: the run completes, trains
-    on after the restart, and resumes from its checkpoint for 2 more steps (a message lost in the restart waits 60 s
-    for its reply, not the default 120, before the run counts it and ends); each train reply a device logged has
-    exactly one fate in the run and its resumed part (an event, or in flight at the end), and no accepted update
-    lacks a device's reply."""
+    """30 devices (Flower's Fleet client through the edge, registered keys) answer FedBuff for 90 s on a SuperLink
+    with SQLite state, killed (SIGKILL) 10 s after the run's first accepted update and started again: the run
+    completes, accepts updates after the restart (the events written once it is back), and resumes from its
+    checkpoint for 2 more steps (a message lost in the restart waits 60 s for its reply, not the default 120, before
+    the run counts it and ends); each train reply a device logged has exactly one fate in the run and its resumed
+    part (an event, or in flight at the end), and no accepted update lacks a device's reply."""
     needs_nginx()
     work = tmp_path / "load"
-    done = subprocess.run([sys.executable, "-m", "benchmarks.fleet_load", "--devices", "30", "--minutes", "1",
+    done = subprocess.run([sys.executable, "-m", "benchmarks.fleet_load", "--devices", "30", "--minutes", "1.5",
                            "--processes", "2", "--concurrency", "10", "--database",
-                           "--fault", "restart-superlink@20", "--resume-steps", "2", "--reply-timeout-s", "60",
+                           "--fault", "restart-superlink@10", "--resume-steps", "2", "--reply-timeout-s", "60",
                            "--workdir", str(work)],
                           cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -45,8 +45,7 @@ def test_thirty_devices_through_a_superlink_restart_have_every_reply_reconciled(
     last = resumed["from-step"]
     assert resumed["resumed-after-round"] == last and resumed["steps"] == [last + 1, last + 2], resumed
     assert 0 < resumed["accepted"] < len(accepted) and max(e["round"] for e in accepted) == last + 2
-    first = [e for e in accepted if e["round"] <= last]
-    assert max(e["t"] for e in first) > restart["at-s"] + restart["took-s"] + 5  # it trained on after the restart
+    assert [e for e in events[restart["events-before"]:] if e["outcome"] == "accepted" and e["round"] <= last]
     check = figures["reconciliation"]
     assert check["reconciled"] and check["train-replies"] >= check["by-fate"]["accepted"] == len(accepted) > 0, check
     assert "train-seconds" in figures and figures["pull-s"]["count"] > 0
