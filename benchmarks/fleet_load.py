@@ -16,13 +16,13 @@ every 3 s while idle, at once after a reply: ``flower-supernode``'s loop, the lo
 is answered by hybridfl's own ClientApp, in the device's process (no SuperExec or process per message: the load is
 the protocol, not the device's runtime): the papers' CNN on scikit-learn's digits (188 k parameters), trained for
 real; a fleet larger than digits' 1438 training samples takes ``--dataset fashion-mnist``, LeNet-5 on Fashion-MNIST
-(164 k parameters: messages of about the same size, 48 000 training samples). A device's loop
+(164 k parameters: messages of about the same size, 56 000 training samples). A device's loop
 ends by itself at the end of the run's time (and a grace), every wait in it is bounded.
 
 Printed (and written to <workdir>/figures.json): updates accepted per second, the ServerApp's reply→dispatch latency
 (p50, p99: the runtime's own, summary.json), the devices' pull latency (p50, p99 of every Fleet ``PullMessages``),
 CPU (mean, % of one core), peak RSS and RSS growth per hour over training (from :data:`TRAIN_WARM_UP_S` after the
-first accepted update to the last) of the SuperLink, the ServerApp and the edge, and the devices' replies against
+first update event to the last) of the SuperLink, the ServerApp and the edge, and the devices' replies against
 the run's outcomes, reconciled by message id. With ``--resume-steps K`` the run, once completed, is resumed from its
 checkpoint for K more steps on the same SuperLink and devices, as ``hybridfl resume`` would.
 """
@@ -108,7 +108,7 @@ RUN = {"preset": "fedbuff-digits", "clock": "wall", "delay-sigma": 0.0, "partiti
        "num-rounds": 10**9, "eval-every": 50, "wait-nodes-s": 600.0}
 # --dataset: the task every device trains; a model of about the digits CNN's size, so that a message weighs the same
 DATASETS = {"digits": {}, "fashion-mnist": {"dataset": "fashion-mnist", "model": "lenet"}}
-# the processes' memory growth is stated over training, from this long after its first accepted update: the query
+# the processes' memory growth is stated over training, from this long after its first update event: the query
 # phase (every device describing itself) and the first steps fill caches a steady state keeps
 TRAIN_WARM_UP_S = 300.0
 REPLY_TIMEOUT_S = 120.0
@@ -267,8 +267,9 @@ def serverapp_pid(superexec_pid: Callable[[], int], link_port: int) -> int:
 class Sampler(threading.Thread):
     """CPU time and RSS of named process trees, every :data:`SAMPLE_S`: mean CPU (% of one core), peak RSS, and the
     RSS series from which :meth:`figures` states the growth per hour over training. A root is looked up at every
-    sample (a restarted process is another pid). Training is seen in the run's `events` file: from its first
-    accepted update (the file's first line) to its last (the file's last growth; the final evaluation adds none)."""
+    sample (a restarted process is another pid). Training is seen in the run's `events` file, one line per update's
+    fate (accepted, failed, rejected, timed out): from its first line to its last growth (the final evaluation adds
+    none)."""
 
     def __init__(self, roots: dict[str, Callable[[], int]], events: Path) -> None:
         super().__init__(daemon=True)
@@ -276,7 +277,7 @@ class Sampler(threading.Thread):
         self.cpu: dict[str, list[float]] = {k: [] for k in roots}
         self.series: dict[str, list[tuple[float, int, float]]] = {k: [] for k in roots}  # (t, pid, MiB)
         self.t0 = time.monotonic()
-        self.training: tuple[float, float] | None = None  # (first accepted update, last), in this sampler's clock
+        self.training: tuple[float, float] | None = None  # (first update event, last), in this sampler's clock
         self.size = 0
 
     def tree(self, pid: int) -> list[psutil.Process]:
@@ -307,14 +308,14 @@ class Sampler(threading.Thread):
             self.watch(time.monotonic() - self.t0)
 
     def watch(self, now: float) -> None:
-        """Training's first and last accepted update so far: when the events file first grew, and last."""
+        """Training's first and last update event so far: when the events file first grew, and last."""
         with contextlib.suppress(FileNotFoundError):
             if (size := self.events.stat().st_size) != self.size:
                 self.size, self.training = size, (self.training[0] if self.training else now, now)
 
     def growth(self, name: str) -> float | None:
         """RSS growth in % per hour of process `name`'s latest pid over training, from :data:`TRAIN_WARM_UP_S` after
-        its first accepted update and the process's own first minute: the slope of a least-squares line through its
+        its first update event and the process's own first minute: the slope of a least-squares line through its
         samples over their mean (None: under 5 minutes)."""
         points = self.series[name]
         if not points or not self.training:
@@ -329,8 +330,11 @@ class Sampler(threading.Thread):
         return round(float(100 * slope * 3600 / kept[:, 1].mean()), 2)
 
     def window(self) -> list[float]:
-        """The seconds of training the growth is stated over (from its warm-up's end to its last update)."""
-        return [round(self.training[0] + TRAIN_WARM_UP_S, 1), round(self.training[1], 1)] if self.training else []
+        """The seconds of training the growth is stated over (from its warm-up's end to its last update event);
+        empty when training was shorter than its warm-up."""
+        if not self.training or self.training[0] + TRAIN_WARM_UP_S >= self.training[1]:
+            return []
+        return [round(self.training[0] + TRAIN_WARM_UP_S, 1), round(self.training[1], 1)]
 
     def figures(self) -> dict[str, dict[str, float | None]]:
         return {name: {"cpu-mean-%": round(float(np.mean(v)), 1) if v else 0.0,
@@ -540,10 +544,10 @@ class Workers:
 
 def inject(schedule: list[tuple[str, float]], server: hostile_client.Server, workers: Workers, run: Path,
            done: threading.Event, record: list[dict[str, Any]]) -> None:
-    """Each fault of `schedule` at its time after the run's first accepted update (the first line of `run`/
-    events.jsonl: every device connected and training under way; its round 0 was too early under CI's load, where
-    the first round's replies took 25 s), unless the run is `done` first; what was done, when and how long it took
-    goes to `record`."""
+    """Each fault of `schedule` at its time after the run's first update event (the first line of
+    `run`/events.jsonl, an update's fate: every device connected and training under way; its round 0 was too early
+    under CI's load, where the first round's replies took 25 s), unless the run is `done` first; what was done, when
+    and how long it took goes to `record`."""
     events = run / "events.jsonl"
     while not (events.exists() and events.stat().st_size):
         if done.wait(0.5):
@@ -590,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
                         "CNN, or LeNet-5 on Fashion-MNIST (`make data`) for a fleet above digits' 1438 samples")
     parser.add_argument("--workdir", type=Path, default=None, help="default: outputs/fleet-load/<time>")
     parser.add_argument("--fault", type=fault, action="append", default=[], metavar="KIND@SECONDS",
-                        help=f"a fault SECONDS after the run's first accepted update, KIND one of "
+                        help=f"a fault SECONDS after the run's first update event, KIND one of "
                         f"{', '.join(FAULTS)}: the SuperLink or the edge killed (SIGKILL) and started again; the last "
                         "device process killed for good, or killed and started again with the same devices "
                         "(repeatable)")
