@@ -82,7 +82,8 @@ def measure(method: str, mode: str, args: argparse.Namespace, work: Path) -> dic
     return {"key": key(args, method, mode), "method": method, "mode": mode, "fleet": args.fleet,
             "clients": args.clients, "rounds": run["num-rounds"], "curve": curve(path, mode),
             "final-accuracy": summary["final-test-accuracy"], "accepted": summary["total-accepted"],
-            "lost": summary["total-failures"] + summary["total-timeouts"] + summary["total-vanished"],
+            "lost": summary["total-failures"] + summary["total-timeouts"] + summary["total-vanished"]
+            + summary.get("total-unavailable", 0),  # a summary from before the SuperLink's losses were counted apart
             "bytes": sum(r.get("bytes-down", 0) + r.get("bytes-up", 0) for r in rows),
             "real-fleet": fleet and fleet["total"],
             # the host kept each device at its profile's pace only where the device's work ended before the pace did

@@ -164,8 +164,9 @@ class ReplyPuller:
     def _download(self, proto: Any, tree: Any, future: Future[Message], stop: threading.Event) -> None:
         """One reply's objects pulled (as Flower's pull_messages does, each retried with a shorter backoff), its
         receipt confirmed, the message inflated. Whatever fails (objects never uploaded, objects a device made that
-        do not inflate, the SuperLink gone) is Flower's error reply for that message, which the runtime counts as a
-        failed update: a download never raises into the server."""
+        do not inflate, the SuperLink gone) is Flower's error reply for that message, sent as from the reply's own
+        sender, so that the runtime counts a failed update (not a message the SuperLink lost:
+        :func:`server_app.wire.unavailable`): a download never raises into the server."""
         grid, reply_to = self.grid, proto.metadata.reply_to_message_id
         run_id = grid._run.run_id
         try:
@@ -193,7 +194,7 @@ class ReplyPuller:
                 ConfirmMessageReceivedRequest(node=grid.node, run_id=run_id, message_object_id=msg_id))
         except Exception as err:  # noqa: BLE001 - any failure is this reply's, counted by the runtime
             message = make_message(
-                metadata=Metadata(run_id=run_id, message_id="", src_node_id=grid.node.node_id,
+                metadata=Metadata(run_id=run_id, message_id="", src_node_id=proto.metadata.src_node_id,
                                   dst_node_id=grid.node.node_id, message_type=SYSTEM_MESSAGE_TYPE, group_id="",
                                   ttl=0, reply_to_message_id=reply_to, created_at=now().timestamp()),
                 error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE,

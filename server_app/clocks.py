@@ -153,7 +153,7 @@ class WallClock(Clock):
                     r.reply_parts["hand-over"].append(handed)
                     r.reply_parts["push"].append(r.pushed_in)
                     entry.sampled += 1
-                if entry.accepted + entry.failures + entry.rejected + entry.timeouts >= r.runtime.clients_per_round:
+                if entry.ended() >= r.runtime.clients_per_round:
                     if self._close(rnd, num_rounds, entry, accepted, started, on_round):
                         return
                     rnd, started = rnd + 1, time.perf_counter()
@@ -190,8 +190,7 @@ class DeviceClock(Clock):
                     time.sleep(r.runtime.poll_interval_s)
             r.device_t = max(r.device_t, end)
             r.hand_over(nxt, r.flights.take(nxt), rnd, entry, accepted)
-            if entry.accepted + entry.failures + entry.rejected + entry.timeouts + entry.vanished \
-                    >= r.runtime.clients_per_round:
+            if entry.ended() >= r.runtime.clients_per_round:
                 if self._close(rnd, num_rounds, entry, accepted, started, on_round):
                     return
                 rnd, started = rnd + 1, time.perf_counter()

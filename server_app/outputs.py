@@ -154,9 +154,9 @@ class Recorder:
 
     def totals(self) -> dict[str, int]:
         """The run's replies so far by outcome: accepted, failures, rejected, timeouts, vanished (a fleet's device
-        went offline)."""
+        went offline), unavailable (the SuperLink no longer held the message or its reply)."""
         return {k: sum(r.get(k, 0) for r in self.rows)
-                for k in ("accepted", "failures", "rejected", "timeouts", "vanished")}
+                for k in ("accepted", "failures", "rejected", "timeouts", "vanished", "unavailable")}
 
     def finish(self, summary: dict[str, Any], models: dict[str, dict[str, torch.Tensor]],
                figures: Callable[[list[dict[str, Any]], list[dict[str, Any]]], dict[str, Figure]],

@@ -25,6 +25,7 @@ class RoundLog:
     refused_steps: int = 0  # strategy steps whose model was not finite: undone, the run went on from the last good one
     timeouts: int = 0  # no reply within reply-timeout-s
     vanished: int = 0  # the device went offline before its message completed (device time; a fleet's windows)
+    unavailable: int = 0  # the SuperLink no longer held the message or its reply (server_app.wire.unavailable)
     device_t: float = 0.0  # device time at the round's close (module docstring)
     bytes_down: int = 0  # models and arrays sent in this round's dispatches (as the run's model-codec encodes them)
     bytes_up: int = 0  # ... and received in its accepted updates (update-codec)
@@ -38,6 +39,10 @@ class RoundLog:
     personal: dict[str, float] = field(default_factory=dict)  # every client's model on its own held-out split
     steps: list[dict[str, float]] = field(default_factory=list)  # what each strategy step of the round measured
     seconds: float = 0.0
+
+    def ended(self) -> int:
+        """The round's dispatches that have ended, whatever their outcome."""
+        return self.accepted + self.failures + self.rejected + self.timeouts + self.vanished + self.unavailable
 
     def to_dict(self) -> dict[str, Any]:
         out = {k.replace("_", "-"): v for k, v in self.__dict__.items()

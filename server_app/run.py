@@ -103,9 +103,11 @@ class TrainingRun:
         if cfg.time_budget_s:
             left = min(left, max(0.0, cfg.time_budget_s - (time.perf_counter() - self.started)))
         fleet = f"; device time {entry.device_t:.1f}s, {entry.vanished} vanished" if cfg.fleet else ""
-        log(INFO, "round %d/%d: %d updates accepted, %d clients dispatched, %d failed, %d rejected, %d timed out%s; "
+        link = f", {entry.unavailable} unavailable at the SuperLink" if entry.unavailable else ""
+        log(INFO, "round %d/%d: %d updates accepted, %d clients dispatched, %d failed, %d rejected, %d timed out%s%s; "
             "model v%d; %.2fs, about %s left; %s", entry.round, cfg.num_rounds, entry.accepted, entry.sampled,
-            entry.failures, entry.rejected, entry.timeouts, fleet, entry.version, entry.seconds, duration(left), acc)
+            entry.failures, entry.rejected, entry.timeouts, link, fleet, entry.version, entry.seconds, duration(left),
+            acc)
         if cfg.checkpoint_every and (entry.round % cfg.checkpoint_every == 0 or last):
             self.checkpoint(entry.round)
         self.check_failures(entry.round)
@@ -113,7 +115,8 @@ class TrainingRun:
     def check_failures(self, rnd: int) -> None:
         """Stop a run whose clients fail: more than ``max-failed-fraction`` of the dispatches so far failed, were
         rejected or timed out, once ``clients-per-round`` of them have ended (a run must not end as a success
-        having learned nothing)."""
+        having learned nothing). Messages the SuperLink lost (``unavailable``: a restart, an expiry) say nothing
+        of the devices and are left out of both counts."""
         totals = self.recorder.totals()
         lost = totals["failures"] + totals["rejected"] + totals["timeouts"]
         ended = lost + totals["accepted"]
@@ -130,7 +133,8 @@ class TrainingRun:
         totals = self.recorder.totals()
         if self.first_round <= self.cfg.num_rounds and totals["accepted"] == 0 and self.strategy.version == 0:
             raise RuntimeError(f"the run accepted no update in {self.cfg.num_rounds} rounds ({totals['failures']} "
-                               f"failed, {totals['rejected']} rejected, {totals['timeouts']} timed out after "
+                               f"failed, {totals['rejected']} rejected, {totals['unavailable']} unavailable at the "
+                               f"SuperLink, {totals['timeouts']} timed out after "
                                f"reply-timeout-s = {self.cfg.reply_timeout_s:g}; any other dispatch was still on its "
                                f"way at the end, delay-sigma = {self.cfg.delay_sigma:g}); the first: "
                                f"{self.runner.first_loss or 'none recorded'}")

@@ -44,7 +44,7 @@ from server_app.clocks import CLOCKS
 from server_app.evaluation import weighted_mean
 from server_app.flights import Flight, Flights
 from server_app.rounds import RoundLog
-from server_app.wire import MAX_COUNT, Dispatcher, NodeDirectory, RejectedReply, read_update
+from server_app.wire import MAX_COUNT, Dispatcher, NodeDirectory, RejectedReply, read_update, unavailable
 from strategies.base import Strategy, Unusable, Update
 
 
@@ -140,7 +140,7 @@ class Runner:
         # ... and two of its parts: handing the reply to the strategy (a strategy step when one is due), and
         # Flower's push of the next message to the SuperLink
         self.reply_parts: dict[str, list[float]] = {"hand-over": [], "push": []}
-        self.first_loss = ""  # why the run's first lost update (failed, rejected, timed out) was lost
+        self.first_loss = ""  # why the run's first update counted against max-failed-fraction was lost
         self.pushed_in = 0.0
         self._good: dict[str, Any] | None = None  # the strategy's state after its last step with a finite model
 
@@ -289,6 +289,9 @@ class Runner:
         elif reply is None:
             outcome, reason = "timeout", f"no reply within {self.runtime.reply_timeout_s:.0f}s"
             entry.timeouts += 1
+        elif unavailable(reply):
+            outcome, reason = "unavailable", f"the SuperLink: {reply.error.reason}"
+            entry.unavailable += 1
         else:
             try:
                 update = read_update(reply, flight.client, flight.version, flight.payload, self.dispatcher.spec,
@@ -305,7 +308,7 @@ class Runner:
                     entry.rejected += 1
         if update is None or outcome != "accepted":
             log(WARNING, "round %d: update of client %d (node %d) lost: %s", rnd, flight.client, flight.node, reason)
-            if not self.first_loss and outcome != "vanished":
+            if not self.first_loss and outcome not in ("vanished", "unavailable"):
                 self.first_loss = f"round {rnd}, client {flight.client}: {reason}"
             self.on_event({**event, "outcome": outcome, "reason": reason})
             return False

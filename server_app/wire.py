@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.common import log
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.serverapp import Grid
 
 from common.codecs import PLAIN, WireCodecs, decode, encode
@@ -83,6 +84,16 @@ def rejecting(parse: Callable[..., T]) -> Callable[..., T]:
             raise RejectedReply(f"malformed reply ({type(err).__name__}: {err})") from err
 
     return guarded
+
+
+def unavailable(reply: Message) -> bool:
+    """Whether `reply` is the SuperLink's word that it no longer holds the message or its reply (Flower's
+    ``MESSAGE_UNAVAILABLE``, ``REPLY_MESSAGE_UNAVAILABLE``: lost in a restart, expired, its node removed): a loss
+    by the link, not the device's failure. Only the SuperLink sends these as itself; a device's reply carries its
+    own node (the SuperLink refuses a reply from another), and hybridfl's puller signs a reply it could not pull
+    with the device's node, so a device cannot pass its failure off as the link's."""
+    return (reply.has_error() and reply.metadata.src_node_id == SUPERLINK_NODE_ID
+            and reply.error.code in (ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE))
 
 
 @rejecting

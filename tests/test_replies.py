@@ -9,7 +9,7 @@ import time
 import numpy as np
 from flwr.app import ArrayRecord, Message, MessageType, Metadata, MetricRecord, RecordDict
 from flwr.app.message import make_message
-from flwr.common.constant import ErrorCode
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.common.serde import message_to_proto
 from flwr.proto.message_pb2 import PullObjectResponse  # pylint: disable=E0611
 from flwr.proto.node_pb2 import Node  # pylint: disable=E0611
@@ -20,6 +20,9 @@ from flwr.superlink.grid.http_grid import HttpGrid
 from common.protocol import METRICS, PARTITION_ID
 from flower_internals import replies
 from flower_internals.replies import ReplyPuller
+from server_app.wire import unavailable
+
+DEVICE = 4242  # the replying device's node
 
 
 class FakeLink:
@@ -61,14 +64,15 @@ class FakeLink:
 
 def grid_on(link: FakeLink) -> HttpGrid:
     grid = HttpGrid.__new__(HttpGrid)  # no connection: the fake link answers
-    grid._client, grid.node = link, Node(node_id=0)
+    grid._client, grid.node = link, Node(node_id=SUPERLINK_NODE_ID)
     grid._run = type("Run", (), {"run_id": 7})()
     return grid
 
 
 def reply(reply_to: str, value: float) -> Message:
     content = RecordDict({"arrays": ArrayRecord([np.full(3, value, dtype=np.float32)])})
-    metadata = Metadata(run_id=7, message_id="", src_node_id=1, dst_node_id=0, reply_to_message_id=reply_to,
+    metadata = Metadata(run_id=7, message_id="", src_node_id=DEVICE, dst_node_id=SUPERLINK_NODE_ID,
+                        reply_to_message_id=reply_to,
                         group_id="", ttl=3600.0, message_type="train", created_at=time.time())
     return make_message(metadata=metadata, content=content)
 
@@ -100,6 +104,8 @@ def test_a_reply_whose_objects_are_gone_is_flowers_error_reply_and_not_confirmed
     link = FakeLink({"a": reply("a", 1.0), "b": reply("b", 2.0)}, gone="a")
     got = {m.metadata.reply_to_message_id: m for m in collect(ReplyPuller(grid_on(link)), ["a", "b"], until=2)}
     assert got["a"].has_error() and got["a"].error.code == ErrorCode.MESSAGE_UNAVAILABLE
+    # the device's failure, not a message the SuperLink lost: it counts against max-failed-fraction
+    assert got["a"].metadata.src_node_id == DEVICE and not unavailable(got["a"])
     assert not got["b"].has_error() and link.confirmed == [got["b"].metadata.message_id]
 
 
@@ -109,7 +115,7 @@ def test_a_reply_whose_objects_do_not_inflate_is_an_error_reply_not_an_exception
     link = FakeLink({"a": reply("a", 1.0), "b": reply("b", 2.0)}, corrupt="a")
     got = {m.metadata.reply_to_message_id: m for m in collect(ReplyPuller(grid_on(link)), ["a", "b"], until=2)}
     assert got["a"].has_error() and got["a"].error.code == ErrorCode.MESSAGE_UNAVAILABLE
-    assert "could not be pulled" in got["a"].error.reason
+    assert "could not be pulled" in got["a"].error.reason and not unavailable(got["a"])
     assert not got["b"].has_error() and link.confirmed == [got["b"].metadata.message_id]
 
 
@@ -134,7 +140,8 @@ def test_another_grid_is_pulled_by_its_own_pull_messages() -> None:
 
 def answer(reply_to: str, partition: int) -> Message:
     """A node's answer to the directory's query: the partition it holds."""
-    metadata = Metadata(run_id=7, message_id="", src_node_id=1, dst_node_id=0, reply_to_message_id=reply_to,
+    metadata = Metadata(run_id=7, message_id="", src_node_id=DEVICE, dst_node_id=SUPERLINK_NODE_ID,
+                        reply_to_message_id=reply_to,
                         group_id="", ttl=3600.0, message_type=MessageType.QUERY, created_at=time.time())
     return make_message(metadata=metadata, content=RecordDict({METRICS: MetricRecord({PARTITION_ID: partition})}))
 
@@ -163,7 +170,7 @@ def test_the_directory_takes_each_answer_as_it_comes_and_waits_for_one_on_its_wa
             return [f"q{m.metadata.dst_node_id}" for m in messages]
 
     grid = Grid.__new__(Grid)
-    grid._client, grid.node, grid._run = link, Node(node_id=0), type("Run", (), {"run_id": 7})()
+    grid._client, grid.node, grid._run = link, Node(node_id=SUPERLINK_NODE_ID), type("Run", (), {"run_id": 7})()
     directory = NodeDirectory(grid, 2, ask_again_s=0.0)
     deadline = time.monotonic() + 10
     while directory.clients != [1] and time.monotonic() < deadline:

@@ -11,8 +11,10 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
+from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_ins_message
 from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
 
 from client_app.app import app as client_app
@@ -295,11 +297,63 @@ def test_a_run_whose_every_dispatch_times_out_fails_naming_the_timeouts(small_ru
 def test_a_run_that_accepts_no_update_fails_even_when_failures_are_allowed(small_run):
     """max-failed-fraction = 1 lets every dispatch fail along the way; a run that ends without a single accepted
     update still learned nothing, and fails saying so."""
-    with pytest.raises(RuntimeError, match=r"the run accepted no update in 2 rounds \(0 failed, 0 rejected, \d+ timed "
+    with pytest.raises(RuntimeError, match=r"the run accepted no update in 2 rounds \(0 failed, 0 rejected, 0 "
+                                           r"unavailable at the SuperLink, \d+ timed "
                                            r"out"):
         small_run("silent", grid=SilentGrid(client_app, num_nodes=3),
                   **{"num-clients": 3, "clients-per-round": 3, "num-rounds": 2, "reply-timeout-s": 0.1,
                      "max-failed-fraction": 1.0})
+
+
+class RestartedGrid(InProcessGrid):
+    """A SuperLink that lost the first `lose` train messages pushed (a restart from its database before it had
+    stored them): their replies are Flower's own "Message Unavailable", as the SuperLink itself answers them."""
+
+    def __init__(self, *args, lose: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lose, self.lost = lose, []
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        ids = list(super().push_messages(messages))
+        trains = [i for i, m in zip(ids, messages, strict=True) if m.metadata.message_type == MessageType.TRAIN]
+        self.lost += trains[:self.lose - len(self.lost)]
+        return ids
+
+    def pull_messages(self, message_ids):
+        return [self._numbered(create_message_error_unavailable_ins_message(r.metadata.reply_to_message_id,
+                                                                             self._run.run_id))
+                if r.metadata.reply_to_message_id in self.lost else r for r in super().pull_messages(message_ids)]
+
+
+def test_messages_the_superlink_lost_are_counted_apart_and_not_against_max_failed_fraction(small_run):
+    """A SuperLink restart that loses a whole round's messages (3 of the run's first 3) does not end a run whose
+    devices are fine: each is an ``unavailable`` event, counted in metrics.jsonl and the summary, left out of
+    max-failed-fraction (0.5 here, which as failures they would pass: test below); the run goes on to its last
+    round, other clients sampled in the lost ones' place."""
+    run = {**ASYNC, "num-rounds": 6, "max-failed-fraction": 0.5}
+    grid = RestartedGrid(client_app, num_nodes=12, lose=3)
+    out, summary = small_run("restarted", grid=grid, **run)
+    lost = [e for e in events(out) if e["outcome"] == "unavailable"]
+    assert sorted(e["message"] for e in lost) == sorted(grid.lost) and len(grid.lost) == 3
+    assert all("Message Unavailable" in e["reason"] for e in lost)
+    assert summary["total-unavailable"] == 3 and summary["total-failures"] == 0
+    assert summary["total-accepted"] >= 3 and summary["final-version"] >= 1
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    assert len(rows) == 6 and sum(r["unavailable"] for r in rows) == 3
+    fates = [e["message"] for e in events(out)] + summary["in-flight-at-end"]
+    assert sorted(fates) == sorted(set(fates))  # each train message one fate, the lost ones too
+
+
+def test_a_device_cannot_pass_its_failure_off_as_the_superlink_s_loss(small_run):
+    """A device that answers with the SuperLink's error code (a broken or hostile one) is a failed update: its reply
+    carries its own node, so it counts against max-failed-fraction and ends the run."""
+    def posing(msg: Message, context: Context) -> Message:
+        return Message(Error(ErrorCode.MESSAGE_UNAVAILABLE, "Error: Message Unavailable"), reply_to=msg)
+
+    with pytest.raises(RuntimeError, match=r"3 of the run's 3 dispatches failed.*Message Unavailable"):
+        small_run("posing", client_app=wrap(posing), **{"num-clients": 3, "clients-per-round": 3, "num-rounds": 4,
+                                                        "max-failed-fraction": 0.5})
 
 
 def test_validation_split_is_evaluated_beside_the_test_split_and_summarised(small_run):
