@@ -267,15 +267,16 @@ def serverapp_pid(superexec_pid: Callable[[], int], link_port: int) -> int:
 class Sampler(threading.Thread):
     """CPU time and RSS of named process trees, every :data:`SAMPLE_S`: mean CPU (% of one core), peak RSS, and the
     RSS series from which :meth:`figures` states the growth per hour over training. A root is looked up at every
-    sample (a restarted process is another pid). Training is seen in the run's `events` file, one line per update's
+    sample (a restarted process is another pid); a root may be several processes (the devices'), measured
+    together. Training is seen in the run's `events` file, one line per update's
     fate (accepted, failed, rejected, timed out): from its first line to its last growth (the final evaluation adds
     none)."""
 
-    def __init__(self, roots: dict[str, Callable[[], int]], events: Path) -> None:
+    def __init__(self, roots: dict[str, Callable[[], int | list[int]]], events: Path) -> None:
         super().__init__(daemon=True)
         self.roots, self.events, self.stop = roots, events, threading.Event()
         self.cpu: dict[str, list[float]] = {k: [] for k in roots}
-        self.series: dict[str, list[tuple[float, int, float]]] = {k: [] for k in roots}  # (t, pid, MiB)
+        self.series: dict[str, list[tuple[float, Any, float]]] = {k: [] for k in roots}  # (t, pids, MiB)
         self.t0 = time.monotonic()
         self.training: tuple[float, float] | None = None  # (first update event, last), in this sampler's clock
         self.size = 0
@@ -288,24 +289,29 @@ class Sampler(threading.Thread):
             return []
 
     def run(self) -> None:
-        last: dict[str, tuple[int, float, float]] = {}
+        last: dict[str, tuple[Any, float, float]] = {}
         while not self.stop.wait(SAMPLE_S):
-            for name, root in self.roots.items():
-                pid, cpu, rss = root(), 0.0, 0.0
-                for proc in self.tree(pid):
-                    try:
-                        times, mem = proc.cpu_times(), proc.memory_info()
-                    except psutil.NoSuchProcess:
-                        continue
-                    cpu += times.user + times.system + times.children_user + times.children_system
-                    rss += mem.rss
-                now = time.monotonic()
-                if name in last and last[name][0] == pid:  # not across a restart
-                    self.cpu[name].append(100 * (cpu - last[name][1]) / (now - last[name][2]))
-                last[name] = (pid, cpu, now)
-                if rss:
-                    self.series[name].append((now - self.t0, pid, rss / 2**20))
-            self.watch(time.monotonic() - self.t0)
+            self.sample(last)
+
+    def sample(self, last: dict[str, tuple[Any, float, float]]) -> None:
+        """One sample of every root (`last`: each root's pids, CPU seconds and time at the sample before)."""
+        for name, root in self.roots.items():
+            pid, cpu, rss = root(), 0.0, 0.0
+            for proc in [p for one in (pid if isinstance(pid, list) else [pid]) for p in self.tree(one)]:
+                try:
+                    times, mem = proc.cpu_times(), proc.memory_info()
+                except psutil.NoSuchProcess:
+                    continue
+                cpu += times.user + times.system + times.children_user + times.children_system
+                rss += mem.rss
+            now = time.monotonic()
+            pid = tuple(pid) if isinstance(pid, list) else pid
+            if name in last and last[name][0] == pid:  # not across a restart
+                self.cpu[name].append(100 * (cpu - last[name][1]) / (now - last[name][2]))
+            last[name] = (pid, cpu, now)
+            if rss:
+                self.series[name].append((now - self.t0, pid, rss / 2**20))
+        self.watch(time.monotonic() - self.t0)
 
     def watch(self, now: float) -> None:
         """Training's first and last update event so far: when the events file first grew, and last."""
@@ -435,22 +441,12 @@ def reconcile(events: list[dict[str, Any]], in_flight: list[str], pushed_again: 
             "reconciled": not twice and not unexplained and "no fate" not in replies}
 
 
-def figures(run: Path, summary: dict[str, Any], before: int, logs: list[Path], sampler: Sampler,
-            registered_s: float, args: argparse.Namespace, faults: list[dict[str, Any]], killed: set[int],
-            resumed: dict[str, Any] | None) -> dict[str, Any]:
-    """What item 2 of issue 69 asks, from the run's own files (`summary` and the first `before` events: the run
-    before any resume) and the devices' logs; the replies reconciled over the run and its resumed part."""
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-    device = [json.loads(line) for log in logs for line in log.read_text().splitlines()]
-    in_flight, pushed_again = ([*summary[key], *(resumed or {}).get(key, [])]
-                               for key in ("in-flight-at-end", "pushed-again"))
-    reconciliation = reconcile(events, in_flight, pushed_again, device, killed)
-    events = events[:before]
+def load_figures(device: list[dict[str, Any]], logs: list[Path], sampler: Sampler, registered_s: float,
+                 args: argparse.Namespace) -> dict[str, Any]:
+    """What the load cost and how the devices fared, from their logs (`device`: their lines) and the sampler: a
+    run's figures whether it completed or not (the ceiling is found by a run that did not)."""
     pulls = np.concatenate([np.frombuffer(log.with_suffix(".pulls.npy").read_bytes(), dtype=np.float32)
                             for log in logs if log.with_suffix(".pulls.npy").exists()] or [np.zeros(0)])
-    outcomes: dict[str, int] = {}
-    for e in events:
-        outcomes[e["outcome"]] = outcomes.get(e["outcome"], 0) + 1
     replies = [d for d in device if d["event"] == "replied"]
     return {
         "flower": flower_version(), "dataset": args.dataset, "devices": args.devices, "processes": args.processes,
@@ -458,19 +454,35 @@ def figures(run: Path, summary: dict[str, Any], before: int, logs: list[Path], s
         "state": "sqlite" if args.database else "in-memory", "edge": not args.no_edge, "minutes": args.minutes,
         "link-rate": None if args.no_edge else args.link_rate,
         "connected": len({d["device"] for d in device if d["event"] == "connected"}),
-        "register-s": round(registered_s, 1), "train-seconds": round(summary["train-seconds"], 1),
-        "accepted-per-s": round(outcomes.get("accepted", 0) / summary["train-seconds"], 3),
-        "outcomes": outcomes, "final-test-accuracy": summary["final-test-accuracy"],
-        "reply-to-dispatch-s": {k: round(v, 4) if isinstance(v, float) else v
-                                for k, v in summary["reply-to-dispatch-s"].items()},
-        "pull-s": pcts(pulls),
+        "register-s": round(registered_s, 1), "pull-s": pcts(pulls),
         "device-replies": {"train": sum(r["kind"] == "train" for r in replies),
                            "other": sum(r["kind"] != "train" for r in replies),
                            "errors": sum(r["error"] for r in replies),
                            "failed": sum(d["event"] == "failed" for d in device),
                            "disconnections": sum(d["event"] == "disconnected" for d in device)},
-        "faults": faults, "reconciliation": reconciliation, "resumed": resumed,
         "processes-cost": sampler.figures(), "rss-growth-over-s": sampler.window(),
+    }
+
+
+def figures(run: Path, summary: dict[str, Any], before: int, device: list[dict[str, Any]], killed: set[int],
+            resumed: dict[str, Any] | None) -> dict[str, Any]:
+    """What item 2 of issue 69 asks of a completed run, from its own files (`summary` and the first `before`
+    events: the run before any resume) and the devices' log lines (`device`); the replies reconciled over the run
+    and its resumed part."""
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    in_flight, pushed_again = ([*summary[key], *(resumed or {}).get(key, [])]
+                               for key in ("in-flight-at-end", "pushed-again"))
+    reconciliation = reconcile(events, in_flight, pushed_again, device, killed)
+    outcomes: dict[str, int] = {}
+    for e in events[:before]:
+        outcomes[e["outcome"]] = outcomes.get(e["outcome"], 0) + 1
+    return {
+        "train-seconds": round(summary["train-seconds"], 1),
+        "accepted-per-s": round(outcomes.get("accepted", 0) / summary["train-seconds"], 3),
+        "outcomes": outcomes, "final-test-accuracy": summary["final-test-accuracy"],
+        "reply-to-dispatch-s": {k: round(v, 4) if isinstance(v, float) else v
+                                for k, v in summary["reply-to-dispatch-s"].items()},
+        "reconciliation": reconciliation, "resumed": resumed,
     }
 
 
@@ -669,6 +681,7 @@ def main(argv: list[str] | None = None) -> int:
                  "serverapp": partial(serverapp_pid, lambda: serverapp.proc.pid, server.link_port)}
         if server.edge_port:
             roots["edge"] = partial(server.pid, "edge")
+        roots["devices"] = lambda: [server.pid(name) for name in workers.names.values()]
         sampler = Sampler(roots, run / "events.jsonl")
         sampler.start()
         probe = LoopProbe(server.link_port, server.ca, workdir / "superlink-health.jsonl")
@@ -687,22 +700,30 @@ def main(argv: list[str] | None = None) -> int:
         if status != "finished:completed":  # Flower's reason, while its SuperLink still answers
             with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
                 status += f" ({run_status(env, CONNECTION, run_id, field='status-details')})"
-        check_completed(run_id, status, run)
-        summary = json.loads((run / "summary.json").read_text())
-        before = len((run / "events.jsonl").read_text().splitlines())
-        resumed = None
-        if args.resume_steps:
-            try:
-                resumed = resume(run, args.resume_steps, env, workdir / "flwr-run-resumed.log", grace)
-            except Exception as err:  # noqa: BLE001 - the run's figures are written all the same, and this exits 1
-                resumed = {"error": f"{type(err).__name__}: {err}"[:500]}
+        failed, resumed = None, None
+        try:
+            check_completed(run_id, status, run)
+        except RuntimeError as err:  # the load's figures are written all the same, and this exits 1
+            failed = str(err)
+        if not failed:
+            summary = json.loads((run / "summary.json").read_text())
+            before = len((run / "events.jsonl").read_text().splitlines())
+            if args.resume_steps:
+                try:
+                    resumed = resume(run, args.resume_steps, env, workdir / "flwr-run-resumed.log", grace)
+                except Exception as err:  # noqa: BLE001 - as a failed run
+                    resumed = {"error": f"{type(err).__name__}: {err}"[:500]}
         workers.stop()  # they would end by themselves at `until`: they leave now
-    result = figures(run, summary, before, logs, sampler, registered_s, args, faults, workers.killed, resumed)
-    result["superexec-restarts"] = serverapp.restarts
-    result["superlink-answer-s"] = probe.figures()
+    device = [json.loads(line) for log in logs for line in log.read_text().splitlines()]
+    result = {**load_figures(device, logs, sampler, registered_s, args),
+              **({"failed": failed} if failed else figures(run, summary, before, device, workers.killed, resumed)),
+              "faults": faults,
+              "superexec-restarts": serverapp.restarts, "superlink-answer-s": probe.figures()}
     (workdir / "figures.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
-    return 1 if resumed and "error" in resumed else 0
+    if failed:
+        print(f"the run failed: {failed}", file=sys.stderr)
+    return 1 if failed or (resumed and "error" in resumed) else 0
 
 
 if __name__ == "__main__":

@@ -177,6 +177,37 @@ def test_memory_growth_is_the_latest_process_slope_over_training_after_its_warm_
     assert sampler.growth("superlink") is None
 
 
+def test_a_root_of_several_processes_is_sampled_as_their_sum_and_a_changed_set_as_a_restart(tmp_path):
+    """The devices' root is all their processes: one RSS, their sum; CPU only between samples of the same set (a
+    process replaced is another set, as a restarted SuperLink is another pid)."""
+    import psutil
+
+    from benchmarks.fleet_load import Sampler
+
+    children = [subprocess.Popen([sys.executable, "-c", f"x = bytearray({n} * 2**20); import time; time.sleep(60)"])
+                for n in (40, 80)]
+    try:
+        pids = [c.pid for c in children]
+        time.sleep(2.0)  # both have allocated
+        sampler = Sampler({"devices": lambda: list(pids), "one": lambda: pids[0]}, tmp_path / "events.jsonl")
+        last: dict = {}
+        sampler.sample(last)
+        sampler.sample(last)
+        rss = [psutil.Process(p).memory_info().rss / 2**20 for p in pids]
+        (_, both, mib), (_, one, one_mib) = sampler.series["devices"][-1], sampler.series["one"][-1]
+        assert both == tuple(pids) and one == pids[0]
+        assert mib == pytest.approx(sum(rss), rel=0.05) and one_mib == pytest.approx(rss[0], rel=0.05)
+        assert mib - one_mib > 70  # the second process's 80 MiB counted in the devices' root only
+        assert len(sampler.cpu["devices"]) == 1
+        pids[1] = pids[0]  # the set changed: no CPU figure across it
+        sampler.sample(last)
+        assert len(sampler.cpu["devices"]) == 1 and len(sampler.cpu["one"]) == 2
+    finally:
+        for c in children:
+            c.kill()
+            c.wait()
+
+
 def test_the_reply_pull_request_follows_the_fields_flower_s_proto_has(monkeypatch):
     """Flower 1.42's ServerAppIo pull asks by `message_ids`; the 1.43 development line's by a `reply_to_message_ids`
     list (what benchmarks/fleet_load.py runs against flwr-nightly)."""
