@@ -350,8 +350,10 @@ class Sampler(threading.Thread):
 
 class LoopProbe(threading.Thread):
     """The SuperLink's answer time: every :data:`SAMPLE_S`, one ``/health`` request straight to its port (no edge),
-    a line each in `path` (written as it goes: a run that fails before its figures keeps it). Its loop serves this
-    request as it serves the ServerApp's heartbeat: how long one waits is how long the other does."""
+    a line each in `path` (written as it goes: a run that fails before its figures keeps it). Flower 1.42 answers
+    ``/health`` in the SuperLink's event loop (an ``async`` route) and the ServerApp's heartbeat, as every Fleet and
+    Runtime route, in the loop's pool of worker threads (a plain ``def`` route; anyio's 40): the probe's wait is the
+    loop's, a lower bound of the heartbeat's."""
 
     def __init__(self, port: int, ca: Path, path: Path) -> None:
         super().__init__(daemon=True)
