@@ -98,8 +98,9 @@ def test_a_run_whose_replies_mostly_fail_stops_quoting_the_first_failure(small_r
                                            r"\(code \d\): RuntimeError: the device's disk is full"):
         small_run("broken", client_app=failing)
     # asked never to stop, it runs out its rounds, and then fails: a run that accepted no update learned nothing
-    with pytest.raises(RuntimeError, match=r"the run accepted no update in 2 rounds \(8 failed, 0 rejected, 0 timed "
-                                           r"out .*\); the first: round 1, client \d: error reply"):
+    with pytest.raises(RuntimeError, match=r"the run accepted no update in 2 rounds \(8 failed, 0 rejected, 0 "
+                                           r"unavailable at the SuperLink, 0 timed out .*\); the first: round 1, "
+                                           r"client \d: error reply"):
         small_run("tolerant", client_app=failing, **{"max-failed-fraction": 1.0, "num-rounds": 2})
     assert [r["round"] for r in rows(tmp_path / "tolerant")] == [0, 1, 2]
 
