@@ -547,9 +547,13 @@ class Workers:
             self.names[first] += "-dropped"
         return devices
 
+    def processes(self) -> list[subprocess.Popen]:
+        """The device processes of the fleet now: a process killed for good or replaced is not one of them."""
+        return [p for name, p in self.server.procs.procs if name in self.names.values()]
+
     def stop(self) -> None:
         """SIGTERM: the devices leave (nodes deactivated) and write their logs."""
-        procs = [p for name, p in self.server.procs.procs if name in self.names.values() and p.poll() is None]
+        procs = [p for p in self.processes() if p.poll() is None]
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
         for proc in procs:
@@ -683,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
                  "serverapp": partial(serverapp_pid, lambda: serverapp.proc.pid, server.link_port)}
         if server.edge_port:
             roots["edge"] = partial(server.pid, "edge")
-        roots["devices"] = lambda: [server.pid(name) for name in workers.names.values()]
+        roots["devices"] = lambda: [p.pid for p in workers.processes()]  # (a dropped process's name has none)
         sampler = Sampler(roots, run / "events.jsonl")
         sampler.start()
         probe = LoopProbe(server.link_port, server.ca, workdir / "superlink-health.jsonl")

@@ -128,15 +128,18 @@ def test_a_fault_is_kind_at_seconds_and_a_fault_the_setup_cannot_take_fails_at_s
 
 def test_device_faults_hit_a_new_process_each_and_a_replaced_one_starts_again():
     """Workers.hit: the last process not hit yet is killed; `replace-devices` starts its devices again under a new
-    name, `drop-devices` does not; every device of a killed process is counted as killed."""
+    name, `drop-devices` does not; every device of a killed process is counted as killed; the fleet's processes
+    (what the sampler measures and `stop` ends) are the untouched and the restarted ones."""
     from benchmarks.fleet_load import Workers
 
     class Procs:
         def __init__(self) -> None:
             self.calls: list[tuple[str, str]] = []
+            self.procs: list[tuple[str, object]] = []
 
         def start(self, name, cmd, env=None):
             self.calls.append(("start", name))
+            self.procs.append((name, type("P", (), {"pid": 100 + len(self.procs)})()))
 
         def kill(self, name):
             self.calls.append(("kill", name))
@@ -148,6 +151,7 @@ def test_device_faults_hit_a_new_process_each_and_a_replaced_one_starts_again():
     assert workers.hit("drop-devices") == [4, 5, 6, 7]
     assert server.procs.calls[3:] == [("kill", "devices-8"), ("start", "devices-8-again"), ("kill", "devices-4")]
     assert workers.killed == {4, 5, 6, 7, 8, 9} and workers.names[4] == "devices-4-dropped"
+    assert [p.pid for p in workers.processes()] == [100, 103]  # devices-0 and devices-8-again
 
 
 def test_memory_growth_is_the_latest_process_slope_over_training_after_its_warm_up_per_hour(tmp_path):
