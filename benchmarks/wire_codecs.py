@@ -6,7 +6,9 @@ decode time on this CPU, the error each makes, and the seconds an update takes t
 
 The model and the update are real: the preset's model (the papers' Fashion-MNIST CNN, 1.67 M parameters) and one
 client's update from its local training on its own partition with the preset's recipe (lr 3e-3 x 5 epochs, the
-headline's). Each codec encodes that update (``update-codec``) and the model (``model-codec``); bytes are what
+headline's). Each codec encodes that update (``update-codec``) and the model (``model-codec``), and, for
+``model-difference``, the move from the model to the model plus that update, as a device holding the first gets the
+second (errors against the second model); bytes are what
 Flower's transport pushes (every object of the record, deflated: ``flower_internals.wire.wire_bytes``), times are
 medians over ``--repeats`` runs with one torch thread, and the link time is the update's serialised bytes pushed through
 hybridfl's user-space link shaper (hybridfl/shaper.py) at ``--link-mbit`` to a sink on loopback, until the sink
@@ -26,7 +28,7 @@ import numpy as np
 import torch
 
 from benchmarks.runs import median_seconds
-from common.codecs import MODEL_CODECS, UPDATE_CODECS, WireCodecs, decode, encode
+from common.codecs import UPDATE_CODECS, WireCodecs, apply_difference, decode, encode, encode_model
 from common.config import part_of
 from common.models import build_from_config
 from common.params import ParamSpec
@@ -93,20 +95,28 @@ def main(argv: list[str] | None = None) -> int:
     model, update, what = real_update(args.preset, args.client)
     wire, n = WireCodecs(), update.size
     print(what)
+    # (direction, the codec's label, its encoding, its decoding of a record: what the other end holds, the value
+    # that stands for)
+    cases = [(direction, c, lambda x=x, c=c: encode(x, c, wire)[0], lambda r, c=c: decode(r, c, n, wire), x)
+             for direction, x, codecs in (("update", update, UPDATE_CODECS), ("model", model, ("none", "fp16", "int8")))
+             for c in codecs]
+    moved = model + update
+    for c in ("int8", "topk"):
+        diff = WireCodecs(model_codec=c, model_difference=True)
+        cases.append(("model", f"{c} difference", lambda d=diff: encode_model(moved, d, model),
+                      lambda r, d=diff: apply_difference(model, r, d), moved))
     rows = []
-    for direction, codecs, x in (("update", UPDATE_CODECS, update), ("model", MODEL_CODECS, model)):
-        for codec in codecs:
-            record, _ = encode(x, codec, wire)
-            back = decode(record, codec, n, wire)
-            size = wire_bytes(record)
-            row = {"direction": direction, "codec": codec, "bytes": size,
-                   "encode-ms": 1e3 * median_seconds(lambda: encode(x, codec, wire), args.repeats),
-                   "decode-ms": 1e3 * median_seconds(lambda: decode(record, codec, n, wire), args.repeats),
-                   "max-abs-error": float(np.abs(back - x).max()),
-                   "relative-l2-error": float(np.linalg.norm(back - x) / np.linalg.norm(x))}
-            if direction == "update" and not args.no_link:
-                row["link-s"] = through_link(size, args.link_mbit)
-            rows.append(row)
+    for direction, codec, encoding, decoding, x in cases:
+        record = encoding()
+        back, size = decoding(record), wire_bytes(record)
+        row = {"direction": direction, "codec": codec, "bytes": size,
+               "encode-ms": 1e3 * median_seconds(encoding, args.repeats),
+               "decode-ms": 1e3 * median_seconds(lambda: decoding(record), args.repeats),
+               "max-abs-error": float(np.abs(back - x).max()),
+               "relative-l2-error": float(np.linalg.norm(back - x) / np.linalg.norm(x))}
+        if direction == "update" and not args.no_link:
+            row["link-s"] = through_link(size, args.link_mbit)
+        rows.append(row)
     for direction in ("update", "model"):
         plain = next(r for r in rows if r["direction"] == direction and r["codec"] == "none")
         for r in rows:

@@ -16,12 +16,20 @@ wire's codecs"):
   p = x + e's top k as (index, value) pairs and keeps e ← p − top_k(p); 8k bytes (a ratio of 1/(2f) against none).
   Biased per message, unbiased over messages: nothing a device computed is dropped, only delayed.
 
+With ``model-difference``, a model travels as the difference d = w − ŵ between the server's model w and the
+model ŵ the device holds, encoded by ``model-codec`` (topk included: the largest entries of d), and the device
+holds ŵ + d̂ next. The server keeps each device's ŵ, computed by :func:`apply_difference` as the device computes it
+(the same float32 operations: the same bits, checked by :func:`model_digest`), so what a message does not carry
+stays in the next difference: error feedback on the server's side (Tang et al. 2019, "DoubleSqueeze: Parallel
+Stochastic Gradient Descent with Double-pass Error-Compensated Compression", Alg. 1's server half, per device).
+
 Decoding checks everything a hostile device could put in a record (keys, dtypes, shapes, ranges, finiteness):
 :class:`BadArrays` names what does not fit, and the runtime rejects and counts the reply.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -42,7 +50,7 @@ HALF_MAX = float(np.finfo(np.float16).max)
 INT8_LEVELS = 127  # symmetric: −128 is never produced, and refused
 
 UPDATE_CODECS = ("none", "fp16", "int8", "topk")
-MODEL_CODECS = ("none", "fp16", "int8")  # a model is dense: a top-k of it is not a model
+MODEL_CODECS = UPDATE_CODECS  # topk only as a difference: a model's top-k entries alone are not a model
 
 
 @dataclass(frozen=True)
@@ -54,13 +62,56 @@ class WireCodecs:
                                "none (float32), fp16, int8 (block-wise absmax), topk (the largest entries, with "
                                "error feedback on the device)")
     model_codec: str = option("none", OneOf(MODEL_CODECS), "how the model travels to devices: none (float32), "
-                              "fp16, int8 (block-wise absmax); the server keeps its own in float32")
+                              "fp16, int8 (block-wise absmax), topk (with `model-difference` only); the server "
+                              "keeps its own in float32")
+    model_difference: bool = option(False, None, "send a device the difference between the model and the one it "
+                                    "holds, encoded as `model-codec` says (the server keeps each device's copy: "
+                                    "num-clients models in memory)")
     int8_block: int = option(256, COUNT, "B, values per block of int8's scales (4 bytes of scale per block)")
-    topk_fraction: float = option(0.01, Range(0, 1, low_open=True), "f, the share of an update's entries topk "
-                                  "sends (⌈f n⌉ of n)")
+    topk_fraction: float = option(0.01, Range(0, 1, low_open=True), "f, the share of entries topk sends, of an "
+                                  "update or a model's difference (⌈f n⌉ of n)")
 
 
 PLAIN = WireCodecs()  # float32 both ways
+
+
+def wire_refusal(codecs: WireCodecs) -> tuple[str, str] | None:
+    """(the key to change, what it allows) when the wire keys do not fit together; None when they do."""
+    if codecs.model_codec == "topk" and not codecs.model_difference:
+        return "model-codec", ("none, fp16 or int8, or topk with model-difference = true (a model's largest "
+                               "entries alone are not a model; of a difference they are)")
+    if codecs.model_difference and codecs.model_codec == "none":
+        return "model-difference", ("false with model-codec = 'none' (a float32 difference is as many bytes as the "
+                                    "model): set model-codec")
+    return None
+
+
+def full_codec(codecs: WireCodecs) -> str:
+    """How a whole model travels (to a device that holds none, and in evaluate messages): as ``model-codec``
+    says, int8 where that is topk."""
+    return "int8" if codecs.model_codec == "topk" else codecs.model_codec
+
+
+def model_digest(x: np.ndarray) -> str:
+    """A short digest of a float32 model's bits: the name of the copy a difference applies to."""
+    return hashlib.blake2b(np.ascontiguousarray(x, dtype=np.float32).tobytes(), digest_size=8).hexdigest()
+
+
+def apply_difference(held: np.ndarray | None, record: ArrayRecord, codecs: WireCodecs) -> np.ndarray:
+    """The model a device holds after `record`: ``held`` + the decoded difference, or (held None) the whole model
+    `record` carries. The device and the server both compute it with this, so their copies have the same bits."""
+    if held is None:
+        numel = int(np.prod(record[WIRE_KEY].shape)) if WIRE_KEY in record else 0
+        return decode(record, full_codec(codecs), numel, codecs)
+    return held + decode(record, codecs.model_codec, held.size, codecs)
+
+
+def encode_model(x: np.ndarray, codecs: WireCodecs, held: np.ndarray | None = None) -> ArrayRecord:
+    """The record of model `x` for a device holding `held` (None: none, or no ``model-difference``): the
+    difference x − held as ``model-codec`` says, or the whole model as :func:`full_codec` says."""
+    if held is None:
+        return encode(x, full_codec(codecs), codecs)[0]
+    return encode(np.asarray(x, dtype=np.float32) - held, codecs.model_codec, codecs)[0]
 
 
 def _array(values: np.ndarray) -> Array:

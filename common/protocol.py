@@ -16,3 +16,6 @@ VERSION, TRAIN_SEED, STRATEGY = "version", "train-seed", "strategy"
 # ... and of a train message's: how many updates of this run were dispatched to its client before it (a device's
 # state across its updates, e.g. topk's residual, is missing only if this is 0: client_app/wire_codec.py)
 UPDATES_BEFORE = "updates-before"
+# ... and, with ``model-difference``, the digest of the model the message's difference applies to ("": the message
+# carries the whole model; absent: the device's copy is not touched, as by an evaluate message)
+MODEL_BASE = "model-base"

@@ -19,7 +19,7 @@ from typing import Any
 
 from flwr.common.logger import log
 
-from common.codecs import WireCodecs
+from common.codecs import WireCodecs, wire_refusal
 from common.config import (
     COUNT,
     ConfigError,
@@ -217,7 +217,10 @@ def make_config(values: Mapping[str, Any]) -> RunConfig:
         raise ConfigError("clock", cfg.clock, f"a fleet whose devices cost time with clock = 'device' (fleet = "
                                               f"{cfg.fleet!r} is ideal): fleet = 'lognormal', or a fleet file")
     method = strategy_class(cfg.strategy)
-    if refusal := method.codec_refusal(make_options(method.Config, cfg.options), part_of(WireCodecs, cfg)):
+    wire = part_of(WireCodecs, cfg)
+    if refusal := wire_refusal(wire):
+        raise ConfigError(refusal[0], getattr(cfg, specs_of(WireCodecs)[refusal[0]].name), refusal[1])
+    if refusal := method.codec_refusal(make_options(method.Config, cfg.options), wire):
         key, allowed = refusal
         raise ConfigError(key, getattr(cfg, specs_of(WireCodecs)[key].name), f"{allowed} (strategy {cfg.strategy})")
     check_tracking(cfg)

@@ -216,7 +216,7 @@ class Runner:
         flights = []
         for c in clients:
             payload = self.strategy.model_for(c)
-            down = self._wire_nbytes(self.dispatcher.codecs.model_codec, payload.params) + payload.extra_nbytes
+            down = self.dispatcher.model_nbytes(c, payload.params.numel()) + payload.extra_nbytes
             self._bytes_down += down
             self._bytes_extra += payload.extra_nbytes
             self._seq += 1
@@ -236,7 +236,8 @@ class Runner:
         """The train message of `flight`, addressed to its client's current node."""
         flight.node = self.directory.node_of[flight.client]
         return self.dispatcher.message(flight.node, flight.payload, flight.version, train_seed=flight.train_seed,
-                                       config={UPDATES_BEFORE: self.dispatcher.dispatches[flight.client] - 1})
+                                       config={UPDATES_BEFORE: self.dispatcher.dispatches[flight.client] - 1},
+                                       client=flight.client)
 
     def _push(self, flights: list[Flight]) -> None:
         if not flights:
@@ -275,6 +276,7 @@ class Runner:
         """Give `flight`'s reply (None: timed out) to the strategy, stepping whenever it is ready; False if
         the update is lost (error, unusable, late)."""
         self.flights.pop(flight.client, None)
+        self.dispatcher.settle(flight.client, reply)
         event = {"round": rnd, "client": flight.client, "node": flight.node, "message": flight.message_id,
                  "base-version": flight.version,
                  "dispatch-round": flight.dispatch_round, "t": round(time.perf_counter() - self._t0, 4),

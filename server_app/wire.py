@@ -18,13 +18,23 @@ from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, RecordDict
 from flwr.common import log
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.serverapp import Grid
 
-from common.codecs import PLAIN, WireCodecs, decode, encode
+from common.codecs import (
+    PLAIN,
+    WireCodecs,
+    apply_difference,
+    decode,
+    encode_model,
+    encoded_nbytes,
+    full_codec,
+    model_digest,
+)
 from common.config import make_options
 from common.params import BadArrays, ParamSpec, extras_from_record, extras_to_record
 from common.protocol import (
@@ -33,6 +43,7 @@ from common.protocol import (
     CONFIG,
     EXTRAS,
     METRICS,
+    MODEL_BASE,
     NUM_EXAMPLES,
     PARTITION_ID,
     REPLY_KEYS,
@@ -282,6 +293,10 @@ class Dispatcher:
     # version share one copy of its bytes, so messages in the air cost a model per version, not per message.
     _last: tuple[torch.Tensor | None, ArrayRecord | None] = field(default=(None, None), repr=False)
     codecs: WireCodecs = field(init=False)  # the run's (the keys in run_config; none where it has none)
+    # model-difference: the model each client's device holds (as a reply confirmed), and the one its message in the
+    # air leaves it holding; a copy per client (common/codecs.py)
+    held: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    _sending: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.codecs = make_options(WireCodecs, self.run_config)
@@ -291,10 +306,26 @@ class Dispatcher:
         self.dispatches[client] = count + 1
         return derive_seed(self.seed, client, count)
 
+    def model_nbytes(self, client: int | None, numel: int) -> int:
+        """The bytes of the model's values in `client`'s next train message (None: an evaluate message's)."""
+        difference = self.codecs.model_difference and client in self.held
+        return encoded_nbytes(self.codecs.model_codec if difference else full_codec(self.codecs), numel, self.codecs)
+
+    def settle(self, client: int, reply: Message | None) -> None:
+        """`client`'s message is over: with a reply from its device (not an error), the device holds what the
+        message carried; otherwise what it holds is unknown, and its next message carries the whole model."""
+        sent = self._sending.pop(client, None)
+        if sent is not None and reply is not None and not reply.has_error():
+            self.held[client] = sent
+        else:
+            self.held.pop(client, None)
+
     def message(self, node: int, payload: Payload, version: int, message_type: str = MessageType.TRAIN,
-                train_seed: int | None = None, config: Mapping[str, Any] | None = None) -> Message:
+                train_seed: int | None = None, config: Mapping[str, Any] | None = None,
+                client: int | None = None) -> Message:
         """The message to `node`; `config` adds a caller's own keys (a Flower ServerApp's evaluate config), which
-        cannot change a run key: a clash is an error, not an override."""
+        cannot change a run key: a clash is an error, not an override. With `client` and ``model-difference``, the
+        model travels as the difference from the one that client's device holds (:meth:`settle` once it is over)."""
         config = dict(config or {})
         if clash := sorted(k for k, v in config.items() if k in self.run_config and self.run_config[k] != v):
             raise ValueError(f"a message's config cannot change the run's keys: {', '.join(clash)}")
@@ -302,10 +333,16 @@ class Dispatcher:
         config[VERSION] = version
         if train_seed is not None:
             config[TRAIN_SEED] = train_seed
-        if self._last[0] is not payload.params:
-            self._last = (payload.params, encode(payload.params.detach().cpu().numpy(), self.codecs.model_codec,
-                                                 self.codecs)[0])
-        content = RecordDict({ARRAYS: self._last[1], CONFIG: ConfigRecord(config)})
+        if client is not None and self.codecs.model_difference:
+            held = self.held.get(client)
+            model = encode_model(payload.params.detach().cpu().numpy(), self.codecs, held)
+            self._sending[client] = apply_difference(held, model, self.codecs)
+            config[MODEL_BASE] = "" if held is None else model_digest(held)
+        else:
+            if self._last[0] is not payload.params:
+                self._last = (payload.params, encode_model(payload.params.detach().cpu().numpy(), self.codecs))
+            model = self._last[1]
+        content = RecordDict({ARRAYS: model, CONFIG: ConfigRecord(config)})
         if payload.arrays:
             content[EXTRAS] = extras_to_record(payload.arrays)
         return Message(content, dst_node_id=node, message_type=message_type, group_id=str(version))

@@ -10,11 +10,13 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from flwr.app import (
     Array,
     ArrayRecord,
     ConfigRecord,
     Context,
+    Error,
     Message,
     MessageType,
     Metadata,
@@ -23,26 +25,31 @@ from flwr.app import (
 )
 from flwr.app.message import make_message
 
-from client_app.wire_codec import LOST, RESIDUAL, codec_mod
+from client_app.wire_codec import HELD, LOST, RESIDUAL, codec_mod
 from common.codecs import (
     HALF_MAX,
     INDEX_KEY,
-    MODEL_CODECS,
     SCALE_KEY,
     UPDATE_CODECS,
     WIRE_KEY,
     BadArrays,
     WireCodecs,
+    apply_difference,
     decode,
     encode,
+    encode_model,
     encoded_nbytes,
+    model_digest,
     topk_count,
 )
 from common.config import ConfigError, options_dict
-from common.protocol import ARRAYS, CONFIG, METRICS, PARTITION_ID, UPDATES_BEFORE
+from common.params import ParamSpec
+from common.protocol import ARRAYS, CONFIG, METRICS, MODEL_BASE, PARTITION_ID, UPDATES_BEFORE
 from flower_internals.wire import wire_bytes
 from hybridfl.cli import main
 from server_app.config import make_config
+from server_app.wire import Dispatcher
+from strategies.base import Payload
 
 EPS = 2.0**-24  # float32's unit roundoff
 N = 10_000 + 37  # not a multiple of a block
@@ -171,12 +178,13 @@ def test_what_a_codec_cannot_carry_is_refused_at_encoding():
 
 # -- the device's mod ---------------------------------------------------------------------------------------------
 
-def _train_message(codecs: WireCodecs, model: ArrayRecord, updates_before: int = 0, run_id: int = 7) -> Message:
-    config = ConfigRecord({**options_dict(codecs), UPDATES_BEFORE: updates_before})
+def _train_message(codecs: WireCodecs, model: ArrayRecord, updates_before: int = 0, run_id: int = 7,
+                   message_type: str = MessageType.TRAIN, **keys: str) -> Message:
+    config = ConfigRecord({**options_dict(codecs), UPDATES_BEFORE: updates_before, **keys})
     content = RecordDict({ARRAYS: model, CONFIG: config})
     return make_message(metadata=Metadata(run_id=run_id, message_id="", src_node_id=0, dst_node_id=1,
                                           reply_to_message_id="", group_id="", ttl=3600.0,
-                                          message_type=MessageType.TRAIN, created_at=time.time()), content=content)
+                                          message_type=message_type, created_at=time.time()), content=content)
 
 
 def _handler(update: np.ndarray, seen: list[np.ndarray]):
@@ -230,21 +238,128 @@ def test_topks_residual_survives_the_devices_restart_through_its_file(tmp_path, 
     assert LOST not in fresh.content[METRICS]
 
 
+# -- model-difference ---------------------------------------------------------------------------------------------
+
+def _walk(steps: int, n: int = N, seed: int = 8) -> list[np.ndarray]:
+    """Models of a run: each the last plus a step a hundredth of its size."""
+    rng = np.random.default_rng(seed)
+    models = [vector(seed, n)]
+    for _ in range(steps - 1):
+        models.append((models[-1] + 0.01 * np.abs(models[-1]) * rng.standard_normal(n)).astype(np.float32))
+    return models
+
+
+def test_a_model_difference_leaves_the_device_within_the_last_differences_step_with_no_drift(tmp_path):
+    """The device's copy, through the mod, has the bits of the server's; each model is within half an int8 step of
+    its difference's blocks (plus float32's rounding of one subtraction, one product and one addition), not of the
+    model's: the error does not add up over messages."""
+    codecs = WireCodecs(model_codec="int8", model_difference=True)
+    context, held, seen = _context({"cache-dir": str(tmp_path), "partition-id": 3}), None, []
+    for w in _walk(6):
+        record = encode_model(w, codecs, held)
+        base = "" if held is None else model_digest(held)
+        expected = apply_difference(held, record, codecs)
+        codec_mod(_train_message(codecs, record, **{MODEL_BASE: base}), context, _handler(np.zeros(N, np.float32),
+                                                                                          seen))
+        assert np.array_equal(seen[-1], expected) and model_digest(seen[-1]) == model_digest(expected)
+        if held is not None:
+            d = w - held
+            step = np.repeat(np.abs(np.pad(d, (0, -N % 256)).reshape(-1, 256)).max(axis=1) / 127, 256)[:N]
+            bound = step / 2 + 3 * EPS * np.abs(d) + 2 * EPS * np.abs(w) + 1e-45
+            assert (np.abs(expected - w) <= bound).all()
+            assert np.abs(expected - w).max() < 0.05 * np.abs(decode(encode(w, "int8", codecs)[0], "int8", N, codecs)
+                                                               - w).max()  # far below int8 of the model itself
+        held = expected
+    assert np.array_equal(np.load(tmp_path / "run-7" / "model-3.npy"), held)
+
+
+def test_a_topk_difference_sends_what_earlier_messages_left_out():
+    """The server's copy is error feedback: with the model fixed, ⌈1/f⌉ messages bring every entry, to float32's
+    rounding of one subtraction and one addition."""
+    codecs = WireCodecs(model_codec="topk", model_difference=True, topk_fraction=0.1)
+    w = vector(9, 1000)
+    held = apply_difference(None, encode_model(w, codecs), codecs)  # the whole model, as int8
+    assert encode_model(w, codecs).keys() == encode(w, "int8", codecs)[0].keys()
+    start = held.copy()
+    for _ in range(10):
+        held = apply_difference(held, encode_model(w, codecs, held), codecs)
+    assert (np.abs(held - w) <= 2 * EPS * (np.abs(w) + np.abs(w - start)) + 1e-45).all()
+    assert not (np.abs(start - w) <= 2 * EPS * np.abs(w) + 1e-45).all()  # int8 alone was not that close
+
+
+def test_a_device_that_lost_the_model_a_difference_applies_to_says_so_and_evaluation_leaves_it_alone(tmp_path):
+    codecs = WireCodecs(model_codec="int8", model_difference=True)
+    w0, w1 = _walk(2, 500)
+    context, seen = _context({"cache-dir": str(tmp_path), "partition-id": 3}), []
+    codec_mod(_train_message(codecs, encode_model(w0, codecs), **{MODEL_BASE: ""}), context,
+              _handler(np.zeros(500, np.float32), seen))
+    held = seen[-1].copy()
+    # an evaluate message carries the whole model and no base: the device's copy stays
+    codec_mod(_train_message(codecs, encode_model(w1, codecs), message_type=MessageType.EVALUATE), context,
+              _handler(np.zeros(500, np.float32), seen))
+    assert np.array_equal(context.state[HELD][WIRE_KEY].numpy(), held)
+    # the device's process restarted: its file holds the model
+    restarted = _context({"cache-dir": str(tmp_path), "partition-id": 3})
+    record = encode_model(w1, codecs, held)
+    codec_mod(_train_message(codecs, record, **{MODEL_BASE: model_digest(held)}), restarted,
+              _handler(np.zeros(500, np.float32), seen))
+    assert np.array_equal(seen[-1], apply_difference(held, record, codecs))
+    # a device without it (no state, no file) or with another model answers with an error naming both
+    for node_config in ({"cache-dir": ""}, {"cache-dir": str(tmp_path), "partition-id": 3}):
+        reply = codec_mod(_train_message(codecs, record, **{MODEL_BASE: model_digest(held)}), _context(node_config),
+                          _handler(np.zeros(500, np.float32), seen))
+        assert reply.has_error() and f"no longer holds the model {model_digest(held)}" in reply.error.reason
+
+
+def test_the_server_keeps_a_devices_copy_only_when_its_reply_says_the_message_arrived(monkeypatch):
+    """A reply that is not an error confirms the copy; an error or none leaves it unknown, and the next message
+    carries the whole model (fewer bytes only for a difference)."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name, value in (("_task_id", 1), ("_run_id", 7), ("_node_id", 0)):  # a ServerApp's task, run, node
+        monkeypatch.setattr(TaskIdentity, name, value)
+    codecs = {"model-codec": "topk", "model-difference": True, "topk-fraction": 0.01}
+    spec = ParamSpec(("w",), ((N,),))
+    dispatcher = Dispatcher(spec, codecs, seed=0)
+    w0, w1 = (torch.from_numpy(w) for w in _walk(2))
+    whole, sparse = encoded_nbytes("int8", N, WireCodecs()), encoded_nbytes("topk", N, WireCodecs(topk_fraction=0.01))
+    assert dispatcher.model_nbytes(5, N) == whole
+    first = dispatcher.message(1, Payload(w0), 0, client=5)
+    assert first.content[CONFIG][MODEL_BASE] == "" and INDEX_KEY not in first.content[ARRAYS]
+    dispatcher.settle(5, Message(RecordDict(), reply_to=first))
+    assert dispatcher.model_nbytes(5, N) == sparse and dispatcher.model_nbytes(6, N) == whole
+    second = dispatcher.message(1, Payload(w1), 1, client=5)
+    assert second.content[CONFIG][MODEL_BASE] == model_digest(dispatcher.held[5])
+    assert INDEX_KEY in second.content[ARRAYS]
+    dispatcher.settle(5, Message(Error(code=0, reason="the device lost it"), reply_to=second))
+    assert 5 not in dispatcher.held and dispatcher.model_nbytes(5, N) == whole
+    third = dispatcher.message(1, Payload(w1), 1, client=5)
+    assert third.content[CONFIG][MODEL_BASE] == ""
+    dispatcher.settle(5, Message(RecordDict(), reply_to=third))
+    dispatcher.message(1, Payload(w0), 2, client=5)
+    dispatcher.settle(5, None)  # timed out: did it arrive?
+    assert 5 not in dispatcher.held and dispatcher.model_nbytes(5, N) == whole
+    evaluate = dispatcher.message(1, Payload(w1), 1, MessageType.EVALUATE)
+    assert MODEL_BASE not in evaluate.content[CONFIG]
+
+
 # -- the run's keys -----------------------------------------------------------------------------------------------
 
 def test_codecs_are_run_keys_checked_at_start_and_a_pairing_a_method_cannot_use_is_refused(tmp_path, capsys):
-    assert set(MODEL_CODECS) < set(UPDATE_CODECS)
     with pytest.raises(ConfigError, match="'update-codec' = 'gzip'"):
         make_config({"update-codec": "gzip"})
-    with pytest.raises(ConfigError, match="'model-codec' = 'topk'"):
+    with pytest.raises(ConfigError, match="'model-codec' = 'topk'.*model-difference = true"):
         make_config({"model-codec": "topk"})
+    with pytest.raises(ConfigError, match="'model-difference' = True.*as many bytes as the model"):
+        make_config({"model-difference": True})
     with pytest.raises(ConfigError, match="'topk-fraction' = 0"):
         make_config({"topk-fraction": 0.0})
     with pytest.raises(ConfigError, match=r"'update-codec' = 'topk'.*barycenter.*strategy feddual"):
         make_config({"strategy": "feddual", "update-codec": "topk"})
     for fine in ({"strategy": "feddual", "update-codec": "int8"},
                  {"strategy": "feddual", "update-codec": "topk", "dynamic-source": "loss-gradient"},
-                 {"strategy": "fedbuff", "update-codec": "topk", "model-codec": "int8"}):
+                 {"strategy": "fedbuff", "update-codec": "topk", "model-codec": "int8"},
+                 {"strategy": "fedbuff", "update-codec": "topk", "model-codec": "topk", "model-difference": True}):
         cfg = make_config(fine)
         assert cfg.update_codec == fine["update-codec"]
     # as a user runs it: exit 2 before anything runs, the reason on stderr, no run folder

@@ -189,8 +189,8 @@ def test_flowers_loop_gives_the_runtimes_synchronous_run(tmp_path, name, extra):
     assert rows(flowers) == rows(ours) and rows(flowers, "events.jsonl") == rows(ours, "events.jsonl")
 
 
-# Each update codec once, each with a model codec (common/codecs.py)
-CODECS = [("fp16", "none"), ("int8", "fp16"), ("topk", "int8")]
+# Each update codec once, each with a model codec, the last as a difference (common/codecs.py)
+CODECS = [("fp16", "none", False), ("int8", "fp16", False), ("topk", "topk", True)]
 
 
 @pytest.mark.parametrize("name,extra", CASES, ids=IDS)
@@ -201,8 +201,9 @@ def test_every_method_works_on_what_each_codec_it_accepts_delivers_and_refuses_t
     counted each way; a pairing the method refuses fails at start."""
     plain = run(tmp_path, name, "runtime", **{"num-rounds": 3, **extra})
     base = json.loads((plain / "summary.json").read_text())
-    for update_codec, model_codec in CODECS:
-        keys = {"num-rounds": 3, **extra, "update-codec": update_codec, "model-codec": model_codec}
+    for update_codec, model_codec, difference in CODECS:
+        keys = {"num-rounds": 3, **extra, "update-codec": update_codec, "model-codec": model_codec,
+                "model-difference": difference}
         cls = STRATEGIES[name]
         cfg = config(name, **keys)
         if cls.codec_refusal(make_options(cls.Config, cfg), make_options(WireCodecs, cfg)):

@@ -36,11 +36,13 @@ def test_local_deployment_with_tls_and_auth_runs_keeps_node_state_refuses_intrud
     its own state from round to round (Ditto's personal models: the accuracies are the in-process run's); a
     SuperNode with its own unregistered key
     and a plain-HTTP one are refused by the SuperLink (their own exit and the SuperLink's reason are asserted).
-    The wire's codecs too (issue 70): updates as topk with error feedback, models as int8; each node's residual
-    carried from its first update to its second across Flower's process per message, as the in-process run does.
+    The wire's codecs too (issue 70): updates as topk with error feedback, models as topk differences (the first
+    message a whole model as int8); each node's residual and model carried from its first message to its second
+    across Flower's process per message, as the in-process run does (a difference applies only to the model the
+    first message left: else the second fails).
     One deployment for these claims: each costs a SuperLink, SuperNodes and a process per message."""
     overrides = {**DITTO_TWO_NODES, "output-dir": str(tmp_path / "out"), "run-name": "e2e", "update-codec": "topk",
-                 "model-codec": "int8"}
+                 "model-codec": "topk", "model-difference": True}
     home = tmp_path / "flwr-home"
     refused: dict[str, tuple[int | None, str]] = {}
     runtime: dict[str, httpx.Response | None] = {}
@@ -98,6 +100,11 @@ def test_local_deployment_with_tls_and_auth_runs_keeps_node_state_refuses_intrud
     # topk: each node kept its residual in its cache folder; what the devices sent is what the run counted (8 bytes
     # an entry, 2 % of float32 at topk-fraction 0.01) and Flower's framing
     assert len(list((tmp_path / "cache").glob("run-*/residual-[01].npy"))) == 2
+    assert len(list((tmp_path / "cache").glob("run-*/model-[01].npy"))) == 2
+    # round 2's models went as differences (2 % of float32 against int8's 25 %), as in the in-process run
+    down = [[json.loads(line)["bytes-down"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+            for out in (run_path, ref)]
+    assert down[0] == down[1] and 0 < down[0][2] < down[0][1] / 10, down
     counted, pulled = summary["bytes-up-per-update"], summary["pulled-bytes-per-reply"]
     assert counted < pulled < 1.1 * counted + 4096, (counted, pulled)
     # each Flower process had a FLWR_HOME of its own; the operator's holds the CLI's connection and the PKI only
