@@ -36,7 +36,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from common.codecs import encoded_nbytes
-from common.config import COUNT, POSITIVE, OneOf, Range, check_options, option
+from common.config import COUNT, POSITIVE, ConfigError, OneOf, Range, check_options, option
 from common.fleet import Fleet, FleetName, fleet_names
 from common.protocol import STRATEGY, UPDATES_BEFORE
 from flower_internals.replies import ReplyPuller, push
@@ -73,6 +73,9 @@ class RuntimeConfig:
     max_update_ratio: float = option(100.0, Range(0), "an update whose ℓ2 norm exceeds this multiple of the model it "
                                      "started from (of 1, for a model of smaller norm) is rejected: a finite but huge "
                                      "update would leave a model every later client fails on (0 = no bound)")
+    model_copies_mib: float = option(1024.0, POSITIVE, "MiB of the devices' model copies the server keeps for "
+                                     "`model-difference` (a float32 model each); past it, the copy used longest ago is "
+                                     "dropped, and that device's next message carries the whole model")
     time_budget_s: float = option(0.0, Range(0), "seconds of training after which the run ends with the round under "
                                   "way, evaluated and saved as its last (0 = none; a resumed run counts from its "
                                   "resumption): a deadline, or a load test's length")
@@ -113,8 +116,13 @@ class Runner:
             raise ValueError("clock='device' needs a fleet whose devices cost time (fleet='lognormal', a YAML file)")
         self._epochs = int(run_config.get("local-epochs", 1))
         self.device_t = 0.0
+        copies = int(self.runtime.model_copies_mib * 2**20 // (4 * max(strategy.spec.numel, 1)))
         self.dispatcher = Dispatcher(strategy.spec, {**run_config, STRATEGY: strategy.reference(),
-                                                     **strategy.client_options()}, seed)
+                                                     **strategy.client_options()}, seed, held_limit=copies)
+        if self.dispatcher.codecs.model_difference and copies < 1:
+            raise ConfigError("model-copies-mib", self.runtime.model_copies_mib,
+                              f"at least {4 * strategy.spec.numel / 2**20:.3g} (one float32 copy of this model) with "
+                              "model-difference = true")
         strategy.attach(server_data)
         self.on_event = on_event or (lambda event: None)
         self._sample_rng = random.Random(seed)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -295,7 +296,8 @@ class Dispatcher:
     codecs: WireCodecs = field(init=False)  # the run's (the keys in run_config; none where it has none)
     # model-difference: the model each client's device holds (as a reply confirmed), and the one its message in the
     # air leaves it holding; a copy per client (common/codecs.py)
-    held: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    held: OrderedDict[int, np.ndarray] = field(default_factory=OrderedDict, repr=False)  # least recently kept first
+    held_limit: int = MAX_COUNT  # copies kept at most (``model-copies-mib``)
     _sending: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -315,10 +317,11 @@ class Dispatcher:
         """`client`'s message is over: with a reply from its device (not an error), the device holds what the
         message carried; otherwise what it holds is unknown, and its next message carries the whole model."""
         sent = self._sending.pop(client, None)
+        self.held.pop(client, None)
         if sent is not None and reply is not None and not reply.has_error():
             self.held[client] = sent
-        else:
-            self.held.pop(client, None)
+            while len(self.held) > self.held_limit:
+                self.held.popitem(last=False)
 
     def message(self, node: int, payload: Payload, version: int, message_type: str = MessageType.TRAIN,
                 train_seed: int | None = None, config: Mapping[str, Any] | None = None,

@@ -341,6 +341,17 @@ def test_the_server_keeps_a_devices_copy_only_when_its_reply_says_the_message_ar
     assert 5 not in dispatcher.held and dispatcher.model_nbytes(5, N) == whole
     evaluate = dispatcher.message(1, Payload(w1), 1, MessageType.EVALUATE)
     assert MODEL_BASE not in evaluate.content[CONFIG]
+    # within its memory (model-copies-mib): the copy kept longest ago goes first
+    dispatcher.held_limit = 2
+    for client in (5, 6, 5, 7):
+        dispatcher.settle(client, Message(RecordDict(), reply_to=dispatcher.message(1, Payload(w1), 1, client=client)))
+    assert list(dispatcher.held) == [5, 7]
+
+
+def test_a_memory_for_copies_below_one_model_is_refused_at_start(tmp_path, capsys):
+    keys = ["model-codec=int8", "model-difference=true", f"output-dir={tmp_path}", "num-rounds=2"]
+    assert main(["run", "fedbuff-digits", *keys, "model-copies-mib=0.1"]) == 2
+    assert "'model-copies-mib' = 0.1" in capsys.readouterr().err and not any(tmp_path.iterdir())
 
 
 # -- the run's keys -----------------------------------------------------------------------------------------------
