@@ -95,6 +95,38 @@ def _lines(path: Path) -> list[dict]:
 
 
 @pytest.mark.e2e
+def test_a_sweep_sent_sigterm_stops_its_runs_at_once_and_exits_143(tmp_path: Path):
+    """`kill` of the driver alone (not its process group): its workers stop mid-run and the queued runs are dropped,
+    where the pool's own exit waited for every run submitted (the driver went on for hours)."""
+    spec = _spec(tmp_path, {**SPEC, "overrides": {**SPEC["overrides"], "num-rounds": 400, "eval-every": 100}})
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "hybridfl.cli", "sweep", str(spec), "--jobs", "2"], env=env,
+                            cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while len(list((tmp_path / "out").glob("*/metrics.jsonl"))) < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, "the sweep ended before it could be stopped"
+            time.sleep(0.2)
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the workers, and the pool's resource tracker after them
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("a process of the sweep outlived it")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not (tmp_path / "out" / "runs.jsonl").exists() or not _lines(tmp_path / "out" / "runs.jsonl")
+    assert not list((tmp_path / "out").glob("*/summary.json"))  # no run went on to its end
+
+
 def test_a_sweep_killed_mid_run_resumes_then_reports_its_choice(tmp_path: Path, capsys):
     spec = _spec(tmp_path, SPEC)
     results, folders = tmp_path / "out" / "runs.jsonl", tmp_path / "out"

@@ -102,10 +102,22 @@ class RayPlace:
 
 @contextlib.contextmanager
 def local_pool(workers: int) -> Iterator[Submit]:
-    """``submit(one, key, overrides)`` into `workers` processes on this machine."""
+    """``submit(one, key, overrides)`` into `workers` processes on this machine. Left by an exception (Ctrl-C, the
+    command's SIGTERM), it stops its workers mid-run (each run resumes from its checkpoint) and drops the queued
+    runs: the pool's own exit would wait for every run submitted, the queued ones too."""
     # spawned, not forked: a worker that trains on a GPU needs its own CUDA context
-    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    try:
         yield pool.submit
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        workers_now = multiprocessing.active_children()  # the driver's only children are the pool's workers
+        for worker in workers_now:
+            worker.terminate()
+        for worker in workers_now:
+            worker.join(timeout=30)
+        raise
+    pool.shutdown(wait=True)
 
 
 def _in_folder(folder: str, one: Callable[..., dict[str, Any]], key: str, overrides: dict[str, Any]
