@@ -68,7 +68,7 @@ deploy: $(STAMP)
 # HOST=1 host networking (docker/host-network.yml), FLOWER_DEVICES=1 Flower's own device processes instead of the
 # warm ones (docker/flower-devices.yml). Needs a Docker engine.
 compose-demo: $(STAMP)
-	$(PY) -m hybridfl.compose demo $(if $(PLAIN_HTTP),--plain-http) $(if $(GPU),--gpu) $(if $(HOST),--host-network) $(if $(FLOWER_DEVICES),--flower-devices) $(ARGS)
+	$(PY) -m hybridfl.launch.compose demo $(if $(PLAIN_HTTP),--plain-http) $(if $(GPU),--gpu) $(if $(HOST),--host-network) $(if $(FLOWER_DEVICES),--flower-devices) $(ARGS)
 
 # The same compose files without Docker: every service's command started natively on loopback
 compose-twin: $(STAMP)

@@ -11,7 +11,7 @@ and the project's own wheel
 ``--no-deps``. The userland, its venv and the wheels are cached in `--cache` and reused; a changed requirement in
 requirements/device.txt rebuilds the venvs; the project's wheel goes in anew every time.
 
-Per model, one run on a local deployment secured as ``hybridfl run --mode deployment`` (hybridfl/deploy_local.py:
+Per model, one run on a local deployment secured as ``hybridfl run --mode deployment`` (hybridfl/launch/deploy_local.py:
 TLS with a private CA, the SuperNodes' keys registered, the Runtime APIs' secrets; the warm devices,
 client_app/supernode.py and client_app/warm_executor.py) with two SuperNodes on loopback: node 0 inside the arm64
 userland (``chroot``; its processes are aarch64, emulated), node 1 native, from an x86_64 venv holding the same
@@ -57,11 +57,11 @@ from typing import Any
 
 import psutil
 
-from hybridfl.deploy_local import CONNECTION, runtime_api, superexec
-from hybridfl.flwr_cli import check_completed, flwr_run, register_supernode, write_connection
-from hybridfl.job import prepare
-from hybridfl.pki import make_pki, make_secrets
-from hybridfl.processes import ProcessGroup, flower_env, free_port, process_home, wait_healthy
+from hybridfl.launch.deploy_local import CONNECTION, runtime_api, superexec
+from hybridfl.launch.flwr_cli import check_completed, flwr_run, register_supernode, write_connection
+from hybridfl.launch.job import prepare
+from hybridfl.launch.pki import make_pki, make_secrets
+from hybridfl.launch.processes import ProcessGroup, flower_env, free_port, process_home, wait_healthy
 from tools.probes import device_timings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -200,7 +200,7 @@ def requirements_digest() -> str:
 
 def device_env(venv: str, home: Path) -> dict[str, str]:
     """A device process's whole environment: its venv's bin/ on PATH, nothing of this machine's (pip's settings,
-    this venv's PATH), Flower's settings as the launchers set them (hybridfl/processes.py flower_env)."""
+    this venv's PATH), Flower's settings as the launchers set them (hybridfl/launch/processes.py flower_env)."""
     base = flower_env(home)
     keep = ("FLWR_HOME", "FLWR_TELEMETRY_ENABLED", "FLWR_DISABLE_UPDATE_CHECK", "FLWR_SUPEREXEC_TASK_POLL_INTERVAL",
             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION", "PYTHONUNBUFFERED")

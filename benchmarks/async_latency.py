@@ -23,7 +23,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from hybridfl.deploy_local import deploy_runs
+from hybridfl.launch.deploy_local import deploy_runs
 
 
 def main(argv: list[str] | None = None) -> int:

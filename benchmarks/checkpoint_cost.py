@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hybridfl.inprocess import run_inprocess
+from hybridfl.engine.inprocess import run_inprocess
 from server_app import run as run_module
 
 

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from common import cohort_step
-from hybridfl import cohort, inprocess
-from hybridfl.inprocess import run_inprocess
+from hybridfl.engine import cohort, inprocess
+from hybridfl.engine.inprocess import run_inprocess
 
 # one client at a time; together, each step a CUDA graph where there is CUDA; together, eagerly
 MODES = ("off", "on", "eager")

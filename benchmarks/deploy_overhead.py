@@ -3,7 +3,7 @@
     python -m benchmarks.deploy_overhead [--rounds 4] [--compose outputs/compose-test]
 
 In deployment Flower's SuperExec starts one ``flwr-clientapp`` process per message. This runs FedAvg on digits with
-one SuperNode on a local deployment (hybridfl/deploy_local.py: SuperLink, SuperNode and their SuperExecs, process
+one SuperNode on a local deployment (hybridfl/launch/deploy_local.py: SuperLink, SuperNode and their SuperExecs, process
 isolation; the node keeps its partition for the run and the SuperExecs poll every 0.2 s) three times, side by side
 in one run (``--executor`` of ``hybridfl run --mode deployment``):
 
@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hybridfl.deploy_local import EXECUTORS, deploy_runs
+from hybridfl.launch.deploy_local import EXECUTORS, deploy_runs
 from tools.probes import device_timings
 
 PARTS = ("flower-s", "import-s", "data-s", "model-s", "work-s")

@@ -4,8 +4,8 @@ under a stalled-upload attack, through the edge and straight at the SuperLink, s
     python -m benchmarks.edge_limits [--stalls 600] [--fleet-size 1000] [--requests 10]
 
 One SuperLink with docker/compose.yml's security flags (TLS, SuperNode authentication, ``--database``, process
-isolation with its secret) on loopback, the edge (hybridfl/edge, nginx, rendered with ``--fleet-size``) in front of
-it; the attacker holds only ca.crt and speaks from 127.0.0.2 (tools/hostile_client.py):
+isolation with its secret) on loopback, the edge (hybridfl/launch/edge, nginx, rendered with ``--fleet-size``) in front
+of it; the attacker holds only ca.crt and speaks from 127.0.0.2 (tools/hostile_client.py):
 
 - uploads: unauthenticated ``POST /v1/fleet/push-messages`` bodies of 64 and 256 MiB (one with a Content-Length,
   one chunked), then three 256 MiB ones at once; first through the edge, then at the SuperLink's own port (the
@@ -33,8 +33,8 @@ from pathlib import Path
 
 import psutil
 
-from hybridfl import edge
-from hybridfl.processes import free_port, wait_healthy
+from hybridfl.launch import edge
+from hybridfl.launch.processes import free_port, wait_healthy
 from tools import hostile_client as attacker
 from tools.hostile_client import Server
 

@@ -20,7 +20,7 @@ alternating order (engine, bare, bare, engine, ...). It prints the median of eac
 engine/bare (goal: <= 1.10), the median of the paired ratios (repeat i's engine over repeat i's bare,
 CPU time: neighbours in time share the machine's state, so drift between invocations cancels), and
 checks that both paths end with bitwise the same global model and the same evaluations.
-``--flwr-run`` also runs the job through ``flwr run`` on a simulation SuperLink (``hybridfl.simulate``,
+``--flwr-run`` also runs the job through ``flwr run`` on a simulation SuperLink (``hybridfl.launch.simulate``,
 temporary FLWR_HOME) and prints its total wall time (SuperLink, Ray, FAB install included) and the
 ServerApp's own ``wall-seconds`` from its summary.json.
 Exits 1 if the engine and bare runs disagree (the comparison would not be like with like).
@@ -54,7 +54,7 @@ from common.params import ParamSpec
 from common.server_data import build_server_data
 from common.splits import client_partition, data_spec, load_dataset, make_splits
 from common.training import LocalRecipe, derive_seed, evaluate, train
-from hybridfl.inprocess import run_inprocess
+from hybridfl.engine.inprocess import run_inprocess
 from server_app.config import RunConfig, load_config
 from server_app.evaluation import weighted_mean
 from strategies import build_strategy
@@ -153,7 +153,7 @@ def run_bare(cfg: RunConfig) -> Outcome:
 
 def run_flwr(overrides: dict[str, Any]) -> tuple[Outcome, float]:
     """The job through ``flwr run`` (simulation): its outcome (total wall s) and the ServerApp's wall-seconds."""
-    from hybridfl.simulate import simulate
+    from hybridfl.launch.simulate import simulate
 
     with tempfile.TemporaryDirectory(prefix="flwr-home-") as home:
         t0 = time.perf_counter()

@@ -13,8 +13,8 @@ more updates to reach what FedAvg reaches; the question is how long that takes):
 - **sim**: the in-process engine, device time from the profiles (runtime's module docstring): FedAvg on the virtual
   clock with no delay (a barrier: a round lasts as long as its slowest device), FedBuff and Feddle-ID on the device
   clock (updates handed over in order of completion);
-- **real**: a local deployment (hybridfl/deploy_local.py) with the fleet applied to real SuperNodes
-  (hybridfl/real_fleet.py: shaped links, paced work); FedAvg on the same barrier, the asynchronous methods on the
+- **real**: a local deployment (hybridfl/launch/deploy_local.py) with the fleet applied to real SuperNodes
+  (hybridfl/launch/real_fleet.py: shaped links, paced work); FedAvg on the same barrier, the asynchronous methods on the
   wall clock. Its time is the host's: the rounds' seconds added up (the server's evaluations between rounds left out,
   as the simulation leaves them out).
 
@@ -37,8 +37,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hybridfl.deploy_local import deploy
-from hybridfl.inprocess import run_inprocess
+from hybridfl.engine.inprocess import run_inprocess
+from hybridfl.launch.deploy_local import deploy
 from tools.probes import device_timings
 
 METHODS = {"fedavg": {"preset": "fedavg-digits", "clock": "virtual", "delay-sigma": 0.0},

@@ -6,9 +6,9 @@
 
 Starts on loopback a SuperLink with the compose file's security (TLS with a private CA, SuperNode authentication,
 process isolation; Flower's in-memory state, or SQLite with ``--database``), the edge in front of it (nginx,
-hybridfl/edge, sized for N devices), registers N device keys through the Control API, and runs hybridfl's ServerApp
-(``flwr run``, its SuperExec) with FedBuff on the wall clock for M minutes (``time-budget-s``) while N devices, in P
-processes of this module, answer it.
+hybridfl/launch/edge, sized for N devices), registers N device keys through the Control API, and runs hybridfl's
+ServerApp (``flwr run``, its SuperExec) with FedBuff on the wall clock for M minutes (``time-budget-s``) while N
+devices, in P processes of this module, answer it.
 
 Each device is a real Fleet API client: Flower 1.42's own transport (``http_request_response``: HTTPS through the
 edge, its own registered key signing every request, its heartbeat thread), and Flower's SuperNode's pacing (a pull
@@ -71,11 +71,11 @@ from client_app.app import app
 from common.config import ConfigError
 from common.splits import check_partitions, data_spec
 from flower_internals import supernode
-from hybridfl import edge
-from hybridfl.deploy_local import superexec
-from hybridfl.flwr_cli import check_completed, flwr_run, run_status, write_connection
-from hybridfl.job import prepare
-from hybridfl.processes import flower_env
+from hybridfl.launch import edge
+from hybridfl.launch.deploy_local import superexec
+from hybridfl.launch.flwr_cli import check_completed, flwr_run, run_status, write_connection
+from hybridfl.launch.job import prepare
+from hybridfl.launch.processes import flower_env
 from server_app.evaluation import EVAL_WAVE
 from tools import hostile_client
 

@@ -95,7 +95,7 @@ def run_point(point: dict[str, Any]) -> dict[str, Any]:
     """One run in this process (one torch thread): its final and best-of-last-5 test accuracy, what it rejected."""
     import torch
 
-    from hybridfl.inprocess import run_inprocess
+    from hybridfl.engine.inprocess import run_inprocess
 
     torch.set_num_threads(1)
     hostile = attackers(point["fraction"], point["seed"])

@@ -2,9 +2,9 @@
 
     python -m benchmarks.linkdb_growth [--runs 5] [--rounds 1] [--keep 1] [--log-lines 100000]
 
-Starts a local deployment (hybridfl/deploy_local.py: TLS, node authentication, one SuperNode) whose SuperLink keeps
-its state in a file (``--database``, as compose's does), runs FedAvg on digits ``--runs`` times in a row on it, and
-records after each run the bytes on disk (the file and its write-ahead log) and the rows Flower never deletes (runs,
+Starts a local deployment (hybridfl/launch/deploy_local.py: TLS, node authentication, one SuperNode) whose SuperLink
+keeps its state in a file (``--database``, as compose's does), runs FedAvg on digits ``--runs`` times in a row on it,
+and records after each run the bytes on disk (the file and its write-ahead log) and the rows Flower never deletes (runs,
 task log lines, FABs); then prunes to the newest ``--keep`` finished runs while the SuperLink still runs and records
 again. Long runs, on a copy of the file taken before the prune: ``--log-lines`` lines of 500 bytes added to each
 finished run's log (a long run's ServerApp log), pruned the same way, with how long each write transaction held
@@ -22,8 +22,8 @@ import time
 from contextlib import closing
 from pathlib import Path
 
-from hybridfl.deploy_local import deploy_runs
-from hybridfl.linkdb import Pruned, file_size, mib, prune, row_counts
+from hybridfl.launch.deploy_local import deploy_runs
+from hybridfl.launch.linkdb import Pruned, file_size, mib, prune, row_counts
 
 COUNTED = ("run", "task_logs", "fab", "message_ins", "objects")
 

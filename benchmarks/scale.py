@@ -14,7 +14,7 @@ Each run is a fresh process (``--child``), so its peak is its own:
 
 * ``inprocess``: ``run_inprocess`` (ServerApp, ClientApp and every client's work in one process);
   the peak is that process's ``ru_maxrss``.
-* ``flwr``: ``hybridfl.simulate`` (a simulation SuperLink, ``flwr run`` with one simulated SuperNode per
+* ``flwr``: ``hybridfl.launch.simulate`` (a simulation SuperLink, ``flwr run`` with one simulated SuperNode per
   client on Ray, 1 CPU each); the peak is the largest sum of the PSS of the process tree (SuperLink,
   ServerApp, simulation runtime, Ray), sampled every 0.5 s.
 
@@ -88,12 +88,12 @@ def child(engine: str, method: str, clients: int, steps: int, dataset: str) -> d
         ov = {**overrides(method, clients, steps, dataset), "output-dir": tmp}
         t0 = time.perf_counter()
         if engine == "inprocess":
-            from hybridfl.inprocess import run_inprocess
+            from hybridfl.engine.inprocess import run_inprocess
 
             out = run_inprocess(ov)
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         else:
-            from hybridfl.simulate import simulate
+            from hybridfl.launch.simulate import simulate
 
             ov["wait-nodes-s"] = FLWR_WAIT_NODES_S
             samples: list[float] = []

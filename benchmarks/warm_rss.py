@@ -2,7 +2,7 @@
 
     python -m benchmarks.warm_rss [--messages 1000] [--supernodes 2] [--out outputs/warm-rss.jsonl]
 
-A local deployment (hybridfl/deploy_local.py, ``--executor warm``) runs FedBuff on digits on the wall clock, one
+A local deployment (hybridfl/launch/deploy_local.py, ``--executor warm``) runs FedBuff on digits on the wall clock, one
 local epoch on a tenth of each node's data per update (the messages, not the training, are measured), until
 `messages` updates have arrived. Every 2 s it records the RSS (``VmRSS``) of each node's
 long-lived processes: the SuperNode (client_app/supernode.py), the warm executor and its fork server
@@ -20,8 +20,8 @@ import threading
 import time
 from pathlib import Path
 
-from hybridfl.deploy_local import deploy
-from hybridfl.processes import children
+from hybridfl.launch.deploy_local import deploy
+from hybridfl.launch.processes import children
 
 
 def rss_mib(pid: int) -> float | None:

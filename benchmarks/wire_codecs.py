@@ -11,7 +11,7 @@ headline's). Each codec encodes that update (``update-codec``) and the model (``
 second (errors against the second model); bytes are what
 Flower's transport pushes (every object of the record, deflated: ``flower_internals.wire.wire_bytes``), times are
 medians over ``--repeats`` runs with one torch thread, and the link time is the update's serialised bytes pushed through
-hybridfl's user-space link shaper (hybridfl/shaper.py) at ``--link-mbit`` to a sink on loopback, until the sink
+hybridfl's user-space link shaper (hybridfl/launch/shaper.py) at ``--link-mbit`` to a sink on loopback, until the sink
 has them all. Ratios are against ``none``, measured in the same run.
 """
 
@@ -35,7 +35,7 @@ from common.params import ParamSpec
 from common.splits import client_partition, data_spec, task_data
 from common.training import LocalRecipe, train
 from flower_internals.wire import wire_bytes
-from hybridfl.shaper import Link, Route, Shaper
+from hybridfl.launch.shaper import Link, Route, Shaper
 from server_app.config import load_config
 
 RECIPE = {"lr": 0.003, "local-epochs": 5}  # the headline's (BENCHMARKS "Headline")

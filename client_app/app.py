@@ -3,10 +3,10 @@
 The node's partition comes from ``node_config`` (``partition-id``, ``num-partitions``), set by
 the simulation engine, by ``flower-supernode --node-config`` in deployment, or by the in-process
 engine. An optional ``latency-s`` in ``node_config`` delays every train reply (a slow device), and
-``compute-s-per-example`` with ``overhead-s`` pace it as a device profile says (a real fleet: hybridfl/real_fleet.py);
-an optional ``data-root`` says where this node keeps the datasets' files, ``cache-dir`` where it keeps its
-partition for the run (client_app/node_cache.py), ``allow-code`` the user code it runs besides what its runs
-declare (client_app/declared.py).
+``compute-s-per-example`` with ``overhead-s`` pace it as a device profile says (a real fleet:
+hybridfl/launch/real_fleet.py); an optional ``data-root`` says where this node keeps the datasets' files, ``cache-dir``
+where it keeps its partition for the run (client_app/node_cache.py), ``allow-code`` the user code it runs besides what
+its runs declare (client_app/declared.py).
 Everything else (data spec, model, local recipe, seed) travels in the message config, so a node
 needs no run configuration of its own.
 

@@ -81,7 +81,7 @@ def train_reply(msg: Message, context: Context, pid: int, num_partitions: int, l
     """The method's local training from the received model; replies with the parameter delta, the metrics and
     the method's extra arrays. `timings` gets the seconds of loading (:func:`load_task`) and of the work
     (``work-s``). A node with a device profile (``compute-s-per-example``, ``overhead-s``: a real fleet's paced
-    device, hybridfl/real_fleet.py) replies no sooner than the profile says its message takes: ``overhead-s`` +
+    device, hybridfl/launch/real_fleet.py) replies no sooner than the profile says its message takes: ``overhead-s`` +
     training examples × local epochs × ``compute-s-per-example``, from the message's arrival (``paced-s``)."""
     arrived = time.time()
     task = load_task(msg, context, pid, num_partitions, timings)

@@ -1,4 +1,4 @@
-"""The batched local step: C clients' local training, one step at a time, as one computation (hybridfl/cohort.py
+"""The batched local step: C clients' local training, one step at a time, as one computation (hybridfl/engine/cohort.py
 builds the cohorts and their batches).
 
 Each client's trainable parameters are a row of one (C, P) tensor; a step is one ``torch.func.vmap`` over

@@ -1,7 +1,7 @@
 """Devices as they are: a device's profile (compute speed, link, memory, availability) and a fleet of them.
 
 One declaration serves every mode: the simulation's device clock (server_app/runtime.py) computes each message's
-completion from its device's profile, and a real fleet (hybridfl/real_fleet.py) applies the same profile to a
+completion from its device's profile, and a real fleet (hybridfl/launch/real_fleet.py) applies the same profile to a
 real SuperNode (paced work, a shaped link, a memory limit, a start/stop schedule).
 
 A fleet is a mix of device classes, each with a share of the fleet; every client draws its class and, where a
@@ -64,7 +64,8 @@ class DeviceProfile:
     down_bytes_per_s: float = 0.0
     up_bytes_per_s: float = 0.0
     latency_s: float = 0.0  # one way
-    drop: float = 0.0  # real fleets: the chance a segment is lost (hybridfl/shaper.py; the simulation ignores it)
+    # real fleets: the chance a segment is lost (hybridfl/launch/shaper.py; the simulation ignores it)
+    drop: float = 0.0
     memory_mb: int = 0  # the device's memory for the ClientApp (real fleets; 0 = no limit)
     cpus: float = 0.0  # the device's cores for the ClientApp (real fleets: a CPU quota; 0 = none)
     windows: tuple[tuple[float, float], ...] = ()

@@ -1,5 +1,5 @@
-"""What the in-process engine (hybridfl/inprocess.py) needs of Flower that its public API does not give: the ``Run``
-record a Grid reports, and the sender Flower's ServerApp process gives every message it makes."""
+"""What the in-process engine (hybridfl/engine/inprocess.py) needs of Flower that its public API does not give: the
+``Run`` record a Grid reports, and the sender Flower's ServerApp process gives every message it makes."""
 
 from __future__ import annotations
 

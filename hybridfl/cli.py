@@ -37,10 +37,10 @@ from typing import Annotated, Any, TypeVar
 import click
 import typer
 
-from hybridfl.edge import FLEET_SIZE, LINK_RATE, MAX_BODY_MIB
-from hybridfl.flwr_cli import run_and_report
-from hybridfl.job import MAIN_JOB, parse_overrides
-from hybridfl.processes import terminated
+from hybridfl.launch.edge import FLEET_SIZE, LINK_RATE, MAX_BODY_MIB
+from hybridfl.launch.flwr_cli import run_and_report
+from hybridfl.launch.job import MAIN_JOB, parse_overrides
+from hybridfl.launch.processes import terminated
 
 app = typer.Typer(help=__doc__.split("\n\n")[0], no_args_is_help=True, add_completion=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
@@ -135,17 +135,17 @@ def launch(overrides: dict[str, Any], mode: Mode, flwr_home: Path, deployment: D
             raise ConfigError("--mode", str(mode), "simulation, the only mode with --ray, --client-num-cpus and "
                               "--client-num-gpus")
         if mode is Mode.in_process:
-            from hybridfl.inprocess import run_inprocess
+            from hybridfl.engine.inprocess import run_inprocess
 
             with progress_line(verbose):
                 return run_inprocess(overrides)  # output-dir relative to here, as the user typed it
         if mode is Mode.simulation:
-            from hybridfl import cluster
-            from hybridfl.simulate import simulate
+            from hybridfl.launch import cluster
+            from hybridfl.launch.simulate import simulate
 
             return simulate(overrides, flwr_home.resolve(), ray_address=cluster.address(simulation.ray),
                             client_cpus=simulation.client_num_cpus, client_gpus=simulation.client_num_gpus)
-        from hybridfl.deploy_local import deploy
+        from hybridfl.launch.deploy_local import deploy
 
         return deploy(overrides, flwr_home.resolve(), deployment.supernodes, deployment.slow_nodes(),
                       plain_http=deployment.plain_http, executor=deployment.executor)[0]
@@ -276,7 +276,7 @@ def certs(directory: Annotated[Path, typer.Argument(help="where the files go (ke
     SuperExec authentication): a CA, the SuperLink's and the edge's certificates (a key each), `supernode-I` key
     pairs, and `superlink.secret`
     and `supernode-I.secret` (docs: "TLS and node authentication")."""
-    from hybridfl.pki import DEFAULT_NAMES, make_pki
+    from hybridfl.launch.pki import DEFAULT_NAMES, make_pki
 
     make_pki(directory, tuple(name or DEFAULT_NAMES), nodes)
     typer.echo(f"certificates, keys and secrets in {directory} (keep the keys and the secrets private)")
@@ -307,7 +307,7 @@ def edge(directory: Annotated[Path, typer.Argument(help="where nginx.conf, liste
     security.md "The edge's limits, and how to size them"). Prints the nginx command that runs it."""
     import shlex
 
-    from hybridfl import edge as edge_proxy
+    from hybridfl.launch import edge as edge_proxy
 
     needed = () if plain_http else ("ca.crt", "edge.crt", "edge.key")
     if missing := [str(certs / f) for f in needed if not (certs / f).is_file()]:
@@ -383,7 +383,7 @@ def prune_superlink_db(
     and run series no kept run uses), then give the space back (VACUUM); safe while the SuperLink runs (a run that has
     not finished is never touched). Prints what it removed and the file's size before and after; a file that is not
     a SuperLink database is refused (exit 2), unchanged."""
-    from hybridfl.linkdb import prune
+    from hybridfl.launch.linkdb import prune
 
     _echo_or_exit_2(lambda: str(prune(db, keep, vacuum)))
 

@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from common.config import OptionSpec, specs_of
-from hybridfl.bundle import PROJECT_DIR, pyproject_table, toml_value
+from hybridfl.launch.bundle import PROJECT_DIR, pyproject_table, toml_value
 from server_app.config import option_owners, option_specs, run_key_groups
 from strategies import strategy_class
 

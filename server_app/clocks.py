@@ -18,7 +18,7 @@ Every run keeps **device time** (``device-t`` in metrics.jsonl and events.jsonl)
 barrier's (a round ends when the last message handed over in it completes; devices offline at a round's start
 are not sampled, a message whose device goes offline before it completes is lost as ``vanished``), which is
 synchronous FL's wall-clock time for σ = 0; the ``wall`` clock's is the host's elapsed time (a real fleet paces
-itself: hybridfl/real_fleet.py).
+itself: hybridfl/launch/real_fleet.py).
 
 A clock reads and moves the runner's one table of flights (server_app/flights.py) through :class:`Driven`, the
 runner's part it drives; the runner owns sampling, dispatch, the hand-over and the round's record.

@@ -47,7 +47,7 @@ SMALL = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 4, "num-
 @pytest.fixture
 def small_run(tmp_path: Path):
     """Run the in-process engine on the synthetic set; returns (output folder, summary)."""
-    from hybridfl.inprocess import run_inprocess
+    from hybridfl.engine.inprocess import run_inprocess
 
     def run(name: str = "run", client_app=None, grid=None, **overrides: Any) -> tuple[Path, dict]:
         out = run_inprocess({**SMALL, "output-dir": str(tmp_path), "run-name": name, **overrides},

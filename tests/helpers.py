@@ -21,7 +21,7 @@ from PIL import Image
 
 from client_app.app import app as client_app
 from common.protocol import ARRAYS
-from hybridfl.compose_file import COMPOSE_DIR, missing_modules
+from hybridfl.launch.compose_file import COMPOSE_DIR, missing_modules
 
 
 def readme_commands(page: Path) -> list[str]:
@@ -87,10 +87,10 @@ def flower_threads() -> Iterator[None]:
 
 
 def simulated(overrides: dict[str, Any], flwr_home: Path, **kw: Any) -> Path:
-    """:func:`hybridfl.simulate.simulate` with one Ray actor (each client holds all of the Ray's CPUs): what the
+    """:func:`hybridfl.launch.simulate.simulate` with one Ray actor (each client holds all of the Ray's CPUs): what the
     tests compare is decided by the seed and the virtual clock, not by how many clients train at once, and each
     actor costs about 10 s of CPU to start."""
-    from hybridfl import simulate
+    from hybridfl.launch import simulate
 
     return simulate.simulate(overrides, flwr_home, client_cpus=simulate.local_cpus(), **kw)
 

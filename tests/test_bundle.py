@@ -1,4 +1,4 @@
-"""The Flower app a launcher hands to ``flwr run`` (hybridfl/bundle.py)."""
+"""The Flower app a launcher hands to ``flwr run`` (hybridfl/launch/bundle.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from flwr.cli.build import build_fab_from_disk
 
-from hybridfl.bundle import PROJECT_DIR, app_files, flower_app, source_checkout
+from hybridfl.launch.bundle import PROJECT_DIR, app_files, flower_app, source_checkout
 
 
 def test_the_checkouts_app_is_a_copy_that_builds_the_very_fab_of_the_checkout():

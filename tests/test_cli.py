@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from hybridfl.bundle import PROJECT_DIR
 from hybridfl.cli import command_overrides, describe, main
-from hybridfl.job import MAIN_JOB
+from hybridfl.launch.bundle import PROJECT_DIR
+from hybridfl.launch.job import MAIN_JOB
 from server_app.presets import preset_names
 
 SHORT = ["num-rounds=2", "eval-every=1", "checkpoint-every=1"]
@@ -102,7 +102,7 @@ def test_a_run_whose_clients_all_fail_exits_1_saying_why(tmp_path: Path, capsys,
 def test_an_unexpected_error_prints_one_line_and_keeps_the_traceback_in_a_file(tmp_path, monkeypatch, capsys):
     """Not a config error (exit 2) nor a failed run: one line naming the exception and where its traceback went,
     exit 1; `--verbose` prints the traceback too."""
-    from hybridfl import inprocess
+    from hybridfl.engine import inprocess
 
     def broken(overrides):
         raise ValueError("the loader returned 3 columns, the model expects 4")

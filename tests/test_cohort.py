@@ -1,5 +1,5 @@
-"""Cohort training (hybridfl/cohort.py): a pull's clients trained as one batched computation give the updates that
-training them one after another gives, within float rounding, for every method it serves; everything else runs
+"""Cohort training (hybridfl/engine/cohort.py): a pull's clients trained as one batched computation give the updates
+that training them one after another gives, within float rounding, for every method it serves; everything else runs
 one message at a time, as before."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from common.params import WIRE_KEY, ParamSpec
 from common.protocol import ARRAYS, TRAIN_SEED
 from common.splits import client_partition, data_spec
 from common.training import LocalRecipe
-from hybridfl import cohort
-from hybridfl.inprocess import InProcessGrid, cohort_training, run_inprocess
+from hybridfl.engine import cohort
+from hybridfl.engine.inprocess import InProcessGrid, cohort_training, run_inprocess
 from server_app.config import load_config
 from strategies.client import ClientSide, LocalTask
 

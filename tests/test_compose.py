@@ -18,10 +18,11 @@ import pytest
 import yaml
 from helpers import compose_cli, needs_nginx
 
-from hybridfl import flwr_cli, processes
-from hybridfl.bundle import PROJECT_DIR
-from hybridfl.compose import CONNECTION, demo_run_config, main
-from hybridfl.compose_file import (
+from hybridfl.engine.inprocess import run_inprocess
+from hybridfl.launch import flwr_cli, processes
+from hybridfl.launch.bundle import PROJECT_DIR
+from hybridfl.launch.compose import CONNECTION, demo_run_config, main
+from hybridfl.launch.compose_file import (
     COMPOSE_DIR,
     ComposeError,
     _merge,
@@ -35,7 +36,6 @@ from hybridfl.compose_file import (
     supernodes,
     validate,
 )
-from hybridfl.inprocess import run_inprocess
 from tools import compose_engine, intruder
 from tools.compose_twin import Twin, twin
 from tools.compose_twin import main as twin_main
@@ -82,10 +82,11 @@ def test_the_compose_files_are_secure_by_default_and_plain_http_only_when_asked(
     host = load(compose_files(host=True))["services"]
     assert {n for n, svc in host.items() if svc.get("network_mode") == "host"} == {
         "edge", *(f"{k}-{i}" for k in ("supernode", "superexec-clientapp") for i in range(2))}
-    assert [v.split(":")[1] for v in services["edge"]["volumes"] if "hybridfl/edge" in v] == [
+    assert [v.split(":")[1] for v in services["edge"]["volumes"] if "hybridfl/launch/edge" in v] == [
         "/etc/hybridfl/edge/nginx.conf", "/etc/hybridfl/edge/listen.conf"]
-    assert "../hybridfl/edge/tls.conf:/etc/hybridfl/edge/listen.conf:ro" in services["edge"]["volumes"]
-    assert "../hybridfl/edge/plain-http.conf:/etc/hybridfl/edge/listen.conf:ro" in plain["services"]["edge"]["volumes"]
+    assert "../hybridfl/launch/edge/tls.conf:/etc/hybridfl/edge/listen.conf:ro" in services["edge"]["volumes"]
+    assert ("../hybridfl/launch/edge/plain-http.conf:/etc/hybridfl/edge/listen.conf:ro"
+            in plain["services"]["edge"]["volumes"])
     # every Runtime API and its SuperExec share one secret per trust boundary, in TLS and plain HTTP alike
     for compose in (secure, plain):
         s = compose["services"]
@@ -474,10 +475,10 @@ def test_every_app_container_gets_one_torch_thread_unless_torch_threads_says_els
 
 
 def test_the_operators_flwr_runs_in_the_operator_container_on_the_folder_it_is_called_from(monkeypatch, tmp_path):
-    """`python -m hybridfl.compose flwr [--plain-http] ARGS`: `docker compose run` of the `operator` service with the
-    compose files the flags choose, the current folder mounted at its working directory, flwr's own arguments
+    """`python -m hybridfl.launch.compose flwr [--plain-http] ARGS`: `docker compose run` of the `operator` service with
+    the compose files the flags choose, the current folder mounted at its working directory, flwr's own arguments
     untouched; flwr's exit code is the command's."""
-    import hybridfl.compose as compose
+    import hybridfl.launch.compose as compose
 
     seen: list[list[str]] = []
     monkeypatch.setattr(compose.subprocess, "run", lambda argv, check: seen.append(argv) or

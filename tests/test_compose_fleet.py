@@ -1,5 +1,6 @@
-"""A fleet on the compose files (hybridfl/compose_fleet.py): the generated file, as hybridfl and as Compose itself
-read it, and the schedule's docker compose commands. The fleet on a real engine is `make compose-test`'s part (f)."""
+"""A fleet on the compose files (hybridfl/launch/compose_fleet.py): the generated file, as hybridfl and as Compose
+itself read it, and the schedule's docker compose commands. The fleet on a real engine is `make compose-test`'s part
+(f)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import pytest
 from helpers import compose_cli
 
 from common.fleet import DeviceProfile, Fleet
-from hybridfl.compose import main
-from hybridfl.compose_file import compose_files, load, supernodes
-from hybridfl.compose_fleet import SHAPER_PORT, ComposeSchedule, fleet_services, write_fleet_file
-from hybridfl.shaper import parse_route
+from hybridfl.launch.compose import main
+from hybridfl.launch.compose_file import compose_files, load, supernodes
+from hybridfl.launch.compose_fleet import SHAPER_PORT, ComposeSchedule, fleet_services, write_fleet_file
+from hybridfl.launch.shaper import parse_route
 
 PHONE = DeviceProfile(name="phone", compute_s_per_example=0.004, overhead_s=0.5, down_bytes_per_s=1.5e6,
                       up_bytes_per_s=5e5, latency_s=0.05, drop=0.01, memory_mb=1500, cpus=0.5)

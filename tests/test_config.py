@@ -7,8 +7,8 @@ import tomllib
 import pytest
 
 from common.config import ConfigError
-from hybridfl.bundle import PROJECT_DIR
 from hybridfl.config_table import REFERENCE, page_with_tables, pyproject_with_table
+from hybridfl.launch.bundle import PROJECT_DIR
 from server_app.config import RunConfig, load_config, option_owners, option_specs
 from server_app.presets import CONFIG_DIR, read_preset
 from strategies import STRATEGIES, FedBuff, build_strategy
@@ -171,7 +171,7 @@ def test_bad_key_inside_a_preset_is_reported(tmp_path, monkeypatch):
 
 def test_command_line_overrides_take_toml_values_or_bare_strings():
     """`make demo ARGS='preset="x"'` reaches the script as preset=x (make's shell drops the quotes)."""
-    from hybridfl.job import parse_overrides
+    from hybridfl.launch.job import parse_overrides
 
     assert parse_overrides(['preset="fedbuff-digits"', "num-rounds=5", "lr=0.1", "fallback-init=false",
                             "data-root=/data/x"]) == {"preset": "fedbuff-digits", "num-rounds": 5, "lr": 0.1,

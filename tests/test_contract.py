@@ -22,7 +22,7 @@ from common.codecs import WireCodecs
 from common.config import ConfigError, make_options, specs_of
 from common.datasets import ArrayDataset
 from common.server_data import ServerData
-from hybridfl.inprocess import InProcessGrid, run_inprocess
+from hybridfl.engine.inprocess import InProcessGrid, run_inprocess
 from hybridfl.sweep import config_digest
 from server_app.config import load_config
 from server_app.run import TrainingRun, build_run

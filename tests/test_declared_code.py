@@ -14,8 +14,8 @@ from flwr.app import Context, RecordDict
 from client_app.declared import check_message, guard
 from common.errors import ConfigError
 from common.user_code import UndeclaredCode, resolve
-from hybridfl.bundle import PROJECT_DIR
-from hybridfl.inprocess import run_inprocess
+from hybridfl.engine.inprocess import run_inprocess
+from hybridfl.launch.bundle import PROJECT_DIR
 
 EXAMPLE = PROJECT_DIR / "examples" / "tabular"
 
@@ -206,10 +206,10 @@ def test_in_process_the_nodes_run_config_is_the_runs_keys(tmp_path, gate_app):
 
 
 def test_a_resumed_run_gives_the_checkpoints_code_again(tmp_path, monkeypatch):
-    """What a resumed run's launchers pass Flower (hybridfl/job.py ``prepare``: ``hybridfl resume``, ``hybridfl run
-    resume=...``, ``make demo ARGS='resume=...'`` in simulation and deployment): the checkpoint's import paths as keys
-    of the run (its devices see them declared), the user's keys after them."""
-    from hybridfl.job import prepare
+    """What a resumed run's launchers pass Flower (hybridfl/launch/job.py ``prepare``: ``hybridfl resume``, ``hybridfl
+    run resume=...``, ``make demo ARGS='resume=...'`` in simulation and deployment): the checkpoint's import paths as
+    keys of the run (its devices see them declared), the user's keys after them."""
+    from hybridfl.launch.job import prepare
 
     monkeypatch.syspath_prepend(str(EXAMPLE))
     run = run_inprocess({"preset": "tabular_task:presets/fedavgm", "num-rounds": 1, "output-dir": str(tmp_path),
@@ -225,10 +225,10 @@ def test_a_resumed_run_gives_the_checkpoints_code_again(tmp_path, monkeypatch):
 
 @pytest.mark.e2e
 def test_a_deployed_device_answers_an_undeclared_name_with_an_error_and_serves_the_runs_own(tmp_path, gate_app):
-    """A real local deployment (hybridfl/deploy_local.py) of the test's app: the device refuses the message that
+    """A real local deployment (hybridfl/launch/deploy_local.py) of the test's app: the device refuses the message that
     names `rogue:load`, naming the key (the rogue module, in the app's FAB on the device, was never imported), and
     trains on the one that names the run's declared model."""
-    from hybridfl.deploy_local import deploy_runs
+    from hybridfl.launch.deploy_local import deploy_runs
 
     app, marker = gate_app
     (out,), _ = deploy_runs([{"output-dir": str(tmp_path / "out"), "run-name": "gate"}], tmp_path / "flwr-home",

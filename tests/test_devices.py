@@ -7,7 +7,7 @@ import torch
 
 from client_app.app import app as client_app
 from common.devices import resolve_device
-from hybridfl.inprocess import InProcessGrid
+from hybridfl.engine.inprocess import InProcessGrid
 from tests.helpers import digest, rows
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none on this machine)")

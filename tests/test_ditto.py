@@ -17,7 +17,7 @@ from common.params import ParamSpec
 from common.protocol import TRAIN_SEED
 from common.splits import client_partition, data_spec
 from common.training import LocalRecipe, derive_seed, evaluate, train
-from hybridfl.inprocess import InProcessGrid, run_inprocess
+from hybridfl.engine.inprocess import InProcessGrid, run_inprocess
 from server_app.config import load_config
 from strategies.client import LocalTask
 from strategies.ditto import LAMBDA, PERSONAL, DittoClient

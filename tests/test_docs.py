@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 import shlex
 
-from hybridfl.bundle import PROJECT_DIR
-from hybridfl.job import parse_overrides
+from hybridfl.launch.bundle import PROJECT_DIR
+from hybridfl.launch.job import parse_overrides
 from server_app.config import load_config
 
 GUIDE = PROJECT_DIR / "docs" / "adding-a-method.md"

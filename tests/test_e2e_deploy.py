@@ -15,12 +15,12 @@ import httpx
 import pytest
 from helpers import DITTO_TWO_NODES, flower_threads, personal_accuracies
 
-from hybridfl import processes
 from hybridfl.cli import main
-from hybridfl.deploy_local import deploy
-from hybridfl.inprocess import run_inprocess
-from hybridfl.pki import node_key
-from hybridfl.processes import free_port
+from hybridfl.engine.inprocess import run_inprocess
+from hybridfl.launch import processes
+from hybridfl.launch.deploy_local import deploy
+from hybridfl.launch.pki import node_key
+from hybridfl.launch.processes import free_port
 from tools.probes import acquire_task_anonymously, device_timings
 
 
@@ -185,7 +185,7 @@ def test_async_deployment_survives_a_slow_and_a_lost_supernode(tmp_path: Path) -
 def test_a_launcher_stopped_by_sigterm_stops_the_processes_it_started(tmp_path: Path) -> None:
     """A launcher killed with SIGTERM (a `kill`, a service manager, a CI timeout) unwinds as after Ctrl-C: the
     processes its ProcessGroup started are stopped, not left running with nobody to stop them; it exits 143."""
-    script = ("import sys, time\nfrom pathlib import Path\nfrom hybridfl.processes import ProcessGroup\n"
+    script = ("import sys, time\nfrom pathlib import Path\nfrom hybridfl.launch.processes import ProcessGroup\n"
               "with ProcessGroup(Path(sys.argv[1]), {}) as procs:\n"
               "    print(procs.start('sleeper', ['sleep', '300']).pid, flush=True)\n    time.sleep(300)\n")
     launcher = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True,

@@ -1,4 +1,4 @@
-"""`flwr run .` local simulation (Ray) through hybridfl/simulate.py, with a temporary FLWR_HOME."""
+"""`flwr run .` local simulation (Ray) through hybridfl/launch/simulate.py, with a temporary FLWR_HOME."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import pytest
 import torch
 from helpers import digest, flower_threads, rows, simulated
 
-from hybridfl import flwr_cli, processes, simulate
 from hybridfl.cli import main as cli
-from hybridfl.inprocess import run_inprocess
-from hybridfl.processes import process_tree
+from hybridfl.engine.inprocess import run_inprocess
+from hybridfl.launch import flwr_cli, processes, simulate
+from hybridfl.launch.processes import process_tree
 from server_app.checkpoint import CHECKPOINT
 from tools.probes import alive
 

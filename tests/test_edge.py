@@ -1,6 +1,6 @@
-"""The edge (hybridfl/edge, real nginx) in front of a real SuperLink started with the compose file's security flags,
-on loopback, against a stranger holding only ca.crt (tools/hostile_client.py): oversized uploads are refused at the
-edge and the SuperLink's memory stays where it was; stalled uploads from one address are capped per client and
+"""The edge (hybridfl/launch/edge, real nginx) in front of a real SuperLink started with the compose file's security
+flags, on loopback, against a stranger holding only ca.crt (tools/hostile_client.py): oversized uploads are refused at
+the edge and the SuperLink's memory stays where it was; stalled uploads from one address are capped per client and
 timed out, while a registered device behind the edge trains through a run; the edge's TLS and banner."""
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import pytest
 from cryptography import x509
 from helpers import needs_nginx
 
-from hybridfl import edge
 from hybridfl.cli import main
-from hybridfl.deploy_local import EXECUTORS, runtime_api, superexec
-from hybridfl.flwr_cli import flwr_run, register_supernode, write_connection
-from hybridfl.pki import make_pki
-from hybridfl.processes import ProcessGroup, flower_env, free_port, wait_healthy
+from hybridfl.launch import edge
+from hybridfl.launch.deploy_local import EXECUTORS, runtime_api, superexec
+from hybridfl.launch.flwr_cli import flwr_run, register_supernode, write_connection
+from hybridfl.launch.pki import make_pki
+from hybridfl.launch.processes import ProcessGroup, flower_env, free_port, wait_healthy
 from tools import hostile_client as attacker
 
 FLEET = 4  # devices per address the test's edge is sized for: its per-client cap is 3 x 4 connections

@@ -14,7 +14,7 @@ from client_app.app import app as client_app
 from common.objectives import OBJECTIVES, objective
 from common.params import ParamSpec
 from common.protocol import ARRAYS, BASE_VERSION, EXTRAS, METRICS, NUM_EXAMPLES, PARTITION_ID
-from hybridfl.inprocess import InProcessGrid
+from hybridfl.engine.inprocess import InProcessGrid
 from server_app.config import load_config
 from server_app.run import build_run
 from server_app.wire import RejectedReply, parse_reply

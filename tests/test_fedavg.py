@@ -13,7 +13,7 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from client_app.app import app as client_app
 from common.params import ParamSpec
 from common.protocol import ARRAYS, BASE_VERSION, CONFIG, METRICS, NUM_EXAMPLES, PARTITION_ID, VERSION
-from hybridfl.inprocess import InProcessGrid
+from hybridfl.engine.inprocess import InProcessGrid
 from server_app.flower import FlowerStrategy
 from strategies import FedAvg
 from strategies.base import Update

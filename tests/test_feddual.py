@@ -21,7 +21,7 @@ from common.objectives import Received, build_loss
 from common.params import ParamSpec
 from common.splits import load_dataset
 from common.training import LocalRecipe, accuracy_of, evaluate, train
-from hybridfl.inprocess import run_inprocess
+from hybridfl.engine.inprocess import run_inprocess
 from server_app.config import load_config
 from strategies import FedDual
 from strategies.base import Unusable, Update

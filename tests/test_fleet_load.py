@@ -14,7 +14,7 @@ import pytest
 from helpers import needs_nginx
 
 from benchmarks.fleet_load import reconcile
-from hybridfl.bundle import PROJECT_DIR
+from hybridfl.launch.bundle import PROJECT_DIR
 
 REPO = PROJECT_DIR
 

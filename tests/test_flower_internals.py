@@ -13,7 +13,7 @@ import flwr
 import pytest
 
 import flower_internals
-from hybridfl.bundle import PROJECT_DIR
+from hybridfl.launch.bundle import PROJECT_DIR
 
 HERE = PROJECT_DIR / "flower_internals"
 # Flower's public API (its API reference): what the rest of hybridfl may import

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridfl.inprocess import run_inprocess
+from hybridfl.engine.inprocess import run_inprocess
 
 SERVER_SIDE = ["feddle", "feddf", "fedft", "hfcl", "center", "parallel-training", "example-transfer",
                "gradient-transfer"]

@@ -17,11 +17,11 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from client_app.app import app as client_app
-from hybridfl.deploy_local import CONNECTION, deploy
-from hybridfl.flwr_cli import register_supernode
-from hybridfl.inprocess import run_inprocess
-from hybridfl.pki import node_key
-from hybridfl.processes import ProcessGroup, flower_env
+from hybridfl.engine.inprocess import run_inprocess
+from hybridfl.launch.deploy_local import CONNECTION, deploy
+from hybridfl.launch.flwr_cli import register_supernode
+from hybridfl.launch.pki import node_key
+from hybridfl.launch.processes import ProcessGroup, flower_env
 from tools.rogue_device import BAD_EVALUATIONS, BAD_REPLIES, BadReply, bad_reply, hostile_content
 
 REPO = Path(__file__).resolve().parent.parent

@@ -20,7 +20,7 @@ from client_app.app import app as client_app
 from common.config import ConfigError
 from common.params import ParamSpec
 from common.protocol import ARRAYS, BASE_VERSION, CONFIG, EXTRAS, METRICS, NUM_EXAMPLES, PARTITION_ID, VERSION
-from hybridfl.inprocess import InProcessGrid
+from hybridfl.engine.inprocess import InProcessGrid
 from server_app.config import load_config
 from server_app.wire import RejectedReply, parse_metrics, parse_reply
 from strategies import build_strategy

@@ -15,7 +15,7 @@ from common.params import ParamSpec
 from common.protocol import METRICS
 from common.splits import ArrayDataset
 from common.training import evaluate
-from hybridfl.inprocess import run_inprocess
+from hybridfl.engine.inprocess import run_inprocess
 from strategies import IFCA
 from strategies.base import Unusable, Update
 from strategies.ifca import CANDIDATE, CANDIDATES, choose_candidate

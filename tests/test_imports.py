@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridfl.bundle import PROJECT_DIR
+from hybridfl.launch.bundle import PROJECT_DIR
 
 PACKAGES = ("flower_internals", "common", "strategies", "server_app", "client_app", "hybridfl")
 # What each package may import from the others: what hybridfl changes in Flower (flower_internals/) is the bottom,
@@ -123,6 +123,20 @@ def test_each_package_imports_only_the_layers_below_it():
     wrong = sorted((m, i) for m, deps in graph().items() for i in deps
                    if i.split(".")[0] != m.split(".")[0] and i.split(".")[0] not in ALLOWED[m.split(".")[0]])
     assert set(wrong) <= CROSSINGS
+
+
+def test_hybridfl_is_the_command_over_its_engine_launchers_and_sweeps():
+    """hybridfl/'s own modules are the command (cli.py, its progress lines, its reference tables); its folders hold
+    what the command drives (engine/, launch/, sweep/), and none of them imports the command: each is usable alone."""
+    g = graph()
+    top = {f"hybridfl.{p.stem}" for p in (PROJECT_DIR / "hybridfl").glob("*.py") if p.stem != "__init__"}
+    assert top == {"hybridfl.cli", "hybridfl.progress", "hybridfl.config_table"}
+    folders = {p.name for p in (PROJECT_DIR / "hybridfl").iterdir() if (p / "__init__.py").exists()}
+    assert folders == {"engine", "launch", "sweep"}
+    upward = sorted((m, i) for m, deps in g.items() if m.split(".")[:2] in (["hybridfl", f] for f in folders)
+                    for i in deps if i in top)
+    assert upward == []
+    assert "hybridfl.launch.job" in g["hybridfl.cli"]  # the walk sees the command's imports
 
 
 def test_a_device_checking_a_messages_code_imports_nothing_of_the_server():

@@ -18,7 +18,7 @@ from common.params import ParamSpec
 from common.protocol import ARRAYS, TRAIN_SEED
 from common.splits import data_spec, load_dataset, make_splits
 from common.training import evaluate
-from hybridfl.inprocess import InProcessGrid, run_inprocess
+from hybridfl.engine.inprocess import InProcessGrid, run_inprocess
 from server_app.config import client_config, load_config
 from server_app.flower import FlowerStrategy
 from strategies import build_strategy
@@ -153,7 +153,7 @@ def test_strategy_runs_under_flowers_start(name, clock):
 def test_main_job_reaches_085_in_process(tmp_path):
     """README command (1)'s job (Feddle-ID on digits: 20 clients, 5 per step, delays σ = 5 steps,
     150 held-out digits on the server) through the in-process engine."""
-    from hybridfl.job import MAIN_JOB
+    from hybridfl.launch.job import MAIN_JOB
 
     out = run_inprocess({"preset": MAIN_JOB, "output-dir": str(tmp_path), "run-name": "main"})
     summary = json.loads((out / "summary.json").read_text())

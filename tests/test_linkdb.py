@@ -1,5 +1,6 @@
-"""The SuperLink's database kept bounded (hybridfl/linkdb.py, ``hybridfl superlink-db prune``): on the file a real
-SuperLink writes (``--database``), pruned while it runs; a file that is not such a database is refused unchanged."""
+"""The SuperLink's database kept bounded (hybridfl/launch/linkdb.py, ``hybridfl superlink-db prune``): on the file a
+real SuperLink writes (``--database``), pruned while it runs; a file that is not such a database is refused
+unchanged."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from hybridfl.cli import main
-from hybridfl.compose_file import compose_files, load
-from hybridfl.deploy_local import CONNECTION, deploy_runs
-from hybridfl.linkdb import file_size, prune
-from hybridfl.processes import flower_env
+from hybridfl.launch.compose_file import compose_files, load
+from hybridfl.launch.deploy_local import CONNECTION, deploy_runs
+from hybridfl.launch.linkdb import file_size, prune
+from hybridfl.launch.processes import flower_env
 
 JOB = {"preset": "fedavg-digits", "num-clients": 1, "clients-per-round": 1, "num-rounds": 1, "cnn-width": 8}
 # the tables that hold a run's rows once it has finished (Flower deletes its messages and objects itself)

@@ -14,7 +14,7 @@ import torch
 from flwr.app import Array, Message
 
 from client_app.app import app as client_app
-from hybridfl.inprocess import InProcessGrid
+from hybridfl.engine.inprocess import InProcessGrid
 from server_app.config import load_config
 from server_app.evaluation import client_evaluate
 from server_app.rounds import RoundLog

@@ -20,7 +20,7 @@ from common.protocol import ARRAYS, EXTRAS
 from common.server_data import ServerData
 from common.splits import data_spec, make_splits
 from common.training import LocalRecipe, evaluate, server_seed, train_on_server
-from hybridfl.inprocess import InProcessGrid, run_inprocess
+from hybridfl.engine.inprocess import InProcessGrid, run_inprocess
 from server_app.config import load_config
 from strategies import ExampleTransfer, FedAvg, GeneralizedFedAvg, GradientTransfer, ParallelTraining
 from strategies.base import Update

@@ -16,7 +16,7 @@ import numpy as np
 from client_app import node_cache
 from client_app.node_cache import cache_dir, client_parts
 from common.splits import CLIENT_PARTS, DataSpec, client_partition
-from hybridfl.bundle import PROJECT_DIR
+from hybridfl.launch.bundle import PROJECT_DIR
 
 SPEC = DataSpec(dataset="synthetic", seed=3, partitioner="dirichlet", dirichlet_alpha=0.5, num_clients=4,
                 test_fraction=0.2, central_size=10, client_test_fraction=0.2, client_validation_fraction=0.1,

@@ -14,7 +14,7 @@ from common.models import build_from_config
 from common.params import ParamSpec
 from common.splits import client_partition, data_spec
 from common.training import EVAL_STREAM, LocalRecipe, derive_seed, evaluate, train
-from hybridfl.inprocess import run_inprocess
+from hybridfl.engine.inprocess import run_inprocess
 from server_app.checkpoint import read_strategy_state
 from server_app.config import load_config
 from strategies import Local

@@ -1,4 +1,4 @@
-"""hybridfl/pki.py: a CA, a SuperLink certificate it signed for the given names, SuperNode keys in the
+"""hybridfl/launch/pki.py: a CA, a SuperLink certificate it signed for the given names, SuperNode keys in the
 format ``flower-supernode --auth-supernode-private-key`` reads; kept on a second call."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from hybridfl.cli import main
-from hybridfl.pki import make_pki, make_secrets
+from hybridfl.launch.pki import make_pki, make_secrets
 
 
 def test_the_server_certificate_is_signed_by_the_ca_for_every_name(tmp_path: Path) -> None:

@@ -169,7 +169,7 @@ def test_a_client_no_node_can_host_is_refused_before_anything_starts(tmp_path: P
 
 
 def test_an_address_where_no_cluster_answers_is_refused_at_once(tmp_path: Path, capsys, monkeypatch) -> None:
-    from hybridfl.processes import free_port
+    from hybridfl.launch.processes import free_port
 
     monkeypatch.chdir(tmp_path)
     assert cli(["run", *JOB, "--mode", "simulation", "--ray", f"127.0.0.1:{free_port()}"]) == 2
@@ -275,7 +275,7 @@ def test_a_sweep_on_the_cluster_survives_its_worker_node_and_reports_what_jobs_2
 ])
 def test_a_task_no_node_can_host_names_the_key_and_the_most_a_node_has(cpus, gpus, key, allowed) -> None:
     from common.errors import ConfigError
-    from hybridfl.cluster import check_fits
+    from hybridfl.launch.cluster import check_fits
 
     nodes = [{"CPU": 1.0, "GPU": 0.25}, {"CPU": 1.0}]
     check_fits(nodes, 1, 0.25, "the cluster")  # the first node hosts it

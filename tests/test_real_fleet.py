@@ -1,5 +1,5 @@
-"""A real fleet (hybridfl/real_fleet.py): a fleet's profiles applied to real SuperNodes on loopback: shaped links,
-paced work, memory limits, devices stopped and started by their windows."""
+"""A real fleet (hybridfl/launch/real_fleet.py): a fleet's profiles applied to real SuperNodes on loopback: shaped
+links, paced work, memory limits, devices stopped and started by their windows."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import pytest
 from helpers import rows
 
 from common.fleet import DeviceProfile, Fleet
-from hybridfl import real_fleet
-from hybridfl.processes import free_port
-from hybridfl.real_fleet import DeviceCgroup, RealFleet
+from hybridfl.launch import real_fleet
+from hybridfl.launch.processes import free_port
+from hybridfl.launch.real_fleet import DeviceCgroup, RealFleet
 from tools.docs import bash_blocks
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import torch
 
 from benchmarks import reproduce_feddle as R
 from hybridfl import sweep as S
-from hybridfl.inprocess import run_inprocess
+from hybridfl.engine.inprocess import run_inprocess
 from server_app.config import load_config, used_keys
 
 FAMILIES = ("feddle-animal", "feddle-fmnist")

@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks import reproduce_fedmerge as F
 from hybridfl import sweep as S
-from hybridfl.inprocess import run_inprocess
+from hybridfl.engine.inprocess import run_inprocess
 from server_app.config import load_config
 
 SPEC = "benchmarks/sweeps/fedmerge-fmnist.yaml"

@@ -11,7 +11,7 @@ from helpers import write_jpg, write_leaf
 
 from benchmarks import reproduce_mixing as M
 from hybridfl import sweep as S
-from hybridfl.inprocess import run_inprocess
+from hybridfl.engine.inprocess import run_inprocess
 from server_app.config import load_config
 
 

@@ -18,8 +18,8 @@ from helpers import Crash, crashing, digest, rows
 
 from client_app.app import app as client_app
 from common.config import ConfigError
-from hybridfl.bundle import PROJECT_DIR
-from hybridfl.inprocess import InProcessGrid, run_inprocess
+from hybridfl.engine.inprocess import InProcessGrid, run_inprocess
+from hybridfl.launch.bundle import PROJECT_DIR
 from server_app.checkpoint import CHECKPOINT, pack_state, read_checkpoint, unpack_state, write_checkpoint
 from server_app.config import MAY_CHANGE_ON_RESUME, load_config
 
@@ -290,7 +290,7 @@ def test_sigkill_of_the_serverapp_process_then_resume_is_byte_identical(tmp_path
     overrides = job(tmp_path, "killed", **{"num-rounds": 10, "strategy": "feddle", "central-size": 40})
     # the killed process computes with this one's torch threads: they decide the float sums compared below
     code = (f"import torch\ntorch.set_num_threads({torch.get_num_threads()})\n"
-            "from client_app.app import app\nfrom hybridfl.inprocess import InProcessGrid, run_inprocess\n"
+            "from client_app.app import app\nfrom hybridfl.engine.inprocess import InProcessGrid, run_inprocess\n"
             f"run_inprocess({overrides!r}, grid=InProcessGrid(app, 4, node_config={{'latency-s': 0.1}}))\n")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=PROJECT_DIR, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

@@ -19,7 +19,7 @@ from flwr.supercore.inflatable.inflatable_utils import ObjectPushError
 
 from client_app.app import app as client_app
 from common.protocol import ARRAYS, BASE_VERSION, CONFIG, METRICS, NUM_EXAMPLES, PARTITION_ID, VERSION
-from hybridfl.inprocess import InProcessGrid
+from hybridfl.engine.inprocess import InProcessGrid
 
 
 def events(out) -> list[dict]:

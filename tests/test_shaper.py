@@ -1,6 +1,6 @@
-"""The link shaper (hybridfl/shaper.py), through a local server on 127.0.0.1: bytes intact and in order both ways,
-each direction's rate on its own, latency as a pipe (paid once, not per chunk), reproducible losses that cost their
-RTO, refused values, and the command line as a process. Times are asserted from below only (a loaded machine is
+"""The link shaper (hybridfl/launch/shaper.py), through a local server on 127.0.0.1: bytes intact and in order both
+ways, each direction's rate on its own, latency as a pipe (paid once, not per chunk), reproducible losses that cost
+their RTO, refused values, and the command line as a process. Times are asserted from below only (a loaded machine is
 slower, never faster), but for the pipe's property, asserted loosely against what a delay per chunk would cost."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridfl.shaper import CHUNK, MIN_BURST, SEGMENT, Link, Route, Shaper, main
+from hybridfl.launch.shaper import CHUNK, MIN_BURST, SEGMENT, Link, Route, Shaper, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -207,7 +207,7 @@ def test_the_command_line_refuses_a_bad_route_with_exit_2_naming_it(route: str, 
 
 
 def test_the_command_line_relays_until_sigterm_and_exits_0(server: int) -> None:
-    process = subprocess.Popen([sys.executable, "-m", "hybridfl.shaper", "--route",
+    process = subprocess.Popen([sys.executable, "-m", "hybridfl.launch.shaper", "--route",
                                 f"127.0.0.1:0=127.0.0.1:{server},latency_s=0.01,up_bytes_per_s=1e6"],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import typer
 
-from hybridfl.bundle import PROJECT_DIR
 from hybridfl.cli import app
-from hybridfl.processes import free_port
+from hybridfl.launch.bundle import PROJECT_DIR
+from hybridfl.launch.processes import free_port
 from server_app.config import RunConfig, option_specs
 from strategies import STRATEGIES
 

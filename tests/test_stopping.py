@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from hybridfl import processes
-from hybridfl.simulate import local_cpus
+from hybridfl.launch import processes
+from hybridfl.launch.simulate import local_cpus
 from tools import probes
 
 EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -100,8 +100,8 @@ def test_an_interrupt_while_a_process_starts_acts_once_it_is_recorded(tmp_path: 
     script = """
 import os, signal, subprocess, sys
 from pathlib import Path
-from hybridfl import processes
-from hybridfl.simulate import local_cpus
+from hybridfl.launch import processes
+from hybridfl.launch.simulate import local_cpus
 signal.signal(signal.SIGTERM, processes.terminated)
 real_popen = subprocess.Popen
 def popen_then_terminated(*args, **kwargs):

@@ -19,7 +19,7 @@ from benchmarks.reproduce_feddle import HEADLINE, RETUNED
 from common.errors import ConfigError
 from hybridfl import sweep as sweeps
 from hybridfl.cli import main
-from hybridfl.inprocess import run_inprocess
+from hybridfl.engine.inprocess import run_inprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = {"runs": [{"presets": "fedavg-digits", "grid": {"lr": [0.05, 0.1]}, "seeds": [0, 1]}],

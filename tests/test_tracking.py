@@ -11,7 +11,7 @@ import yaml
 
 from common.errors import ConfigError
 from hybridfl import sweep as sweeps
-from hybridfl.inprocess import run_inprocess
+from hybridfl.engine.inprocess import run_inprocess
 from server_app.config import load_config
 
 SHORT = {"dataset": "synthetic", "num-clients": 4, "clients-per-round": 4, "local-epochs": 1, "batch-size": 16,

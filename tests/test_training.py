@@ -16,7 +16,7 @@ from common.params import ParamSpec
 from common.protocol import ARRAYS, TRAIN_SEED
 from common.splits import ArrayDataset, load_dataset
 from common.training import evaluate, predict, run_epochs
-from hybridfl.inprocess import InProcessGrid
+from hybridfl.engine.inprocess import InProcessGrid
 from server_app.config import client_config, load_config
 
 

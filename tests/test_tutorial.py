@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from helpers import needs_nginx, readme_commands
 
-from hybridfl.bundle import PROJECT_DIR
-from hybridfl.flwr_cli import final_status, write_connection
-from hybridfl.processes import ProcessGroup, flower_env, free_port, wait_healthy
+from hybridfl.launch.bundle import PROJECT_DIR
+from hybridfl.launch.flwr_cli import final_status, write_connection
+from hybridfl.launch.processes import ProcessGroup, flower_env, free_port, wait_healthy
 from tools import intruder
 
 TUTORIAL = PROJECT_DIR / "docs" / "tutorials" / "deployment.md"

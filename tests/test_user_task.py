@@ -16,8 +16,8 @@ from helpers import readme_commands
 from common.config import ConfigError
 from common.models import build_from_config
 from common.splits import load_dataset
-from hybridfl.bundle import PROJECT_DIR, app_config
-from hybridfl.inprocess import InProcessGrid, run_inprocess
+from hybridfl.engine.inprocess import InProcessGrid, run_inprocess
+from hybridfl.launch.bundle import PROJECT_DIR, app_config
 from server_app.config import load_config
 
 EXAMPLE = PROJECT_DIR / "examples" / "tabular"
@@ -166,7 +166,7 @@ def test_the_apps_own_config_table_counts_and_hybridfls_defaults_do_not():
 def test_a_users_method_keys_pass_flower_run_c_packed_unless_the_app_declares_them():
     """Flower's `flwr run -c` refuses keys the app does not declare: hybridfl's own app carries a user's method keys
     in `method-options`; the example app declares its method's keys; a key neither can carry is refused by name."""
-    from hybridfl.flwr_cli import run_config_arg
+    from hybridfl.launch.flwr_cli import run_config_arg
 
     assert run_config_arg({"preset": "x", "clip-norm": 0.1, "server-momentum": 0.5}) == (
         'preset="x" method-options="{ clip-norm = 0.1, server-momentum = 0.5 }"')
@@ -190,7 +190,7 @@ def test_the_example_readmes_commands_run_as_written(tmp_path):
     import shlex
     import shutil
 
-    from hybridfl.processes import flower_env, free_port
+    from hybridfl.launch.processes import flower_env, free_port
 
     project = tmp_path / "tabular"
     shutil.copytree(EXAMPLE, project, ignore=shutil.ignore_patterns("outputs", "__pycache__", ".flwr*"))

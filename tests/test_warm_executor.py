@@ -29,10 +29,10 @@ from helpers import flower_threads
 from client_app import supernode as command
 from flower_internals import supernode
 from flower_internals.superexec import ORPHAN_GRACE_S, WarmExecutor, fork_server_command
-from hybridfl.bundle import PROJECT_DIR
-from hybridfl.deploy_local import deploy, deploy_runs
-from hybridfl.inprocess import run_inprocess
-from hybridfl.processes import children
+from hybridfl.engine.inprocess import run_inprocess
+from hybridfl.launch.bundle import PROJECT_DIR
+from hybridfl.launch.deploy_local import deploy, deploy_runs
+from hybridfl.launch.processes import children
 from tools.probes import alive, device_timings
 
 EXAMPLE = PROJECT_DIR / "examples" / "tabular"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridfl.bundle import PROJECT_DIR, app_pyproject
+from hybridfl.launch.bundle import PROJECT_DIR, app_pyproject
 
 PIP_QUIET = ["-q", "--disable-pip-version-check"]
 # one worker builds the wheel's venv (a module's fixture is per worker) and runs every mode in it

@@ -31,7 +31,7 @@
    reading, which runs plain-http.yml natively).
    (f) A fleet (docs/tutorials/fleet.md, section 4, run as written): three devices as containers, each with its
    shaper, memory and cores, one switched off and on by its windows, one whose training the kernel kills for its
-   memory, the run completed with the others' updates (hybridfl/compose_fleet.py).
+   memory, the run completed with the others' updates (hybridfl/launch/compose_fleet.py).
 5. The demo as a user runs it (``make compose-demo HOST=1 ARGS=--no-build``), sent SIGTERM while its job streams:
    exit 143 within 60 s, none of its processes left, its deployment down and its volumes kept.
 
@@ -71,9 +71,9 @@ import httpx
 import psutil
 
 from common.fleet import load_fleet
-from hybridfl.bundle import PROJECT_DIR
-from hybridfl.compose import CONNECTION, FLEET_FILE, IMAGE_UID, demo_run_config, hand_to_images, operator
-from hybridfl.compose_file import (
+from hybridfl.launch.bundle import PROJECT_DIR
+from hybridfl.launch.compose import CONNECTION, FLEET_FILE, IMAGE_UID, demo_run_config, hand_to_images, operator
+from hybridfl.launch.compose_file import (
     COMPOSE_DIR,
     SERVERAPP,
     SUPERLINK,
@@ -83,10 +83,10 @@ from hybridfl.compose_file import (
     superlink_port,
     supernodes,
 )
-from hybridfl.compose_fleet import SHAPER_PORT
-from hybridfl.flwr_cli import check_completed, flwr_run, register_supernode, write_connection
-from hybridfl.pki import make_pki, node_key
-from hybridfl.processes import flower_env, process_tree
+from hybridfl.launch.compose_fleet import SHAPER_PORT
+from hybridfl.launch.flwr_cli import check_completed, flwr_run, register_supernode, write_connection
+from hybridfl.launch.pki import make_pki, node_key
+from hybridfl.launch.processes import flower_env, process_tree
 from tools import hostile_client, intruder
 from tools.docs import bash_blocks
 from tools.probes import acquire_task_anonymously, alive, device_timings
@@ -349,7 +349,7 @@ class Deployment:
         return time.monotonic() - start
 
     def run(self, overrides: dict[str, Any], out: Path) -> tuple[Path, float]:
-        """One job through the deployment (hybridfl.compose's job: the main job unless `overrides` say else),
+        """One job through the deployment (hybridfl.launch.compose's job: the main job unless `overrides` say else),
         its outputs copied from the ServerApp's outputs volume to `out`; returns the run folder and seconds."""
         run_config = demo_run_config(self.spec, overrides)
         start = time.monotonic()
@@ -573,7 +573,8 @@ def fleet_demo(engine: Engine, version: str, workdir: Path, timings: dict[str, A
     dc = [DOCKER, "compose", *(a for f in compose_files(host=True) for a in ("-f", str(f))), "-f", str(FLEET_FILE)]
     try:  # the demo leaves its deployment up, a failed run's too: taken down below whatever happens
         for command in bash_blocks(TUTORIAL, "4."):
-            command = command.replace("python -m hybridfl.compose demo", "python -m hybridfl.compose demo --no-build")
+            command = command.replace("python -m hybridfl.launch.compose demo",
+                                      "python -m hybridfl.launch.compose demo --no-build")
             done = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=workdir, env=env,
                                   capture_output=True, text=True, timeout=900)
             output += done.stdout + done.stderr
@@ -617,7 +618,7 @@ def demo_interrupted(engine: Engine, version: str, workdir: Path) -> None:
     job streams: it exits 143 within 60 s, leaves no process of its own and no container running, and keeps its
     volumes (the SuperLink's state, the outputs)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "hybridfl.compose", "demo", "--host-network", "--no-build"]
+    cmd = [sys.executable, "-m", "hybridfl.launch.compose", "demo", "--host-network", "--no-build"]
     log("$ " + " ".join(cmd))
     demo = subprocess.Popen(cmd, cwd=workdir, env={**engine.env, "FLWR_VERSION": version}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

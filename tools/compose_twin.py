@@ -2,7 +2,7 @@
 
     python -m tools.compose_twin [--plain-http] [--flower-devices] [--workdir DIR] [KEY=VALUE ...]   # make compose-twin
 
-The twin reads the compose files (hybridfl/compose.py: merged, interpolated, checked), and starts every service's
+The twin reads the compose files (hybridfl/launch/compose.py: merged, interpolated, checked), and starts every service's
 command as a local process, in ``depends_on`` order, waiting for each dependency's own healthcheck command: a
 service name in an address becomes 127.0.0.1, each (service, container port) gets a free port (a service in
 another's network namespace, ``network_mode: service:X``, shares X's), ``--host 0.0.0.0`` becomes 127.0.0.1, each
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridfl.bundle import PROJECT_DIR
-from hybridfl.compose import CERTS, CONNECTION, certificates, demo_run_config, read_command_line
-from hybridfl.compose_file import (
+from hybridfl.launch.bundle import PROJECT_DIR
+from hybridfl.launch.compose import CERTS, CONNECTION, certificates, demo_run_config, read_command_line
+from hybridfl.launch.compose_file import (
     COMPOSE_DIR,
     ENTRYPOINTS,
     SERVERAPP,
@@ -49,8 +49,8 @@ from hybridfl.compose_file import (
     superlink_port,
     volume_spec,
 )
-from hybridfl.flwr_cli import check_completed, flwr_run, register_supernode, run_and_report, write_connection
-from hybridfl.processes import ProcessGroup, flower_env, free_port, wait_until
+from hybridfl.launch.flwr_cli import check_completed, flwr_run, register_supernode, run_and_report, write_connection
+from hybridfl.launch.processes import ProcessGroup, flower_env, free_port, wait_until
 
 UNIX_PATH_MAX = 107  # Linux's sun_path, less its terminating NUL
 

@@ -1,5 +1,6 @@
 """A stranger on the devices' port, holding only the public ``ca.crt``: oversized uploads and stalled ones (issue 67),
-against a SuperLink started with docker/compose.yml's security flags, directly or through the edge (hybridfl/edge).
+against a SuperLink started with docker/compose.yml's security flags, directly or through the edge
+(hybridfl/launch/edge).
 
 Flower 1.42 reads and parses a request's whole body before it checks the node's signature, so an unauthenticated
 upload costs the SuperLink memory; a stalled one holds a connection. tests/test_edge.py and benchmarks/edge_limits.py
@@ -19,10 +20,10 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridfl import edge
-from hybridfl.deploy_local import runtime_api
-from hybridfl.pki import make_pki
-from hybridfl.processes import ProcessGroup, flower_env, free_port, wait_healthy
+from hybridfl.launch import edge
+from hybridfl.launch.deploy_local import runtime_api
+from hybridfl.launch.pki import make_pki
+from hybridfl.launch.processes import ProcessGroup, flower_env, free_port, wait_healthy
 
 ATTACKER = "127.0.0.2"
 MIB = 1 << 20
@@ -68,7 +69,7 @@ class Server:
 def server(workdir: Path, with_edge: bool = True, nodes: int = 0, database: bool = True,
            **sizes: int) -> Iterator[Server]:
     """Start a :class:`Server` in `workdir` (certificates for `nodes` SuperNodes, logs, state: SQLite, or Flower's
-    in-memory state without `database`), the edge rendered by :func:`hybridfl.edge.write` with `sizes`
+    in-memory state without `database`), the edge rendered by :func:`hybridfl.launch.edge.write` with `sizes`
     (``fleet_size``, ``max_body_mib``); stop it all on the way out."""
     certs = make_pki(workdir / "certs", nodes=nodes)
     env = flower_env(workdir / "home")

@@ -14,9 +14,9 @@ import json
 import subprocess
 from pathlib import Path
 
-from hybridfl.flwr_cli import Flwr, final_status, local_flwr, write_connection
-from hybridfl.pki import node_key
-from hybridfl.processes import flower_env
+from hybridfl.launch.flwr_cli import Flwr, final_status, local_flwr, write_connection
+from hybridfl.launch.pki import node_key
+from hybridfl.launch.processes import flower_env
 from tools.probes import acquire_task_anonymously
 
 APP = Path(__file__).resolve().parent / "intruder_app"

@@ -23,7 +23,7 @@ from pathlib import Path
 def digests(presets: list[str], rounds: int) -> dict[str, str]:
     """{preset: sha256 of its model.pt, or "skipped: <why>" when its data cannot be loaded here}."""
     from common.datasets import DatasetNotFound
-    from hybridfl.inprocess import run_inprocess
+    from hybridfl.engine.inprocess import run_inprocess
 
     logging.getLogger("flwr").setLevel(logging.WARNING)
     out = {}

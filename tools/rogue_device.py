@@ -46,7 +46,7 @@ from flwr.supernode.fleet_http_connection import http_request_response
 
 from common.params import WIRE_KEY
 from common.protocol import ARRAYS, BASE_VERSION, CONFIG, METRICS, NUM_EXAMPLES, PARTITION_ID, VERSION
-from hybridfl.processes import terminated
+from hybridfl.launch.processes import terminated
 
 POLL_S = 0.1  # between pulls while nothing waits: a synchronous round's next message follows its last reply
 LINGER_S = 60.0  # the longest the rogue stays after its last reply, for the server to take it

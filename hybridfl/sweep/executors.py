@@ -48,7 +48,7 @@ def finished_run(overrides: Mapping[str, Any]) -> tuple[Path, dict[str, Any], li
 
     import torch
 
-    from hybridfl.inprocess import run_inprocess
+    from hybridfl.engine.inprocess import run_inprocess
 
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -132,7 +132,7 @@ def ray_pool(place: RayPlace) -> Iterator[Submit]:
     """``submit(one, key, overrides)`` as a task on the Ray cluster at `place`, holding its resources (a run whose
     node dies is run again on another node, from its last checkpoint: Ray retries a task whose worker died)."""
     from common.user_code import USER_DIR
-    from hybridfl import cluster
+    from hybridfl.launch import cluster
 
     env = {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p), USER_DIR: os.getcwd(), "OMP_NUM_THREADS": "1"}
     with cluster.joined(place.address, env) as ray:

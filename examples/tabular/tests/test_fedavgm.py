@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from hybridfl.inprocess import run_inprocess
+from hybridfl.engine.inprocess import run_inprocess
 from strategies.base import Payload, Update, deliver
 from tabular_task.fedavgm import FedAvgM
 

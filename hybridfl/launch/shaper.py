@@ -1,6 +1,6 @@
 """A user-space network link shaper: a TCP relay that puts a device's path through a slow, narrow, lossy link.
 
-    python -m hybridfl.shaper --route 127.0.0.1:LISTEN=127.0.0.1:TARGET[,latency_s=S][,up_bytes_per_s=B]
+    python -m hybridfl.launch.shaper --route 127.0.0.1:LISTEN=127.0.0.1:TARGET[,latency_s=S][,up_bytes_per_s=B]
                               [,down_bytes_per_s=B][,drop=P][,rto_s=S][,seed=N] [--route ...]
 
 A SuperNode connects to the relay's port on 127.0.0.1 instead of the SuperLink's; the relay forwards every byte to
@@ -326,7 +326,7 @@ def _address(host: str, port: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hybridfl.shaper", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hybridfl.launch.shaper", description=__doc__.split("\n\n")[0])
     parser.add_argument("--route", action="append", required=True, metavar="L_HOST:PORT=T_HOST:PORT[,field=value]",
                         help=f"a route (repeatable); fields: {', '.join(LINK_FIELDS)}")
     args = parser.parse_args(argv)

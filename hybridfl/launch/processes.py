@@ -1,6 +1,6 @@
 """Starting and stopping Flower processes safely: an isolated FLWR_HOME, free loopback ports, environment for
 offline machines, process groups stopped by PID, waits for a process to be ready (the ``flwr`` command itself:
-hybridfl/flwr_cli.py)."""
+hybridfl/launch/flwr_cli.py)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ def _ephemeral_ports() -> range:
     return range(low, high + 1)
 
 
-# Device i's link shaper in the compose fleet listens on the host's port SHAPER_PORT + i (hybridfl/compose_fleet.py);
-# the other ports the compose files publish on the host are below 10000, where free_port never picks
+# Device i's link shaper in the compose fleet listens on the host's port SHAPER_PORT + i
+# (hybridfl/launch/compose_fleet.py); the other ports the compose files publish on the host are below 10000, where
+# free_port never picks
 SHAPER_PORT = 18000
 SHAPER_PORTS = range(SHAPER_PORT, SHAPER_PORT + 1000)
 

@@ -1,7 +1,7 @@
 """docker/compose.yml's files read as Compose reads them: merged (``!reset`` included), interpolated, checked (every
 service runnable: its image's entrypoint, its ports on loopback or the devices' network, its volumes), and the
 facts the demo, its native twin (tools/compose_twin.py) and the real-engine test (tools/compose_engine.py) take
-from them (the SuperLink's port, the SuperNodes, the start order). Running them: hybridfl/compose.py."""
+from them (the SuperLink's port, the SuperNodes, the start order). Running them: hybridfl/launch/compose.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from hybridfl.bundle import PROJECT_DIR
+from hybridfl.launch.bundle import PROJECT_DIR
 
 COMPOSE_DIR = PROJECT_DIR / "docker"
 # The entrypoint of each image (hybridfl/app is built FROM flwr/superexec and keeps its entrypoint)

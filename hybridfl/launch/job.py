@@ -9,7 +9,7 @@ from typing import Any
 
 from common.errors import ConfigError
 from common.user_code import import_paths
-from hybridfl.bundle import app_config
+from hybridfl.launch.bundle import app_config
 from server_app.app import user_keys
 from server_app.config import RunConfig, load_config
 from server_app.outputs import run_dir

@@ -9,15 +9,15 @@ KEY=VALUE pairs are run-config overrides with ``flwr run -c`` syntax.
 ``flower-supernode`` processes on free loopback ports, node i holding partition i of N (N defaults to
 num-clients; a different --supernodes sets num-clients=N), each with its own ``flower-superexec`` (Flower's
 process isolation): the SuperLink's Runtime API and each SuperNode's accept only the SuperExec that holds its
-shared secret (``<flwr-home>/pki/superlink.secret``, ``supernode-I.secret``; hybridfl/pki.py). Every SuperLink API
-is served over HTTPS with a private CA (kept in <flwr-home>/pki), and only SuperNodes whose keys were registered
+shared secret (``<flwr-home>/pki/superlink.secret``, ``supernode-I.secret``; hybridfl/launch/pki.py). Every SuperLink
+API is served over HTTPS with a private CA (kept in <flwr-home>/pki), and only SuperNodes whose keys were registered
 (``flwr supernode register``) before they start are admitted: the loopback ports are open to every user of the
 machine, not only this one's processes (docs/security.md). ``--plain-http`` drops both, and warns.
 It runs ``flwr run . --stream`` against them, checks that the run *finished:completed* and wrote
 ``summary.json``, and stops exactly the processes it started (logs in <run>/flower-logs/). The ServerApp's SuperExec
 is started again whenever it exits (:meth:`ProcessGroup.keep`), so that the deployment's next run still finds one.
 With a ``fleet`` (a run key: common/fleet.py), every node is made the device its profile draws: a shaped link,
-paced work, a memory limit, its availability windows (hybridfl/real_fleet.py; what it did: ``<run>/fleet.json``).
+paced work, a memory limit, its availability windows (hybridfl/launch/real_fleet.py; what it did: ``<run>/fleet.json``).
 Each device runs warm by default (``--executor``, :data:`EXECUTORS`): about 0.3 s per message besides its training
 on a quiet machine, against 5–6 s with Flower's own SuperNode and SuperExec (BENCHMARKS, "Warm devices").
 """
@@ -31,13 +31,13 @@ from typing import Any
 
 from common.config import ConfigError
 from common.fleet import load_fleet
-from hybridfl.compose import PLAIN_HTTP_WARNING
-from hybridfl.flwr_cli import check_completed, flwr_run, register_supernode, write_connection
-from hybridfl.job import app_run_config, prepare
-from hybridfl.linkdb import private_file
-from hybridfl.pki import make_pki, make_secrets
-from hybridfl.processes import ProcessGroup, flower_env, free_port, wait_healthy
-from hybridfl.real_fleet import RealFleet
+from hybridfl.launch.compose import PLAIN_HTTP_WARNING
+from hybridfl.launch.flwr_cli import check_completed, flwr_run, register_supernode, write_connection
+from hybridfl.launch.job import app_run_config, prepare
+from hybridfl.launch.linkdb import private_file
+from hybridfl.launch.pki import make_pki, make_secrets
+from hybridfl.launch.processes import ProcessGroup, flower_env, free_port, wait_healthy
+from hybridfl.launch.real_fleet import RealFleet
 
 CONNECTION = "hybridfl-local"
 # A device's two processes, (SuperNode, ClientApp executor), with Flower's flags: Flower's own (a process per

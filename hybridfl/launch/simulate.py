@@ -2,7 +2,7 @@
 
     hybridfl run --mode simulation [PRESET] [KEY=VALUE ...]
 
-Without a ``preset`` it runs the main job, :data:`hybridfl.job.MAIN_JOB` (README command (1)); with
+Without a ``preset`` it runs the main job, :data:`hybridfl.launch.job.MAIN_JOB` (README command (1)); with
 ``resume="<run folder>"`` it continues that run from its checkpoint.
 KEY=VALUE pairs are run-config overrides with ``flwr run -c`` syntax (TOML values; strings quoted).
 The script validates the config first (a bad key fails here, naming key, value and what is
@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybridfl import cluster
-from hybridfl.flwr_cli import check_completed, flwr_run, write_connection
-from hybridfl.job import prepare
-from hybridfl.processes import ProcessGroup, flower_env, free_port, wait_healthy
+from hybridfl.launch import cluster
+from hybridfl.launch.flwr_cli import check_completed, flwr_run, write_connection
+from hybridfl.launch.job import prepare
+from hybridfl.launch.processes import ProcessGroup, flower_env, free_port, wait_healthy
 
 CONNECTION = "hybridfl-sim"
 # What Ray says when its raylet has not registered within the 30 s that ray._private.node allows (hard-coded): on a
@@ -70,8 +70,8 @@ def local_cpus() -> int:
 def simulate(overrides: dict[str, Any], flwr_home: Path, app_dir: Path | None = None, ray_address: str | None = None,
              client_cpus: float = 1.0, client_gpus: float | None = None) -> Path:
     """Run the simulation of the Flower app in `app_dir` (default: hybridfl's own); return the run folder, or raise
-    with the reason it failed. `ray_address`: an existing Ray cluster (:func:`hybridfl.cluster.address`), which the
-    simulation joins instead of starting a Ray of its own; the ServerApp runs here, each client on a cluster node
+    with the reason it failed. `ray_address`: an existing Ray cluster (:func:`hybridfl.launch.cluster.address`), which
+    the simulation joins instead of starting a Ray of its own; the ServerApp runs here, each client on a cluster node
     with `client_cpus` CPUs and `client_gpus` GPUs (default: a share of this machine's GPU alone, 0 on a cluster)."""
     import torch
 

@@ -23,8 +23,8 @@ from typing import Any
 import tomli_w
 
 from common.config import ConfigError
-from hybridfl.bundle import app_config, flower_app, toml_value
-from hybridfl.processes import interrupts_held
+from hybridfl.launch.bundle import app_config, flower_app, toml_value
+from hybridfl.launch.processes import interrupts_held
 
 
 def run_config_arg(overrides: Mapping[str, Any], app_dir: Path | None = None) -> str:
@@ -55,7 +55,7 @@ def write_connection(flwr_home: Path, name: str, port: int, ca: Path | None = No
 
 # How this process runs Flower's `flwr` CLI: the command line before flwr's own arguments, given the folder the
 # command works in (the app that `flwr run .` sends; None: no app). Here, `flwr` on this machine in that folder;
-# compose's operator runs it in the server's network namespace instead (hybridfl/compose.py `operator`).
+# compose's operator runs it in the server's network namespace instead (hybridfl/launch/compose.py `operator`).
 Flwr = Callable[[Path | None], list[str]]
 
 
@@ -86,10 +86,11 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
              federation_config: str | None = None, timeout: float | None = None,
              app_dir: Path | None = None, flwr: Flwr = local_flwr, log: Path | None = None,
              unreachable_s: float = UNREACHABLE_S) -> tuple[int, str]:
-    """``flwr run . <connection> --stream`` in `app_dir` (None: hybridfl's own app, :func:`hybridfl.bundle.flower_app`;
-    or a user's Flower app that runs hybridfl's apps: examples/tabular); returns (run id, its final status text).
-    `timeout`: seconds before the run is given up on (a check's bound); None, a user's run: as long as it takes.
-    `unreachable_s`: how long the SuperLink may leave the run's status unanswered (:func:`final_status`).
+    """``flwr run . <connection> --stream`` in `app_dir` (None: hybridfl's own app,
+    :func:`hybridfl.launch.bundle.flower_app`; or a user's Flower app that runs hybridfl's apps: examples/tabular);
+    returns (run id, its final status text). `timeout`: seconds before the run is given up on (a check's bound); None, a
+    user's run: as long as it takes. `unreachable_s`: how long the SuperLink may leave the run's status unanswered
+    (:func:`final_status`).
 
     Output is streamed to this process's stdout as it comes, and appended to `log` where one is given (what the
     run's own processes said: a simulation's Ray, the ServerApp).

@@ -1,12 +1,12 @@
-"""docker/compose.yml, run with Docker (``demo``); its files read as Compose reads them: hybridfl/compose_file.py.
+"""docker/compose.yml, run with Docker (``demo``); its files read as Compose reads them: compose_file.py.
 
-    python -m hybridfl.compose demo [--plain-http] [--gpu] [--host-network] [--no-build] [KEY=VALUE ...]  # Docker
-    python -m hybridfl.compose check [--plain-http] [--gpu] [--host-network]                # the files' structure
-    python -m hybridfl.compose flwr [--plain-http] FLWR-ARGS ...          # the operator's flwr, e.g. `flwr ls`
-    python -m hybridfl.compose demo --fleet FLEET --nodes N ...     # N SuperNodes made a fleet's devices
+    python -m hybridfl.launch.compose demo [--plain-http] [--gpu] [--host-network] [--no-build] [KEY=VALUE ...]
+    python -m hybridfl.launch.compose check [--plain-http] [--gpu] [--host-network]    # the files' structure
+    python -m hybridfl.launch.compose flwr [--plain-http] FLWR-ARGS ...     # the operator's flwr, e.g. `flwr ls`
+    python -m hybridfl.launch.compose demo --fleet FLEET --nodes N ...      # N SuperNodes made a fleet's devices
 
 ``--fleet`` (a built-in fleet or a fleet file, common/fleet.py) adds a generated compose file
-(hybridfl/compose_fleet.py, written to ``outputs/compose/fleet.yml``): each device's link shaped, its ClientApp's
+(hybridfl/launch/compose_fleet.py, written to ``outputs/compose/fleet.yml``): each device's link shaped, its ClientApp's
 memory and cores limited, its work paced, and the demo switches devices off and on by their windows.
 
 The deployment is secure by default (docker/compose.yml: TLS, SuperNode authentication, a SuperExec secret per
@@ -18,7 +18,7 @@ kept) and exits 130 or 143. It needs this checkout's docker/ folder: an installe
 
 No port of the SuperLink exists outside the server's network namespace (docker/compose.yml's `link`): the
 operator's ``flwr`` runs inside it, in the on-demand ``operator`` service, with the folder it is called from mounted
-(``flwr`` mode: e.g. ``python -m hybridfl.compose flwr run . hybridfl-compose --stream`` from this checkout).
+(``flwr`` mode: e.g. ``python -m hybridfl.launch.compose flwr run . hybridfl-compose --stream`` from this checkout).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from typing import Any, NamedTuple
 
 from common.errors import ConfigError
 from common.fleet import Fleet, load_fleet
-from hybridfl.bundle import PROJECT_DIR
-from hybridfl.compose_file import (
+from hybridfl.launch.bundle import PROJECT_DIR
+from hybridfl.launch.compose_file import (
     COMPOSE_DIR,
     OUTPUTS,
     SERVERAPP,
@@ -49,11 +49,11 @@ from hybridfl.compose_file import (
     supernodes,
     volume_spec,
 )
-from hybridfl.compose_fleet import ComposeSchedule, write_fleet_file
-from hybridfl.flwr_cli import Flwr, check_completed, flwr_run, register_supernode, run_and_report
-from hybridfl.job import MAIN_JOB, parse_overrides
-from hybridfl.pki import make_pki
-from hybridfl.processes import flower_env, interrupts_held, terminated
+from hybridfl.launch.compose_fleet import ComposeSchedule, write_fleet_file
+from hybridfl.launch.flwr_cli import Flwr, check_completed, flwr_run, register_supernode, run_and_report
+from hybridfl.launch.job import MAIN_JOB, parse_overrides
+from hybridfl.launch.pki import make_pki
+from hybridfl.launch.processes import flower_env, interrupts_held, terminated
 from server_app.config import load_config, used_keys
 
 CONNECTION = "hybridfl-compose"
@@ -158,7 +158,7 @@ def demo(files: list[Path], overrides: dict[str, Any], build: bool = True, fleet
         schedule.close(local / run_config["run-name"], docker_restarts(dc, env))
     check_completed(run_id, status, local / run_config["run-name"])
     plain = "--plain-http " if COMPOSE_DIR / "plain-http.yml" in files else ""  # the operator's connection
-    print(f"the deployment stays up for more runs (`python -m hybridfl.compose flwr {plain}run . {CONNECTION} "
+    print(f"the deployment stays up for more runs (`python -m hybridfl.launch.compose flwr {plain}run . {CONNECTION} "
           f"--stream`: the operator's flwr); `{shlex.join([*dc, 'down'])}` stops it", flush=True)
     return local / run_config["run-name"]
 
@@ -200,7 +200,7 @@ def file_flags(parser: argparse.ArgumentParser) -> None:
                              "each device instead of the warm ones")
     parser.add_argument("--fleet", metavar="FLEET",
                         help="make the SuperNodes a fleet's devices: a built-in fleet or a fleet file "
-                             "(docs/tutorials/fleet.md; hybridfl/compose_fleet.py)")
+                             "(docs/tutorials/fleet.md; hybridfl/launch/compose_fleet.py)")
     parser.add_argument("--nodes", type=int, default=2, metavar="N", help="with --fleet: the fleet's size (default 2)")
 
 
@@ -241,7 +241,7 @@ def read_command_line(parser: argparse.ArgumentParser, argv: list[str] | None,
 def operator_command(argv: list[str]) -> int:
     """``flwr ARGS`` as the operator (:func:`operator`) on the current folder; the compose flags among `argv`
     choose the files (``--plain-http``: the operator's plain-HTTP connection). Returns flwr's exit code."""
-    parser = argparse.ArgumentParser(prog="python -m hybridfl.compose flwr", add_help=False)
+    parser = argparse.ArgumentParser(prog="python -m hybridfl.launch.compose flwr", add_help=False)
     file_flags(parser)
     flags, args = parser.parse_known_args(argv)
     files = compose_files(flags.plain_http, flags.gpu, flags.host_network, flags.flower_devices)

@@ -26,7 +26,7 @@ import tomli_w
 from common.user_code import OWN_PACKAGES
 
 # The folder above the package: a source checkout's root, or an installed wheel's site-packages
-PROJECT_DIR = Path(__file__).resolve().parent.parent
+PROJECT_DIR = Path(__file__).resolve().parents[2]
 APP_PACKAGES = tuple(p for p in OWN_PACKAGES if p != "hybridfl")  # what the FAB carries
 PUBLISHER = "hybridfl"
 

@@ -1,9 +1,9 @@
 """A fleet's device profiles (common/fleet.py) applied to real SuperNodes on this machine.
 
 ``hybridfl run --mode deployment fleet=lognormal`` (or a fleet file) runs the local deployment of
-hybridfl/deploy_local.py with every node made the device its profile draws:
+hybridfl/launch/deploy_local.py with every node made the device its profile draws:
 
-* **its link**: the node reaches the SuperLink through its own route of a user-space shaper (hybridfl/shaper.py:
+* **its link**: the node reaches the SuperLink through its own route of a user-space shaper (hybridfl/launch/shaper.py:
   this kernel has no ``sch_netem``) with the profile's latency, up and down rates and loss;
 * **its compute**: the node's ClientApp replies no sooner than the profile's ``overhead-s`` + examples ×
   ``compute-s-per-example`` (node config, client_app/work.py), so a fleet of slow devices runs on one fast host
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from common.fleet import DeviceProfile, Fleet
-from hybridfl.shaper import Link, Route, Shaper
+from hybridfl.launch.shaper import Link, Route, Shaper
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 TICK_S = 0.2  # how often the scheduler looks at the clock and the devices' processes
@@ -138,7 +138,7 @@ def pacing(device: DeviceProfile) -> str:
 
 
 def link_seed(fleet: Fleet, i: int) -> int:
-    """Device i's link's loss draws' seed (hybridfl/shaper.py), from the run's."""
+    """Device i's link's loss draws' seed (hybridfl/launch/shaper.py), from the run's."""
     return fleet.seed * 1000 + i
 
 

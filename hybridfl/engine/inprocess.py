@@ -22,7 +22,7 @@ from client_app.app import app as default_client_app
 from common.cohort_step import release as release_cohort
 from common.user_code import import_paths
 from flower_internals.engine import Run, act_as_serverapp, empty_run
-from hybridfl.cohort import train_cohort
+from hybridfl.engine.cohort import train_cohort
 from server_app.app import RUN_STATE
 from server_app.app import app as default_server_app
 from server_app.config import load_config
@@ -42,8 +42,8 @@ class InProcessGrid(Grid):
         run_id: the run's id.
         node_config: more keys for every node's ``node_config`` (``latency-s``: a slow device).
         cohort: trains train messages together, replying to those it serves by message id
-            (:func:`hybridfl.cohort.train_cohort`); the rest go to `client_app` one by one. When a pull asks for a
-            train message not yet trained, the cohort trains it with every other train message in flight not yet
+            (:func:`hybridfl.engine.cohort.train_cohort`); the rest go to `client_app` one by one. When a pull asks for
+            a train message not yet trained, the cohort trains it with every other train message in flight not yet
             offered to it (up to `cohort_size`), and keeps their replies until they are pulled: an asynchronous
             run's pull asks for the few replies due at that step, while ten or more messages are in flight, each
             update a function of its message alone.
