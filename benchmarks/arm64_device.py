@@ -29,7 +29,9 @@ not a board's. A round waits for both devices: the run's seconds are the emulate
 Models: ``digits``, the papers' CNN on scikit-learn's 8x8 digits (fedavg-digits); ``fmnist``, the Feddle protocol's
 CNN (width 16) on Fashion-MNIST (feddle-fmnist/fedavg-dir0.3-n5 on 1 % of the data; Debian's dataset-fashion-mnist,
 bound into the userland read-only); each `--rounds` (2) rounds of FedAvg on the 2 nodes, one local epoch, a short
-run. A table is printed and each device's row appended as a JSON line to `--out`.
+run, with any ``KEY=VALUE`` run-config overrides after the flags (CI: ``data-fraction=0.1``, a tenth of the emulated
+training: the claim there is a device that trains to the end, not its time). A table is printed and each device's
+row, with its overrides, appended as a JSON line to `--out`.
 
 Needs root (chroot, mounts), debootstrap, qemu-user-static with binfmt-support (Debian: ``apt-get install
 qemu-user-static binfmt-support debootstrap dataset-fashion-mnist``) and PyPI and Debian's archive for the first
@@ -57,9 +59,10 @@ from typing import Any
 
 import psutil
 
+from common.errors import ConfigError
 from hybridfl.launch.deploy_local import CONNECTION, runtime_api, superexec
 from hybridfl.launch.flwr_cli import check_completed, flwr_run, register_supernode, write_connection
-from hybridfl.launch.job import prepare
+from hybridfl.launch.job import app_run_config, parse_overrides, prepare
 from hybridfl.launch.pki import make_pki, make_secrets
 from hybridfl.launch.processes import ProcessGroup, flower_env, free_port, process_home, wait_healthy
 from tools.probes import device_timings
@@ -353,11 +356,13 @@ class Sampler:
         self._thread.join()
 
 
-def run_model(name: str, root: Path, x86: Path, work: Path, rounds: int) -> tuple[list[dict[str, Any]], float]:
-    """One short run with node 0 in the arm64 userland and node 1 native; the devices' rows and the run's seconds."""
+def run_model(name: str, root: Path, x86: Path, work: Path, rounds: int,
+              extra: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], float]:
+    """One short run with node 0 in the arm64 userland and node 1 native (`extra`: run-config overrides); the
+    devices' rows and the run's seconds."""
     what, job = MODELS[name]
     home = work / f"home-{name}"
-    overrides, run_path, _ = prepare({**job, "num-rounds": rounds, "output-dir": str(work / "runs"),
+    overrides, run_path, _ = prepare({**job, **(extra or {}), "num-rounds": rounds, "output-dir": str(work / "runs"),
                                       "run-name": f"arm64-{name}"})
     env = flower_env(home)
     port, node_ports = free_port(), [free_port(), free_port()]
@@ -414,7 +419,7 @@ def run_model(name: str, root: Path, x86: Path, work: Path, rounds: int) -> tupl
             "train-messages": len(trains), "train-handler-s": round(sum(d["handler-s"] for d in trains), 2),
             "train-work-s": round(sum(d.get("work-s", 0.0) for d in trains), 2),
             "train-s": {k: round(sum(d.get(k, 0.0) for d in trains), 2) for k in PARTS},
-            "run-s": round(seconds, 1), "rounds": rounds, "run-id": run_id,
+            "run-s": round(seconds, 1), "rounds": rounds, "overrides": extra or {}, "run-id": run_id,
         })
     return rows, seconds
 
@@ -445,8 +450,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-only", action="store_true", help="install and check this host's tools (qemu-user, "
                         "binfmt_misc, debootstrap), then stop (CI: before the engine test's apt-free part runs beside "
                         "this run)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="run-config overrides of every model's run, as `hybridfl run` takes them")
     args = parser.parse_args(argv)
+    extra = parse_overrides(args.overrides)
     models = args.models.split(",")
+    try:  # a bad key fails now, not after the userland's build
+        for name in set(models) & set(MODELS):
+            app_run_config({**MODELS[name][1], **extra})
+    except ConfigError as e:
+        print(f"arm64_device: {e}", file=sys.stderr)
+        return 2
     if unknown := set(models) - set(MODELS):
         parser.error(f"unknown model(s) {sorted(unknown)}: {', '.join(MODELS)}")
     try:
@@ -474,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         install_project(root, x86, work, log)
         for name in models:
-            device_rows, seconds = run_model(name, root, x86, work, args.rounds)
+            device_rows, seconds = run_model(name, root, x86, work, args.rounds, extra)
             print(f"{name}: completed in {seconds:.0f} s", flush=True)
             setup = {"setup-s": {k: round(v, 1) for k, v in steps.items()}}
             rows += [{**r, **sizes[r["device"]], **(setup if r["device"] == "arm64" else {})} for r in device_rows]

@@ -30,3 +30,10 @@ def test_a_host_that_cannot_emulate_says_why_and_fails_unless_told_to_skip(monke
     assert arm64_device.main(["--host-only", *flags]) == code
     err = capsys.readouterr().err
     assert "needs qemu-aarch64 registered in binfmt_misc" in err and ("SKIPPED" in err) == bool(code == 0)
+
+
+def test_a_bad_run_config_override_exits_2_naming_it_before_anything_is_built(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(arm64_device, "check_host", lambda: None)
+    monkeypatch.setattr(arm64_device, "rootfs", _no_build)
+    assert arm64_device.main(["--models", "digits", "data-fraction=1.5"]) == 2
+    assert "data-fraction" in capsys.readouterr().err
