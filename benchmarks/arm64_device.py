@@ -183,16 +183,29 @@ def rootfs(cache: Path, log: Path) -> tuple[Path, float]:
     return root, seconds
 
 
-def wheels(cache: Path, log: Path) -> tuple[Path, int, float]:
+def wheels(cache: Path, log: Path, root: Path) -> tuple[Path, int, float]:
     """`make device-check` into the cache: requirements/device.txt resolved for aarch64 and every wheel downloaded
-    (reused when there); returns the folder, the wheels' bytes and the seconds."""
-    seconds = sh(["make", "-C", str(REPO), "device-check", f"DEVICE_WHEELS={cache / 'wheels'}"], log)
+    (reused when there); returns the folder, the wheels' bytes and the seconds (0: not run, the userland's venv
+    already installed from these requirements' resolution: resolving again, ~45 s with PyPI's answers, would change
+    nothing the run uses)."""
     folder = cache / "wheels" / "aarch64"
+    seconds = 0.0
+    if not (_installed(_arm64_stamp(root)) and (folder / "device.lock").exists()):
+        seconds = sh(["make", "-C", str(REPO), "device-check", f"DEVICE_WHEELS={cache / 'wheels'}"], log)
     lock = {line.split("==")[0].lower().replace("_", "-") for line in (folder / "device.lock").read_text().split()
             if "==" in line}
     size = sum(w.stat().st_size for w in folder.glob("*.whl")
                if w.name.split("-")[0].lower().replace("_", "-") in lock)
     return folder, size, seconds
+
+
+def _arm64_stamp(root: Path) -> Path:
+    return root / DEVICE_VENV.lstrip("/") / ".hybridfl-requirements"
+
+
+def _installed(stamp: Path) -> bool:
+    """A venv whose stamp names the requirements as they are now."""
+    return stamp.exists() and stamp.read_text() == requirements_digest()
 
 
 def requirements_digest() -> str:
@@ -215,9 +228,8 @@ def arm64_venv(root: Path, wheel_dir: Path, log: Path) -> float:
     """requirements/device.txt in the userland's venv, from the downloaded aarch64 wheels only (``--no-index``: the
     device's own pip resolves the file again, against what make device-check resolved); cached by the
     requirements' digest. Returns the seconds (0: cached)."""
-    stamp = root / DEVICE_VENV.lstrip("/") / ".hybridfl-requirements"
-    digest = requirements_digest()
-    if stamp.exists() and stamp.read_text() == digest:
+    stamp = _arm64_stamp(root)
+    if _installed(stamp):
         return 0.0
     print(f"installing requirements/device.txt in the userland's {DEVICE_VENV} (emulated pip) ...", flush=True)
     shutil.rmtree(root / DEVICE_VENV.lstrip("/"), ignore_errors=True)
@@ -228,7 +240,7 @@ def arm64_venv(root: Path, wheel_dir: Path, log: Path) -> float:
         seconds += sh([CHROOT, str(root), f"{DEVICE_VENV}/bin/pip", "install", "--no-index", "--find-links",
                        str(wheel_dir), "-r", "/tmp/device.txt"], log, env=env)
     (root / "tmp" / "device.txt").unlink()
-    stamp.write_text(digest)
+    stamp.write_text(requirements_digest())
     return seconds
 
 
@@ -236,14 +248,14 @@ def x86_venv(cache: Path, log: Path) -> tuple[Path, float]:
     """requirements/device.txt in a venv of this machine (a native device's install: PyPI's x86_64 wheels, through
     this machine's pip settings); cached by the requirements' digest. Returns it and the seconds (0: cached)."""
     venv = cache / "x86_64-venv"
-    stamp, digest = venv / ".hybridfl-requirements", requirements_digest()
-    if stamp.exists() and stamp.read_text() == digest:
+    stamp = venv / ".hybridfl-requirements"
+    if _installed(stamp):
         return venv, 0.0
     print(f"installing requirements/device.txt in {venv} ...", flush=True)
     shutil.rmtree(venv, ignore_errors=True)
     seconds = sh([sys.executable, "-m", "venv", str(venv)], log)
     seconds += sh([str(venv / "bin" / "pip"), "install", "-r", str(REQUIREMENTS)], log)
-    stamp.write_text(digest)
+    stamp.write_text(requirements_digest())
     return venv, seconds
 
 
@@ -475,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     log = args.cache / "build.log"
     steps: dict[str, float] = {}
     root, steps["rootfs-s"] = rootfs(args.cache, log)
-    wheel_dir, wheel_bytes, steps["device-check-s"] = wheels(args.cache, log)
+    wheel_dir, wheel_bytes, steps["device-check-s"] = wheels(args.cache, log, root)
     steps["arm64-venv-s"] = arm64_venv(root, wheel_dir, log)
     x86, steps["x86-venv-s"] = x86_venv(args.cache, log)
     sizes = {"arm64": {**install_size(root / DEVICE_VENV.lstrip("/") / "lib" / "python3.11" / "site-packages"),

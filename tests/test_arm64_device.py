@@ -37,3 +37,23 @@ def test_a_bad_run_config_override_exits_2_naming_it_before_anything_is_built(mo
     monkeypatch.setattr(arm64_device, "rootfs", _no_build)
     assert arm64_device.main(["--models", "digits", "data-fraction=1.5"]) == 2
     assert "data-fraction" in capsys.readouterr().err
+
+
+def test_the_device_check_runs_again_only_when_the_userlands_venv_is_not_of_these_requirements(monkeypatch,
+                                                                                                tmp_path) -> None:
+    """Resolving requirements/device.txt for aarch64 again (~45 s against PyPI) changes nothing a run uses once the
+    userland's venv was installed from them: it is skipped then, and run for a venv of other requirements or none."""
+    made: list[list[str]] = []
+    monkeypatch.setattr(arm64_device, "sh", lambda cmd, log, **kw: made.append(cmd) or 1.5)
+    root, cache = tmp_path / "rootfs", tmp_path / "cache"
+    folder = cache / "wheels" / "aarch64"
+    folder.mkdir(parents=True)
+    (folder / "device.lock").write_text("torch==2.14.1\n")
+    (folder / "torch-2.14.1-cp311-cp311-manylinux_2_28_aarch64.whl").write_bytes(b"x" * 10)
+    stamp = arm64_device._arm64_stamp(root)
+    stamp.parent.mkdir(parents=True)
+    for written, runs in (("another digest", True), (arm64_device.requirements_digest(), False)):
+        stamp.write_text(written)
+        made.clear()
+        assert arm64_device.wheels(cache, tmp_path / "log", root) == (folder, 10, 1.5 if runs else 0.0)
+        assert bool(made) == runs and all("device-check" in cmd for cmd in made)
