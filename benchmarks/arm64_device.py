@@ -368,6 +368,9 @@ class Sampler:
         self._thread.join()
 
 
+OWN_KEYS = {"num-rounds", "output-dir", "run-name"}  # what run_model sets itself
+
+
 def run_model(name: str, root: Path, x86: Path, work: Path, rounds: int,
               extra: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], float]:
     """One short run with node 0 in the arm64 userland and node 1 native (`extra`: run-config overrides); the
@@ -465,9 +468,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="run-config overrides of every model's run, as `hybridfl run` takes them")
     args = parser.parse_args(argv)
-    extra = parse_overrides(args.overrides)
     models = args.models.split(",")
-    try:  # a bad key fails now, not after the userland's build
+    try:  # a bad override fails now, not after the userland's build
+        extra = parse_overrides(args.overrides)
+        if own := sorted(set(extra) & OWN_KEYS):
+            raise ConfigError(own[0], extra[own[0]], "set by this command (--rounds for num-rounds)",
+                              f"{own[0]} is this command's own: --rounds sets num-rounds, each run its folder")
         for name in set(models) & set(MODELS):
             app_run_config({**MODELS[name][1], **extra})
     except ConfigError as e:

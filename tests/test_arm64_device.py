@@ -32,11 +32,15 @@ def test_a_host_that_cannot_emulate_says_why_and_fails_unless_told_to_skip(monke
     assert "needs qemu-aarch64 registered in binfmt_misc" in err and ("SKIPPED" in err) == bool(code == 0)
 
 
-def test_a_bad_run_config_override_exits_2_naming_it_before_anything_is_built(monkeypatch, capsys) -> None:
+@pytest.mark.parametrize(("override", "named"), [("data-fraction=1.5", "data-fraction"),
+                                                  ("data-fraction", "data-fraction"), ("num-rounds=3", "--rounds")])
+def test_a_bad_run_config_override_exits_2_naming_it_before_anything_is_built(monkeypatch, capsys, override,
+                                                                              named) -> None:
+    """Out of range, not KEY=VALUE, or a key the command sets itself (silently replaced otherwise)."""
     monkeypatch.setattr(arm64_device, "check_host", lambda: None)
     monkeypatch.setattr(arm64_device, "rootfs", _no_build)
-    assert arm64_device.main(["--models", "digits", "data-fraction=1.5"]) == 2
-    assert "data-fraction" in capsys.readouterr().err
+    assert arm64_device.main(["--models", "digits", override]) == 2
+    assert named in capsys.readouterr().err
 
 
 def test_the_device_check_runs_again_only_when_the_userlands_venv_is_not_of_these_requirements(monkeypatch,
