@@ -115,7 +115,7 @@ class _TestCPU:
             except OSError:  # e.g. v2's "no internal processes": fall back
                 if group.exists():
                     group.rmdir()
-        self.started = 0.0 if self.group else self._times()
+        self.started = self._times()
 
     @staticmethod
     def _times() -> float:
@@ -125,8 +125,11 @@ class _TestCPU:
     def stop(self) -> tuple[float, str]:
         if self.group is None:
             return self._times() - self.started, "os.times, a lower bound"
-        seconds = _cgroup_cpu_s(self.group, self.stat)
-        (self.home / "cgroup.procs").write_text(str(os.getpid()))
+        try:  # a measure never fails the suite: a cgroup gone or unreadable falls back
+            seconds = _cgroup_cpu_s(self.group, self.stat)
+            (self.home / "cgroup.procs").write_text(str(os.getpid()))
+        except (OSError, ValueError, StopIteration):
+            return self._times() - self.started, "os.times, a lower bound"
         try:
             self.group.rmdir()
         except OSError:  # a process the test left still ending: removed at the session's end

@@ -1,0 +1,33 @@
+"""The suite's CPU figure per test (tests/conftest.py): where a cgroup can be made, it counts a process the test
+started and orphaned, which os.times never sees."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from conftest import _own_cgroup, _TestCPU
+
+BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5:\n    pass\n"
+
+
+def test_an_orphan_s_cpu_counts_in_the_tests_cgroup_and_not_in_os_times() -> None:
+    if _own_cgroup() is None:
+        pytest.skip("this host lets no test process make a cgroup (root, cgroup v1's cpuacct or v2)")
+    cpu = _TestCPU()
+    assert cpu.group is not None
+    # the shell exits at once: its child, reparented to init, is never reaped by this process
+    pid = int(subprocess.run(["sh", "-c", f'{sys.executable} -c "$0" > /dev/null 2>&1 & echo $!', BURN],
+                             capture_output=True, text=True, check=True).stdout)
+    deadline = time.monotonic() + 60
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    group = cpu.group
+    seconds, measure = cpu.stop()
+    assert measure == "cgroups" and seconds >= 0.5, seconds
+    assert cpu._times() - cpu.started < 0.5  # what os.times saw: not the orphan
+    assert not group.exists()  # removed once the test's processes are gone
