@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -162,11 +163,25 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             _cpu_measures.add(measure)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # groups an earlier session could not remove at its end (a process a test killed still ending there, or its
+    # zombie, which this host's init may reap seconds later): removed once the session that made them is gone
+    own = _own_cgroup()
+    for group in own[0].glob("hybridfl-test-*-*") if own else ():
+        try:
+            os.kill(int(group.name.split("-")[2]), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                group.rmdir()
+        except (OSError, ValueError):
+            pass
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for group in _groups_left:
         try:
             group.rmdir()
-        except OSError:  # still holds a process: left for whoever looks, named
+        except OSError:  # still holds a process: left for whoever looks, named, and for the next session
             print(f"conftest: {group} still holds {(group / 'cgroup.procs').read_text().split()}")
 
 
