@@ -96,6 +96,7 @@ def _cgroup_cpu_s(group: Path, stat: str) -> float:
     return int(next(line.split()[1] for line in text.splitlines() if line.startswith("usage_usec"))) / 1e6
 
 
+_GROUP = "hybridfl-test"  # a test's cgroup: <_GROUP>-<the session process's pid>-<n>
 _numbers = itertools.count()
 _groups_left: list[Path] = []
 
@@ -108,7 +109,7 @@ class _TestCPU:
         own = _own_cgroup()
         if own is not None:
             home, self.stat = own
-            group = home / f"hybridfl-test-{os.getpid()}-{next(_numbers)}"
+            group = home / f"{_GROUP}-{os.getpid()}-{next(_numbers)}"
             try:
                 group.mkdir()
                 (group / "cgroup.procs").write_text(str(os.getpid()))
@@ -167,9 +168,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     # groups an earlier session could not remove at its end (a process a test killed still ending there, or its
     # zombie, which this host's init may reap seconds later): removed once the session that made them is gone
     own = _own_cgroup()
-    for group in own[0].glob("hybridfl-test-*-*") if own else ():
+    for group in own[0].glob(f"{_GROUP}-*-*") if own else ():
         try:
-            os.kill(int(group.name.split("-")[2]), 0)
+            os.kill(int(group.name.rsplit("-", 2)[1]), 0)
         except ProcessLookupError:
             with contextlib.suppress(OSError):
                 group.rmdir()

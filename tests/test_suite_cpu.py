@@ -3,13 +3,14 @@ started and orphaned, which os.times never sees."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 
 import psutil
 import pytest
-from conftest import _own_cgroup, _TestCPU
+from conftest import _GROUP, _own_cgroup, _TestCPU, pytest_sessionstart
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5:\n    pass\n"
 
@@ -31,3 +32,23 @@ def test_an_orphan_s_cpu_counts_in_the_tests_cgroup_and_not_in_os_times() -> Non
     assert measure == "cgroups" and seconds >= 0.5, seconds
     assert cpu._times() - cpu.started < 0.5  # what os.times saw: not the orphan
     assert not group.exists()  # removed once the test's processes are gone
+
+
+def test_a_session_removes_the_groups_of_ended_sessions_and_keeps_a_live_ones() -> None:
+    """A group an earlier session left (its process gone) is removed at a session's start; one whose session's
+    process is alive (this one's) is kept."""
+    own = _own_cgroup()
+    if own is None:
+        pytest.skip("this host lets no test process make a cgroup (root, cgroup v1's cpuacct or v2)")
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    gone, live = own[0] / f"{_GROUP}-{ended.pid}-0", own[0] / f"{_GROUP}-{os.getpid()}-999999"
+    gone.mkdir()
+    live.mkdir()
+    try:
+        pytest_sessionstart(None)
+        assert not gone.exists() and live.exists()
+    finally:
+        for group in (gone, live):
+            if group.exists():
+                group.rmdir()
