@@ -2,10 +2,11 @@
 
 In deployment Flower starts a fresh ClientApp process for every message, so without this every message
 reloads the whole dataset and redoes the run's splits (BENCHMARKS "Seconds per update in deployment": 3.5 s
-for digits, most of it importing scikit-learn; 1.1 s for Fashion-MNIST). The first message of a run builds the
-node's train / validation / test parts and writes them to ``<cache-dir>/run-<run id>/``; later messages of the
-run read that file. Files are named by the run id and a digest of the whole data spec and partition id, so
-nothing carries over between runs (Flower's run ids are random) and a changed spec never reads an old file.
+for digits, most of it importing scikit-learn, which digits no longer needs; 1.1 s for Fashion-MNIST). The first
+message of a run builds the node's train / validation / test parts and writes them to
+``<cache-dir>/run-<run id>/``; later messages of the run read that file. Files are named by the run id and a
+digest of the whole data spec and partition id, so nothing carries over between runs (Flower's run ids are
+random) and a changed spec never reads an old file.
 Folders of runs not touched for a day are removed when a new run starts writing.
 
 ``cache-dir`` in the node config moves it (default ``$XDG_CACHE_HOME/hybridfl``, else ``~/.cache/hybridfl``);

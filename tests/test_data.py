@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -19,6 +23,29 @@ def test_digits_is_the_real_uci_set():
     d = load_dataset("digits")
     assert d.x.shape == (1797, 1, 8, 8) and d.x.dtype == np.float32 and d.num_classes == 10
     assert d.x.min() >= 0.0 and d.x.max() <= 1.0 and np.bincount(d.y).min() >= 170
+
+
+def test_digits_read_from_scikit_learns_file_are_load_digits_bit_for_bit(monkeypatch):
+    from sklearn.datasets import load_digits
+
+    import common.splits as splits
+
+    ref = load_digits()
+    expected = (ref.images.astype(np.float32) / 16.0)[:, None, :, :]
+    assert splits.digits_file() is not None  # this scikit-learn's file is read, not its loader
+    from_file = splits._digits(Path("."))
+    monkeypatch.setattr(splits, "digits_file", lambda: None)  # a scikit-learn that moved the file: its loader
+    for d in (from_file, splits._digits(Path("."))):
+        assert d.x.tobytes() == expected.tobytes() and np.array_equal(d.y, ref.target) and d.y.dtype == np.int64
+
+
+def test_loading_digits_does_not_import_scikit_learn():
+    # its import (scipy with it) was most of a device's first message on digits
+    code = ("import sys; from common.splits import load_dataset; load_dataset('digits'); "
+            "print(sorted(m for m in ('sklearn', 'scipy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]"
 
 
 def test_splits_are_disjoint_stratified_and_central_comes_from_test():
