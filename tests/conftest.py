@@ -166,14 +166,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     # groups an earlier session could not remove at its end (a process a test killed still ending there, or its
-    # zombie, which this host's init may reap seconds later): removed once the session that made them is gone
+    # zombie, which this host's init may reap seconds later): removed once the session that made them is gone, with
+    # the groups of the sessions its tests ran inside them (a test that runs pytest), deepest first
     own = _own_cgroup()
     for group in own[0].glob(f"{_GROUP}-*-*") if own else ():
         try:
             os.kill(int(group.name.rsplit("-", 2)[1]), 0)
         except ProcessLookupError:
-            with contextlib.suppress(OSError):
-                group.rmdir()
+            for inner in [*sorted(group.rglob(f"{_GROUP}-*-*"), key=lambda g: -len(g.parts)), group]:
+                with contextlib.suppress(OSError):
+                    inner.rmdir()
         except (OSError, ValueError):
             pass
 

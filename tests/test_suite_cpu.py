@@ -35,20 +35,21 @@ def test_an_orphan_s_cpu_counts_in_the_tests_cgroup_and_not_in_os_times() -> Non
 
 
 def test_a_session_removes_the_groups_of_ended_sessions_and_keeps_a_live_ones() -> None:
-    """A group an earlier session left (its process gone) is removed at a session's start; one whose session's
-    process is alive (this one's) is kept."""
+    """A group an earlier session left (its process gone) is removed at a session's start, with the group a session
+    inside one of its tests left in it; one whose session's process is alive (this one's) is kept."""
     own = _own_cgroup()
     if own is None:
         pytest.skip("this host lets no test process make a cgroup (root, cgroup v1's cpuacct or v2)")
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
     gone, live = own[0] / f"{_GROUP}-{ended.pid}-0", own[0] / f"{_GROUP}-{os.getpid()}-999999"
-    gone.mkdir()
-    live.mkdir()
+    inner = gone / f"{_GROUP}-{ended.pid + 1}-0"
+    for group in (gone, inner, live):
+        group.mkdir()
     try:
         pytest_sessionstart(None)
         assert not gone.exists() and live.exists()
     finally:
-        for group in (gone, live):
+        for group in (inner, gone, live):
             if group.exists():
                 group.rmdir()
