@@ -563,7 +563,7 @@ def fleet_demo(engine: Engine, version: str, workdir: Path, timings: dict[str, A
     """(f) A fleet on the real engine, the tutorial's section "4. The fleet on Docker" run as written from a folder
     of its own (the demo with ``--no-build``: the images were built above, from the wheelhouse): each device's link
     through its shaper container, its ClientApp container limited to its memory and cores, device 2 switched off and
-    on by its windows, device 1's training processes killed by the kernel for its 600 MB (Docker's OOM events
+    on by its windows, device 1's training processes killed by the kernel for its 520 MB (Docker's OOM events
     counted, the messages failed), and the run going on to finished:completed. Then the deployment is taken down."""
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**engine.env, "FLWR_VERSION": version, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
