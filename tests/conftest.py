@@ -167,7 +167,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionstart(session: pytest.Session) -> None:
     # groups an earlier session could not remove at its end (a process a test killed still ending there, or its
     # zombie, which this host's init may reap seconds later): removed once the session that made them is gone, with
-    # the groups of the sessions its tests ran inside them (a test that runs pytest), deepest first
+    # the groups nested in them (a test that measures itself, as tests/test_suite_cpu.py's, makes one inside its
+    # own), deepest first
     own = _own_cgroup()
     for group in own[0].glob(f"{_GROUP}-*-*") if own else ():
         try:

@@ -35,8 +35,8 @@ def test_an_orphan_s_cpu_counts_in_the_tests_cgroup_and_not_in_os_times() -> Non
 
 
 def test_a_session_removes_the_groups_of_ended_sessions_and_keeps_a_live_ones() -> None:
-    """A group an earlier session left (its process gone) is removed at a session's start, with the group a session
-    inside one of its tests left in it; one whose session's process is alive (this one's) is kept."""
+    """A group an earlier session left (its process gone) is removed at a session's start, with a group nested in
+    it; one whose session's process is alive (this one's) is kept."""
     own = _own_cgroup()
     if own is None:
         pytest.skip("this host lets no test process make a cgroup (root, cgroup v1's cpuacct or v2)")
