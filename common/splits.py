@@ -36,8 +36,10 @@ from common.user_code import is_import_path, load_user_dataset
 def digits_file() -> Path | None:
     """scikit-learn's copy of the UCI digits (a CSV of 64 pixels and the label a row), found without importing it."""
     spec = importlib.util.find_spec("sklearn")
-    path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
-    return path if path is not None and path.is_file() else None
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+    return path if path.is_file() else None
 
 
 def _digits(root: Path) -> ArrayDataset:
