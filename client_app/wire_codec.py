@@ -10,7 +10,7 @@ node's messages, in every runtime) and, where the node keeps a cache folder (cli
 it does), in ``<cache-dir>/run-<run id>/residual-<partition>.npy``, so that it survives a restart of the device's
 processes. A device that finds neither while its message says earlier updates were dispatched to it
 (``updates-before``) logs that its residual is lost, starts again from zero and says so in the reply's metrics
-(``residual-lost`` = 1): what it had not sent is gone, the run goes on.
+(``residual-lost`` = 1, else 0): what it had not sent is gone, the run goes on.
 
 With ``model-difference``, a train message carries the difference from the model the device holds, named by its
 digest (``model-base``); the device keeps the model it trains from the same two ways (``model-<partition>.npy``).
@@ -70,10 +70,12 @@ def codec_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
     if codecs.update_codec == "topk":
         path = _kept_file(context, msg.metadata.run_id, "residual", int(reply.content[METRICS][PARTITION_ID]))
         residual = _load(context, RESIDUAL, path, update.size)
-        if residual is None and int(config.get(UPDATES_BEFORE, 0)) > 0:
+        lost = residual is None and int(config.get(UPDATES_BEFORE, 0)) > 0
+        if lost:
             log(WARNING, "this device's topk residual for run %d is lost (no state, no file%s): what it had not "
                 "sent is gone; starting again from zero", msg.metadata.run_id, f" at {path}" if path else "")
-            reply.content[METRICS][LOST] = 1
+        # 0 too, so that the run's mean of it (train-residual-lost) is the share of a step's updates that lost one
+        reply.content[METRICS][LOST] = int(lost)
     record, residual = encode(update, codecs.update_codec, codecs, residual)
     reply.content[ARRAYS] = record
     if residual is not None:
