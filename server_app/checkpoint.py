@@ -3,7 +3,8 @@
 It holds the round it was written after, the run's configuration, the model layout, the strategy's
 whole state, the runner's (its random generators, the dispatches in flight with the payloads they
 carry, each client's dispatch count), the recorder's position in metrics.jsonl / events.jsonl and
-torch's global generator. It is written atomically (a temporary file, then a rename), so a kill
+torch's global generator, and, where the nodes run in this process, which file of ``<run>/nodes/`` holds each
+node's state (server_app/node_state.py). It is written atomically (a temporary file, then a rename), so a kill
 leaves the previous checkpoint or the new one, never half of one.
 
 Loading runs no code from the file: ``torch.load(weights_only=True)`` rebuilds tensors and plain data and

@@ -25,6 +25,7 @@ from common.params import ParamSpec
 from common.server_data import ServerData, build_server_data
 from common.splits import Splits, check_partitions, client_sizes, data_spec, make_splits, task_data
 from common.training import LocalRecipe, evaluate
+from server_app import node_state
 from server_app.checkpoint import CHECKPOINT, check_layout, pack_state, read_checkpoint, unpack_state, write_checkpoint
 from server_app.config import RunConfig, client_config
 from server_app.evaluation import client_evaluate, federated_evaluate, personal_summary
@@ -62,6 +63,7 @@ class TrainingRun:
     # wall seconds of the processes before this one (a resumed run); None where the checkpoint did not keep them
     earlier_seconds: float | None = 0.0
     t_start: float = field(default_factory=time.perf_counter)
+    node_files: dict[int, int] = field(default_factory=dict)  # in-process nodes' state files (server_app/node_state.py)
 
     def run_seconds(self) -> float | None:
         """Wall seconds of the whole run so far, over every process that worked on it."""
@@ -140,12 +142,17 @@ class TrainingRun:
                                f"{self.runner.first_loss or 'none recorded'}")
 
     def checkpoint(self, rnd: int) -> None:
+        holds = isinstance(self.grid, node_state.HoldsNodes)
+        if holds:
+            self.node_files = node_state.save(self.grid, self.out, rnd, self.node_files)
         write_checkpoint(self.out, {
             "round": rnd, "config": self.cfg.to_dict(),
             "layout": {"names": list(self.pspec.names), "shapes": [list(s) for s in self.pspec.shapes]},
             "strategy": pack_state(self.strategy.state_dict(), type(self.strategy)), "runner": self.runner.state_dict(),
             "recorder": self.recorder.state_dict(), "torch-rng": torch.get_rng_state(),
-            "run-seconds": self.run_seconds()})
+            "run-seconds": self.run_seconds(), **({"nodes": self.node_files} if holds else {})})
+        if holds:
+            node_state.prune(self.out, self.node_files)
 
     # -- the run ------------------------------------------------------------------------------
     def execute(self) -> Path:
@@ -234,7 +241,8 @@ def build_run(grid: Grid, cfg: RunConfig) -> TrainingRun:
     out = Path(cfg.resume) if cfg.resume else run_dir(cfg)
     if resumed is None:  # a named folder may hold an older run's checkpoint: it must not be resumed into this run
         (out / CHECKPOINT).unlink(missing_ok=True)
-    first_round, earlier = 1, 0.0
+        node_state.prune(out, {})
+    first_round, earlier, node_files = 1, 0.0, {}
     if resumed is not None:
         check_layout(out, resumed, pspec.names, pspec.shapes)
         strategy.load_state_dict(unpack_state(resumed["strategy"], type(strategy), out))
@@ -242,7 +250,13 @@ def build_run(grid: Grid, cfg: RunConfig) -> TrainingRun:
         torch.set_rng_state(resumed["torch-rng"])
         first_round = int(resumed["round"]) + 1
         earlier = resumed.get("run-seconds")
+        if isinstance(grid, node_state.HoldsNodes):
+            node_files = dict(resumed.get("nodes", {}))
+            node_state.load(grid, out, node_files)
+        elif resumed.get("nodes"):
+            log(INFO, "the states of the %d in-process nodes kept in %s stay unused: this runtime's nodes keep "
+                "their own", len(resumed["nodes"]), out / node_state.FOLDER)
     recorder = Recorder(out, resumed["recorder"] if resumed is not None else None, open_tracker(cfg, out))
     runner.on_event = recorder.event
     return TrainingRun(grid, cfg, out, splits, server_data, model, pspec, strategy, runner, recorder, first_round,
-               earlier_seconds=earlier)
+               earlier_seconds=earlier, node_files=node_files)

@@ -83,8 +83,8 @@ class ClientSide:
     # The strategy's own option keys the client side reads from ``task.config`` (Ditto's λ): every message carries
     # their values (:meth:`strategies.base.Strategy.client_options`)
     keys: ClassVar[tuple[str, ...]] = ()
-    # Keeps state in the node's Context.state: it lives as long as the node does (a SuperNode restart, or a resumed
-    # in-process run, which starts new nodes, begins it afresh; the server's checkpoint never holds a client's state)
+    # Keeps state in the node's Context.state: it lives as long as the node does (a SuperNode restart begins it
+    # afresh); the in-process engine's nodes keep it with the run's checkpoints (server_app/node_state.py)
     stateful: ClassVar[bool] = False
 
     def prepare(self, task: LocalTask, evaluating: bool) -> None:

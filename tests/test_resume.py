@@ -259,6 +259,30 @@ def test_a_resumed_run_goes_on_without_a_device_gone_for_good_and_counts_its_los
     assert [r["round"] for r in rows(out)][-1] == 5 and all(e["outcome"] == "accepted" for e in after)
 
 
+def test_a_topk_run_resumes_identically_with_its_devices_residuals(tmp_path):
+    """topk's residuals are the in-process nodes' states: the checkpoint keeps them (each node's latest file,
+    <run>/nodes/), so the resumed run is the uninterrupted one, no device's residual lost; a node file the checkpoint
+    names that is gone is refused at the resume, naming it. (Models as differences resume as documented instead:
+    the server's copies of the devices' models are not in the checkpoint, so each device gets a whole model first.)"""
+    codec = {"update-codec": "topk", "topk-fraction": 0.05}
+    whole = run_inprocess(job(tmp_path, "whole", **codec))
+    with pytest.raises(Crash):
+        run_inprocess(job(tmp_path, "killed", **codec), client_app=crashing(5, tmp_path / "killed"))
+    named = read_checkpoint(tmp_path / "killed")["nodes"]
+    assert sorted(p.name for p in (tmp_path / "killed" / "nodes").iterdir()) == sorted(
+        f"{p}-{r}.pt" for p, r in named.items()) and named  # the older files pruned
+    spare = tmp_path / "spare"
+    spare.mkdir()
+    (tmp_path / "killed" / "nodes" / f"{min(named)}-{named[min(named)]}.pt").rename(spare / "node.pt")
+    with pytest.raises(ConfigError, match=f"node {min(named)}'s state .* does not load"):
+        run_inprocess({"resume": str(tmp_path / "killed")})
+    (spare / "node.pt").rename(tmp_path / "killed" / "nodes" / f"{min(named)}-{named[min(named)]}.pt")
+    resumed = run_inprocess({"resume": str(tmp_path / "killed")})
+    assert digest(resumed / "model.pt") == digest(whole / "model.pt")
+    assert rows(resumed) == rows(whole) and rows(resumed, "events.jsonl") == rows(whole, "events.jsonl")
+    assert not any(r.get("train-residual-lost") for r in rows(resumed))
+
+
 def test_a_run_under_flowers_loop_resumes_identically(tmp_path):
     flower = {"strategy": "fedavg", "loop": "flower", "delay-sigma": 0.0, "clients-per-round": 3}
     whole = run_inprocess(job(tmp_path, "whole", **flower))

@@ -73,6 +73,7 @@ class InProcessGrid(Grid):
         self._offered: set[str] = set()  # pending messages the cohort has seen (those it serves: in _ahead)
         self._ahead: dict[str, Message] = {}  # replies trained ahead, by the id of the message they answer
         self._count = 0
+        self._ran: set[int] = set()  # nodes whose ClientApp ran since the last checkpoint: their state may differ
 
     def set_run(self, run: Run) -> None:
         self._run = run
@@ -88,6 +89,18 @@ class InProcessGrid(Grid):
     def disconnect(self, node: int) -> None:
         """Take `node` offline: it leaves the node list and its pending messages fail with NODE_UNAVAILABLE."""
         self.contexts.pop(node, None)
+
+    def changed_node_states(self) -> dict[int, RecordDict]:
+        """The states of the nodes whose ClientApp ran since the last call, by partition (server_app/node_state.py;
+        the cohort never changes a state: it serves no client side that keeps one)."""
+        changed = {int(c.node_config["partition-id"]): c.state for n, c in self.contexts.items() if n in self._ran}
+        self._ran.clear()
+        return changed
+
+    def restore_node_states(self, states: Mapping[int, RecordDict]) -> None:
+        for context in self.contexts.values():
+            if (partition := int(context.node_config["partition-id"])) in states:
+                context.state = states[partition]
 
     def get_node_ids(self) -> Iterable[int]:
         return list(self.contexts)
@@ -141,6 +154,7 @@ class InProcessGrid(Grid):
         if node not in self.contexts:
             reply = Message(Error(ErrorCode.NODE_UNAVAILABLE, f"node {node} is not connected"), reply_to=msg)
         else:
+            self._ran.add(node)
             try:
                 reply = self.client_app(msg, self.contexts[node])
             except Exception as err:  # noqa: BLE001 - as Flower's runtimes do: failures become error replies
