@@ -161,13 +161,18 @@ def read_strategy_state(folder: Path) -> dict[str, Any]:
 def write_checkpoint(folder: Path, state: dict[str, Any]) -> Path:
     """Write `state` (plus the format tag) to ``folder/checkpoint.pt`` atomically; return the path."""
     path = Path(folder) / CHECKPOINT
+    save_whole(path, {"format": FORMAT, **state})
+    return path
+
+
+def save_whole(path: Path, obj: Any) -> None:
+    """``torch.save`` `obj` to `path` whole or not at all: a temporary file, fsynced, then renamed."""
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
-        torch.save({"format": FORMAT, **state}, f)
+        torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return path
 
 
 def check_layout(folder: Path, state: dict[str, Any], names: tuple[str, ...],

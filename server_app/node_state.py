@@ -14,7 +14,6 @@ and bytes, nothing that runs code.
 from __future__ import annotations
 
 import io
-import os
 import pickle
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from common.config import ConfigError
+from server_app.checkpoint import save_whole
 
 FOLDER = "nodes"
 
@@ -64,7 +64,7 @@ def unpack(packed: Mapping[str, tuple[str, dict[str, Any]]]) -> RecordDict:
 
 def save(grid: HoldsNodes, out: Path, rnd: int, files: Mapping[int, int]) -> dict[int, int]:
     """Write the states of the nodes that changed since the last save; return each node's latest file (partition ->
-    round), `files` updated. Written whole before the checkpoint names them (a temporary name, then a rename)."""
+    round), `files` updated. Each written whole before the checkpoint names it."""
     latest = dict(files)
     for partition, state in grid.changed_node_states().items():
         if not len(state):
@@ -72,11 +72,7 @@ def save(grid: HoldsNodes, out: Path, rnd: int, files: Mapping[int, int]) -> dic
             continue
         path = out / FOLDER / f"{partition}-{rnd}.pt"
         path.parent.mkdir(exist_ok=True)
-        with open(path.with_suffix(".tmp"), "wb") as f:
-            torch.save(pack(state), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path.with_suffix(".tmp"), path)
+        save_whole(path, pack(state))
         latest[partition] = rnd
     return latest
 
