@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import Crash, crashing, digest, rows
@@ -271,6 +272,10 @@ def test_a_topk_run_resumes_identically_with_its_devices_residuals(tmp_path):
     named = read_checkpoint(tmp_path / "killed")["nodes"]
     assert sorted(p.name for p in (tmp_path / "killed" / "nodes").iterdir()) == sorted(
         f"{p}-{r}.pt" for p, r in named.items()) and named  # the older files pruned
+    kept = tmp_path / "killed" / "nodes" / f"{min(named)}-{named[min(named)]}.pt"
+    values = sum(np.dtype(dtype).itemsize * int(np.prod(shape)) for kind, items in torch.load(kept).values()
+                 if kind == "array" for dtype, shape, *_ in items.values())
+    assert kept.stat().st_size < 1.05 * values + 4096  # the residual's bytes as they are, not a pickle of them
     spare = tmp_path / "spare"
     spare.mkdir()
     (tmp_path / "killed" / "nodes" / f"{min(named)}-{named[min(named)]}.pt").rename(spare / "node.pt")
