@@ -16,13 +16,14 @@ from __future__ import annotations
 import io
 import pickle
 from collections.abc import Mapping
+from logging import WARNING
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.common import log
 
-from common.config import ConfigError
 from server_app.checkpoint import save_whole
 
 FOLDER = "nodes"
@@ -89,15 +90,15 @@ def prune(out: Path, files: Mapping[int, int]) -> None:
 
 
 def load(grid: HoldsNodes, out: Path, files: Mapping[int, int]) -> None:
-    """Give the grid's nodes the states the checkpoint names; a file that is missing or does not load is refused,
-    naming it (a resume without a node's state would not be the run that was killed)."""
+    """Give the grid's nodes the states the checkpoint names. A node whose file is missing or does not load (deleted
+    for its disk, damaged) starts afresh, as a device that lost its state does, and the run goes on: the warning names
+    it, and its method's client side says what it lost (topk's ``residual-lost``)."""
     states = {}
     for partition, rnd in files.items():
         path = out / FOLDER / f"{partition}-{rnd}.pt"
         try:
             states[partition] = unpack(torch.load(io.BytesIO(path.read_bytes()), weights_only=True))
         except (OSError, ValueError, RuntimeError, TypeError, KeyError, EOFError, pickle.UnpicklingError) as err:
-            raise ConfigError("resume", str(out), "a run folder whose checkpoint.pt can be resumed",
-                              f"cannot resume {out}: node {partition}'s state {path} does not load "
-                              f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
+            log(WARNING, "node %d's state %s does not load (%s: %s): it starts afresh, and the resumed run is not the "
+                "uninterrupted one", partition, path, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
     grid.restore_node_states(states)
