@@ -8,7 +8,7 @@ checkpoint the nodes that ran a message since the last one are written, each to 
 ``<run>/nodes/<partition>-<round>.pt``; the checkpoint names each node's latest file (written before it, so a kill
 between the two leaves the previous checkpoint with the files it names), and the files it no longer names are
 removed after it. A node with an empty state has no file. Loaded with ``torch.load(weights_only=True)``: plain data
-and bytes, nothing that runs code.
+and tensors, nothing that runs code.
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def load(grid: HoldsNodes, out: Path, files: Mapping[int, int]) -> None:
         path = out / FOLDER / f"{partition}-{rnd}.pt"
         try:
             states[partition] = unpack(torch.load(io.BytesIO(path.read_bytes()), weights_only=True))
-        except (OSError, ValueError, RuntimeError, TypeError, KeyError, EOFError, pickle.UnpicklingError) as err:
+        except (OSError, ValueError, RuntimeError, TypeError, KeyError, AttributeError, EOFError,
+                pickle.UnpicklingError) as err:  # a file of another shape (damaged, or not pack's) as a missing one
             log(WARNING, "node %d's state %s does not load (%s: %s): it starts afresh, and the resumed run is not the "
                 "uninterrupted one", partition, path, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
     grid.restore_node_states(states)
