@@ -26,6 +26,8 @@ from pathlib import Path
 
 from hybridfl.launch.bundle import PROJECT_DIR
 
+UV = "uv==0.13.9"  # the version measured in BENCHMARKS
+
 
 def timed(argv: list[str], env: dict[str, str]) -> tuple[float, float]:
     """Run `argv` in the checkout; its wall seconds and the CPU seconds of it and its children."""
@@ -52,8 +54,6 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="hybridfl-install-"))
     env = {**os.environ, "UV_CACHE_DIR": str(root / "uv-cache")}
     tools = root / "tools"  # uv itself, outside the venvs measured
-    subprocess.run([sys.executable, "-m", "venv", str(tools)], check=True)
-    subprocess.run([str(tools / "bin" / "pip"), "install", "--quiet", "uv"], check=True)
     installs = {
         "pip": lambda py: [py, "-m", "pip", "install", "--quiet", "-e", ".[test]"],
         "uv, empty cache": lambda py: [str(tools / "bin" / "uv"), "pip", "install", "--quiet", "--python", py,
@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     installs["uv, its cache"] = installs["uv, empty cache"]
     rows, reference = [], None
     try:
+        subprocess.run([sys.executable, "-m", "venv", str(tools)], check=True)
+        subprocess.run([str(tools / "bin" / "pip"), "install", "--quiet", UV], check=True)
         for name, command in installs.items():
             venv = root / "venv"
             subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -74,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"install": name, "wall-s": round(wall, 1), "cpu-s": round(cpu, 1),
                          "packages": len(packages)})
             shutil.rmtree(venv)
+    except subprocess.CalledProcessError as err:
+        raise SystemExit(f"install_time: {' '.join(map(str, err.cmd))} exited {err.returncode}") from None
     finally:
         shutil.rmtree(root, ignore_errors=True)
     pip = rows[0]

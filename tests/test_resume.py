@@ -292,6 +292,44 @@ def test_a_topk_run_resumes_identically_with_its_devices_residuals(tmp_path, cap
     assert not any(r.get("train-residual-lost") for r in rows(resumed))
 
 
+def test_a_node_file_that_does_not_load_starts_that_node_afresh_and_the_others_get_theirs(tmp_path, caplog):
+    """server_app/node_state.py's load: a file of another shape (a list where pack's dict was, an array's item of the
+    wrong arity) or damaged bytes is a warning naming the node, and that node gets no state; the good file's node gets
+    its state back, bytes for bytes."""
+    from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+
+    from server_app import node_state
+    from server_app.checkpoint import save_whole
+
+    class Grid:
+        def __init__(self) -> None:
+            self.restored: dict = {}
+
+        def changed_node_states(self) -> dict:
+            return {}
+
+        def restore_node_states(self, states) -> None:
+            self.restored = dict(states)
+
+    residual = np.arange(6, dtype=np.float32)
+    good = RecordDict({"r": ArrayRecord({"w": Array(residual)}), "m": MetricRecord({"n": 3})})
+    folder = tmp_path / node_state.FOLDER
+    folder.mkdir()
+    save_whole(folder / "0-4.pt", node_state.pack(good))
+    save_whole(folder / "1-4.pt", [1, 2])
+    save_whole(folder / "2-4.pt", {"r": ("array", {"w": ("float32", [6])})})
+    (folder / "3-4.pt").write_bytes(b"not a torch file")
+    grid = Grid()
+    assert isinstance(grid, node_state.HoldsNodes)
+    with caplog.at_level(logging.WARNING):
+        node_state.load(grid, tmp_path, {0: 4, 1: 4, 2: 4, 3: 4, 4: 4})
+    assert sorted(grid.restored) == [0]
+    assert grid.restored[0]["r"]["w"].numpy().tobytes() == residual.tobytes() and grid.restored[0]["m"]["n"] == 3
+    for partition, error in ((1, "AttributeError"), (2, "ValueError"), (3, ""), (4, "FileNotFoundError")):
+        said = [r.getMessage() for r in caplog.records if f"node {partition}'s state" in r.getMessage()]
+        assert len(said) == 1 and "starts afresh" in said[0] and error in said[0], said
+
+
 def test_a_run_under_flowers_loop_resumes_identically(tmp_path):
     flower = {"strategy": "fedavg", "loop": "flower", "delay-sigma": 0.0, "clients-per-round": 3}
     whole = run_inprocess(job(tmp_path, "whole", **flower))
