@@ -5,10 +5,10 @@ array every handler reads; on the way out, a train reply's update is encoded as 
 never see a codec, so every method's client side works unchanged; a Flower user's own ClientApp gets the same by
 adding the mod (its messages' configs carry the keys: hybridfl's ``client_config``).
 
-``topk``'s error feedback keeps the residual e on the device, per run: in Flower's ``Context.state`` (across the
-node's messages, in every runtime) and, where the node keeps a cache folder (client_app/node_cache.py: by default
-it does), in ``<cache-dir>/run-<run id>/residual-<partition>.npy``, so that it survives a restart of the device's
-processes. A device that finds neither while its message says earlier updates were dispatched to it
+The top-k codecs' error feedback keeps the residual e on the device, per run: in Flower's ``Context.state`` (across
+the node's messages, in every runtime) and, where the node keeps a cache folder (client_app/node_cache.py: by
+default it does), in ``<cache-dir>/run-<run id>/residual-<partition>.npy``, so that it survives a restart of the
+device's processes. A device that finds neither while its message says earlier updates were dispatched to it
 (``updates-before``) logs that its residual is lost, starts again from zero and says so in the reply's metrics
 (``residual-lost`` = 1, else 0): what it had not sent is gone, the run goes on.
 
@@ -30,7 +30,7 @@ from flwr.common import log
 from flwr.common.constant import ErrorCode
 
 from client_app.node_cache import cache_dir
-from common.codecs import PLAIN, WIRE_KEY, WireCodecs, apply_difference, encode, model_digest
+from common.codecs import PLAIN, SPARSE, WIRE_KEY, WireCodecs, apply_difference, encode, model_digest
 from common.config import make_options
 from common.protocol import ARRAYS, CONFIG, METRICS, MODEL_BASE, PARTITION_ID, UPDATES_BEFORE
 
@@ -41,7 +41,7 @@ LOST = "residual-lost"  # the train reply's metric when it was lost
 
 def codec_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
     """Decode the message's model as its ``model-codec`` says, run the handler, encode a train reply's update as its
-    ``update-codec`` says (topk with this node's residual)."""
+    ``update-codec`` says (a top-k codec with this node's residual)."""
     if CONFIG not in msg.content.config_records:
         return call_next(msg, context)
     config = msg.content[CONFIG]
@@ -67,12 +67,12 @@ def codec_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> M
         return reply
     update = reply.content[ARRAYS][WIRE_KEY].numpy()
     residual, path = None, None
-    if codecs.update_codec == "topk":
+    if codecs.update_codec in SPARSE:
         path = _kept_file(context, msg.metadata.run_id, "residual", int(reply.content[METRICS][PARTITION_ID]))
         residual = _load(context, RESIDUAL, path, update.size)
         lost = residual is None and int(config.get(UPDATES_BEFORE, 0)) > 0
         if lost:
-            log(WARNING, "this device's topk residual for run %d is lost (no state, no file%s): what it had not "
+            log(WARNING, "this device's top-k residual for run %d is lost (no state, no file%s): what it had not "
                 "sent is gone; starting again from zero", msg.metadata.run_id, f" at {path}" if path else "")
         # 0 too, so that the run's mean of it (train-residual-lost) is the share of a step's updates that lost one
         reply.content[METRICS][LOST] = int(lost)

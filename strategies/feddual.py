@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from common.codecs import WireCodecs
+from common.codecs import SPARSE, WireCodecs
 from common.config import COUNT, POSITIVE, ConfigError, OneOf, Range, option
 from common.datasets import ArrayDataset
 from common.objectives import BatchLoss, LocalLoss, Received, objective
@@ -220,10 +220,11 @@ class FedDual(FedAvg):
         """Eq. 15 weighs each client's update of the dynamic arrays by the distribution of its values; topk
         delivers a few of them and zeros for the rest (sent later through its error feedback): that distribution
         is not the client's, and W would measure its sparsity."""
-        if codecs.update_codec == "topk" and config.dynamic_arrays and config.dynamic_source == "delta":
+        if codecs.update_codec in SPARSE and config.dynamic_arrays and config.dynamic_source == "delta":
             return ("update-codec", "a codec that keeps every value of an update (none, fp16, int8): FedDUAL's "
-                    "barycenter (Eq. 15) weighs each client's update by the distribution of its values, and topk "
-                    "zeros all but a few of them; or dynamic-source = 'loss-gradient', or dynamic-arrays = 0")
+                    "barycenter (Eq. 15) weighs each client's update by the distribution of its values, and "
+                    f"{codecs.update_codec} zeros all but a few of them; or dynamic-source = 'loss-gradient', or "
+                    "dynamic-arrays = 0")
         return None
 
     def initialize(self, params: torch.Tensor, spec: Any, model: Any = None) -> None:

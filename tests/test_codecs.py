@@ -27,7 +27,9 @@ from flwr.app.message import make_message
 
 from client_app.wire_codec import HELD, LOST, RESIDUAL, codec_mod
 from common.codecs import (
+    COUNT_KEY,
     HALF_MAX,
+    INDEX_BLOCK,
     INDEX_KEY,
     SCALE_KEY,
     UPDATE_CODECS,
@@ -102,18 +104,42 @@ def test_topk_sends_the_largest_entries_and_keeps_the_rest_as_its_residual(fract
     assert np.array_equal(back + residual, x)  # disjoint: what is not sent is kept, exactly
 
 
-def test_error_feedback_delivers_everything_over_messages():
-    """Σ_t decoded_t + e_T = Σ_t x_t up to one float32 addition per message (p_t = x_t + e_{t−1} is rounded):
-    nothing a device computed is lost, only delayed (Stich et al. 2018, Algorithm 1)."""
+@pytest.mark.parametrize("n", [N, 3 * INDEX_BLOCK + 5])
+def test_topk16_sends_topks_entries_in_half_its_bytes_and_keeps_its_rounding_in_the_residual(n):
+    """The same k entries as topk (one block, and several: the 16-bit index counts inside its block); each value
+    within half's rounding of v / s (s the largest kept magnitude) and float32's product; the residual is x less
+    what the server decodes, to one float32 subtraction's rounding."""
+    wire, x = WireCodecs(topk_fraction=0.01), vector(2, n)
+    k = topk_count(n, 0.01)
+    record, residual = encode(x, "topk16", wire)
+    index = encode(x, "topk", wire)[0][INDEX_KEY].numpy()
+    assert record[INDEX_KEY].numpy().dtype == np.uint16 and record[WIRE_KEY].numpy().dtype == np.float16
+    blocks = np.bincount(index // INDEX_BLOCK, minlength=-(-n // INDEX_BLOCK))
+    assert record[COUNT_KEY].numpy().tolist() == blocks.tolist() and (n < INDEX_BLOCK or (blocks > 0).sum() > 1)
+    back = decode(record, "topk16", n, wire)
+    assert np.array_equal(np.flatnonzero(back), index) and len(index) == k
+    s = np.abs(x[index]).max()
+    assert record[SCALE_KEY].numpy().tolist() == [s]
+    v = x[index]
+    assert (np.abs(back[index] - v) <= np.maximum(2.0**-11 * np.abs(v), 2.0**-25 * s) + EPS * np.abs(v)).all()
+    assert not np.array_equal(back[index], v)  # it does round
+    assert np.array_equal(np.delete(residual, index), np.delete(x, index))
+    assert (np.abs(residual[index] - (v - back[index])) <= EPS * np.abs(v - back[index])).all()
+
+
+@pytest.mark.parametrize("codec", ["topk", "topk16"])
+def test_error_feedback_delivers_everything_over_messages(codec):
+    """Σ_t decoded_t + e_T = Σ_t x_t up to float32's rounding of p_t = x_t + e_{t−1} and, for topk16, of
+    e_t = p_t − decoded_t: nothing a device computed is lost, only delayed (Stich et al. 2018, Algorithm 1)."""
     wire, residual = WireCodecs(topk_fraction=0.02), None
     sent, total, bound = np.zeros(N, np.float64), np.zeros(N, np.float64), np.zeros(N, np.float64)
     for t in range(30):
         x = vector(10 + t)
         p = x if residual is None else x + residual
-        record, residual = encode(x, "topk", wire, residual)
-        sent += decode(record, "topk", N, wire)
+        record, residual = encode(x, codec, wire, residual)
+        sent += decode(record, codec, N, wire)
         total += x
-        bound += np.abs(p) * EPS
+        bound += np.abs(p) * EPS * (1 if codec == "topk" else 2)
     assert (np.abs(sent + residual - total) <= bound + 1e-45).all()
     assert np.abs(residual).sum() > 0 and np.abs(sent).sum() > 0.5 * np.abs(total).sum()
 
@@ -130,6 +156,8 @@ def test_bytes_on_the_wire_are_the_codecs_fraction():
     assert ratio["fp16"] == pytest.approx(0.5, abs=0.002)
     assert ratio["int8"] == pytest.approx(0.25 + 1 / 256, abs=0.002)  # a float32 scale per 256 values
     assert ratio["topk"] == pytest.approx(2 * 0.01, abs=0.002)  # an int32 index and a float32 value per entry
+    # a uint16 index and a float16 value per entry, in four arrays (Flower frames each in ~450 bytes)
+    assert ratio["topk16"] == pytest.approx(0.01, abs=0.003) and ratio["topk16"] < 0.62 * ratio["topk"]
 
 
 def _rec(**arrays: np.ndarray) -> ArrayRecord:
@@ -140,6 +168,12 @@ N8 = 300
 Q = np.zeros(N8, np.int8)
 S = np.ones(-(-N8 // 256), np.float32)
 K = topk_count(N8, 0.01)
+H = np.ones(K, np.float16)
+
+
+def _t16(index=(1, 5, 9), values=H, counts=(K,), scale=(1.0,)) -> ArrayRecord:
+    return _rec(params=values, **{INDEX_KEY: np.array(index, np.uint16), COUNT_KEY: np.array(counts, np.uint32),
+                                  SCALE_KEY: np.array(scale, np.float32)})
 
 
 @pytest.mark.parametrize(("codec", "record", "says"), [
@@ -162,6 +196,18 @@ K = topk_count(N8, 0.01)
     ("topk", _rec(params=np.ones(K + 1, np.float32), **{INDEX_KEY: np.arange(K + 1, dtype=np.int32)}), "shape"),
     ("topk", _rec(params=np.ones(K, np.float32), **{INDEX_KEY: np.arange(K, dtype=np.int64)}), "expected int32"),
     ("topk", _rec(params=np.full(K, np.nan, np.float32), **{INDEX_KEY: np.arange(K, dtype=np.int32)}), "non-finite"),
+    ("topk16", _t16(index=(5, 5, 7)), "increasing"),
+    ("topk16", _t16(index=(1, 5, N8)), "increasing"),
+    ("topk16", _t16(counts=(K + 1,)), "counts 4 entries, expected 3"),
+    ("topk16", _t16(counts=(K, 0)), "has shape"),
+    ("topk16", _rec(params=H, **{INDEX_KEY: np.array([1, 5, 9], np.int32), COUNT_KEY: np.array([K], np.uint32),
+                                  SCALE_KEY: np.ones(1, np.float32)}), "expected uint16"),
+    ("topk16", _t16(values=np.ones(K, np.float32)), "expected float16"),
+    ("topk16", _t16(values=np.full(K, np.inf, np.float16)), "non-finite"),
+    ("topk16", _t16(scale=(-1.0,)), "negative"),
+    ("topk16", _t16(scale=(np.nan,)), "non-finite"),
+    ("topk16", _t16(values=np.full(K, HALF_MAX, np.float16), scale=(3e38,)), "non-finite"),
+    ("topk16", _rec(params=H, **{INDEX_KEY: np.array([1, 5, 9], np.uint16)}), "expected the arrays"),
 ])
 def test_a_record_the_codec_never_makes_is_refused_naming_why(codec, record, says):
     assert K == 3
@@ -213,8 +259,9 @@ def test_the_mod_decodes_the_model_and_encodes_the_update_as_the_message_says():
     assert np.array_equal(plain.content[ARRAYS][WIRE_KEY].numpy(), update)  # none: untouched
 
 
-def test_topks_residual_survives_the_devices_restart_through_its_file(tmp_path, caplog):
-    codecs = WireCodecs(update_codec="topk", topk_fraction=0.05)
+@pytest.mark.parametrize("codec", ["topk", "topk16"])
+def test_topks_residual_survives_the_devices_restart_through_its_file(tmp_path, caplog, codec):
+    codecs = WireCodecs(update_codec=codec, topk_fraction=0.05)
     model = ArrayRecord({WIRE_KEY: Array(np.zeros(400, np.float32))})
     first, second = vector(6, 400), vector(7, 400)
     context = _context({"cache-dir": str(tmp_path)})
@@ -226,8 +273,8 @@ def test_topks_residual_survives_the_devices_restart_through_its_file(tmp_path, 
     restarted = _context({"cache-dir": str(tmp_path)})
     reply = codec_mod(_train_message(codecs, model, updates_before=1), restarted, _handler(second, []))
     assert reply.content[METRICS][LOST] == 0
-    expected, _ = encode(second, "topk", codecs, kept)
-    assert np.array_equal(decode(reply.content[ARRAYS], "topk", 400, codecs), decode(expected, "topk", 400, codecs))
+    expected, _ = encode(second, codec, codecs, kept)
+    assert np.array_equal(decode(reply.content[ARRAYS], codec, 400, codecs), decode(expected, codec, 400, codecs))
     # a device with no state and no file, whose earlier updates were dispatched, says its residual is lost
     with caplog.at_level(logging.WARNING):
         lost = codec_mod(_train_message(codecs, model, updates_before=2), _context({"cache-dir": ""}),
@@ -365,12 +412,16 @@ def test_codecs_are_run_keys_checked_at_start_and_a_pairing_a_method_cannot_use_
         make_config({"model-difference": True})
     with pytest.raises(ConfigError, match="'topk-fraction' = 0"):
         make_config({"topk-fraction": 0.0})
-    with pytest.raises(ConfigError, match=r"'update-codec' = 'topk'.*barycenter.*strategy feddual"):
-        make_config({"strategy": "feddual", "update-codec": "topk"})
+    with pytest.raises(ConfigError, match="'model-codec' = 'topk16'.*model-difference = true"):
+        make_config({"model-codec": "topk16"})
+    for sparse in ("topk", "topk16"):
+        with pytest.raises(ConfigError, match=rf"'update-codec' = '{sparse}'.*barycenter.*strategy feddual"):
+            make_config({"strategy": "feddual", "update-codec": sparse})
     for fine in ({"strategy": "feddual", "update-codec": "int8"},
                  {"strategy": "feddual", "update-codec": "topk", "dynamic-source": "loss-gradient"},
                  {"strategy": "fedbuff", "update-codec": "topk", "model-codec": "int8"},
-                 {"strategy": "fedbuff", "update-codec": "topk", "model-codec": "topk", "model-difference": True}):
+                 {"strategy": "fedbuff", "update-codec": "topk", "model-codec": "topk", "model-difference": True},
+                 {"strategy": "fedbuff", "update-codec": "topk16", "model-codec": "topk16", "model-difference": True}):
         cfg = make_config(fine)
         assert cfg.update_codec == fine["update-codec"]
     # as a user runs it: exit 2 before anything runs, the reason on stderr, no run folder
