@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
              for direction, x, codecs in (("update", update, UPDATE_CODECS), ("model", model, ("none", "fp16", "int8")))
              for c in codecs]
     moved = model + update
-    for c in ("int8", "topk"):
+    for c in ("int8", "topk", "topk16"):
         diff = WireCodecs(model_codec=c, model_difference=True)
         cases.append(("model", f"{c} difference", lambda d=diff: encode_model(moved, d, model),
                       lambda r, d=diff: apply_difference(model, r, d), moved))

@@ -78,8 +78,8 @@ class WireCodecs:
                                     "holds, encoded as `model-codec` says (the server keeps each device's copy: "
                                     "num-clients models in memory)")
     int8_block: int = option(256, COUNT, "B, values per block of int8's scales (4 bytes of scale per block)")
-    topk_fraction: float = option(0.01, Range(0, 1, low_open=True), "f, the share of entries topk sends, of an "
-                                  "update or a model's difference (⌈f n⌉ of n)")
+    topk_fraction: float = option(0.01, Range(0, 1, low_open=True), "f, the share of entries topk and topk16 "
+                                  "send, of an update or a model's difference (⌈f n⌉ of n)")
 
 
 PLAIN = WireCodecs()  # float32 both ways
