@@ -36,12 +36,12 @@ def test_local_deployment_with_tls_and_auth_runs_keeps_node_state_refuses_intrud
     its own state from round to round (Ditto's personal models: the accuracies are the in-process run's); a
     SuperNode with its own unregistered key
     and a plain-HTTP one are refused by the SuperLink (their own exit and the SuperLink's reason are asserted).
-    The wire's codecs too (issue 70): updates as topk with error feedback, models as topk differences (the first
+    The wire's codecs too (issue 70): updates as topk16 with error feedback, models as topk differences (the first
     message a whole model as int8); each node's residual and model carried from its first message to its second
     across Flower's process per message, as the in-process run does (a difference applies only to the model the
     first message left: else the second fails).
     One deployment for these claims: each costs a SuperLink, SuperNodes and a process per message."""
-    overrides = {**DITTO_TWO_NODES, "output-dir": str(tmp_path / "out"), "run-name": "e2e", "update-codec": "topk",
+    overrides = {**DITTO_TWO_NODES, "output-dir": str(tmp_path / "out"), "run-name": "e2e", "update-codec": "topk16",
                  "model-codec": "topk", "model-difference": True}
     home = tmp_path / "flwr-home"
     refused: dict[str, tuple[int | None, str]] = {}
@@ -97,8 +97,8 @@ def test_local_deployment_with_tls_and_auth_runs_keeps_node_state_refuses_intrud
         assert [d["message"] for d in lines].count("train") == 2
         assert all(d["flower-s"] > 0 and d["import-s"] > 0 for d in lines)  # a fresh process every time
     assert len(list((tmp_path / "cache").glob("run-*/partition-[01]-*.npz"))) == 2
-    # topk: each node kept its residual in its cache folder; what the devices sent is what the run counted (8 bytes
-    # an entry, 2 % of float32 at topk-fraction 0.01) and Flower's framing
+    # topk16: each node kept its residual in its cache folder; what the devices sent is what the run counted (4 bytes
+    # an entry, 1 % of float32 at topk-fraction 0.01) and Flower's framing
     assert len(list((tmp_path / "cache").glob("run-*/residual-[01].npy"))) == 2
     assert len(list((tmp_path / "cache").glob("run-*/model-[01].npy"))) == 2
     # round 2's models went as differences (2 % of float32 against int8's 25 %), as in the in-process run
