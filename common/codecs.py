@@ -72,8 +72,7 @@ class WireCodecs:
                                "and values)")
     model_codec: str = option("none", OneOf(MODEL_CODECS), "how the model travels to devices: none (float32), "
                               "fp16, int8 (block-wise absmax), topk or topk16 (with `model-difference` only); the "
-                              "server "
-                              "keeps its own in float32")
+                              "server keeps its own in float32")
     model_difference: bool = option(False, None, "send a device the difference between the model and the one it "
                                     "holds, encoded as `model-codec` says (the server keeps each device's copy: "
                                     "num-clients models in memory)")
@@ -88,7 +87,7 @@ PLAIN = WireCodecs()  # float32 both ways
 def wire_refusal(codecs: WireCodecs) -> tuple[str, str] | None:
     """(the key to change, what it allows) when the wire keys do not fit together; None when they do."""
     if codecs.model_codec in SPARSE and not codecs.model_difference:
-        return "model-codec", ("none, fp16 or int8, or topk(16) with model-difference = true (a model's largest "
+        return "model-codec", ("none, fp16 or int8, or topk or topk16 with model-difference = true (a model's largest "
                                "entries alone are not a model; of a difference they are)")
     if codecs.model_difference and codecs.model_codec == "none":
         return "model-difference", ("false with model-codec = 'none' (a float32 difference is as many bytes as the "
@@ -247,10 +246,11 @@ def decode(record: ArrayRecord, codec: str, n: int, wire: WireCodecs) -> np.ndar
         scale = _finite(SCALE_KEY, got[SCALE_KEY])[0]
         if scale < 0:
             raise BadArrays(f"'{SCALE_KEY}' is negative")
-        out = np.zeros(n, dtype=np.float32)
         with np.errstate(over="ignore"):  # a product past float32's range is refused just below
-            out[_increasing(index, n)] = _finite(WIRE_KEY, got[WIRE_KEY].astype(np.float32)) * scale
-        return _finite(WIRE_KEY, out)
+            values = _finite(WIRE_KEY, got[WIRE_KEY].astype(np.float32)) * scale
+        out = np.zeros(n, dtype=np.float32)
+        out[_increasing(index, n)] = _finite(WIRE_KEY, values)
+        return out
     raise BadArrays(f"unknown codec {codec!r}")
 
 

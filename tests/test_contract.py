@@ -187,8 +187,8 @@ def test_flowers_loop_gives_the_runtimes_synchronous_run(tmp_path, name, extra):
     assert rows(flowers) == rows(ours) and rows(flowers, "events.jsonl") == rows(ours, "events.jsonl")
 
 
-# Each dense update codec and topk16 once, each with a model codec, the last topk as a difference (common/codecs.py;
-# topk16's differences and topk's updates: tests/test_codecs.py, tests/test_e2e_deploy.py)
+# Each dense update codec and topk16 once, each with a model codec, the last model codec topk as a difference
+# (common/codecs.py; topk16's differences and topk's updates: tests/test_codecs.py, tests/test_resume.py)
 CODECS = [("fp16", "none", False), ("int8", "fp16", False), ("topk16", "topk", True)]
 
 
