@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from flwr.common.logger import FLOWER_LOGGER
+from netns import enter_loopback_only, loopback_only
 
 # One torch thread per test process (set before any test imports torch; the Flower processes a test starts inherit
 # it): `make test` runs the suite on a worker per core (pytest-xdist), where several OpenMP threads per worker
@@ -21,6 +22,25 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Every Ray a test starts is its own: without it, ray.init() (a plain `flwr run .` simulation's) joins the cluster that
 # tests/test_ray_cluster.py runs meanwhile on this machine; those tests name their cluster's address themselves
 os.environ["RAY_ADDRESS"] = "local"
+
+
+# Set in CI: a suite that cannot keep to loopback fails at its start rather than warning
+REQUIRE_LOOPBACK = "HYBRIDFL_REQUIRE_LOOPBACK"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The whole suite in a network namespace whose one interface is loopback (tests/netns.py), made by the session's
+    first process before it starts any other (pytest-xdist's workers share it): no test can send traffic to any
+    address but loopback, and the Ray of every Flower simulation binds 127.0.0.1, as it does not outside one."""
+    if hasattr(config, "workerinput") or loopback_only():
+        return
+    why = enter_loopback_only()
+    if why is None:
+        return
+    message = f"the suite runs outside a loopback-only network namespace (root makes one): {why}"
+    if os.environ.get(REQUIRE_LOOPBACK):
+        raise pytest.UsageError(f"{message}, and {REQUIRE_LOOPBACK} is set (CI)")
+    config.issue_config_time_warning(pytest.PytestConfigWarning(message), stacklevel=2)
 
 
 @pytest.fixture(autouse=True)

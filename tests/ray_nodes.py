@@ -8,21 +8,11 @@ JSON line (the cluster's address, its nodes' ids, the head's log folder), then r
 
 from __future__ import annotations
 
-import fcntl
 import json
-import socket
-import struct
 import sys
 
+from netns import loopback_up
 from ray.cluster_utils import Cluster
-
-
-def loopback_up() -> None:
-    """`ip link set lo up` without iproute2: a new network namespace's loopback starts down."""
-    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        flags = struct.unpack("16sh", fcntl.ioctl(sock, siocgifflags, struct.pack("16sh", b"lo", 0)))[1]
-        fcntl.ioctl(sock, siocsifflags, struct.pack("16sh", b"lo", flags | iff_up))
 
 
 def main() -> None:

@@ -32,12 +32,13 @@ def test_the_app_an_installed_wheel_submits_is_the_checkouts():
 
 @pytest.fixture(scope="module")
 def wheel_venv(tmp_path_factory) -> Path:
-    """A fresh venv holding hybridfl's wheel (`pip wheel .`, installed non-editable) and Flower's commands. The other
-    dependencies (torch, Ray, ...: gigabytes) come from this environment's site-packages, added as a path only: its
-    .pth files, the editable install of this checkout among them, are not read."""
+    """A fresh venv holding hybridfl's wheel (`pip wheel .` with this environment's hatchling, no package index;
+    installed non-editable) and Flower's commands. The other dependencies (torch, Ray, ...: gigabytes) come from this
+    environment's site-packages, added as a path only: its .pth files, the editable install of this checkout among
+    them, are not read."""
     root = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", *PIP_QUIET, "--no-deps", "-w", str(root / "dist"),
-                    str(PROJECT_DIR)], check=True, capture_output=True, timeout=600)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", *PIP_QUIET, "--no-deps", "--no-index", "--no-build-isolation",
+                    "-w", str(root / "dist"), str(PROJECT_DIR)], check=True, capture_output=True, timeout=600)
     wheel = next((root / "dist").glob("hybridfl-*.whl"))
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
@@ -45,12 +46,16 @@ def wheel_venv(tmp_path_factory) -> Path:
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     Path(site, "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([str(python), "-m", "pip", "install", *PIP_QUIET, "--no-deps", str(wheel)], check=True,
+    subprocess.run([str(python), "-m", "pip", "install", *PIP_QUIET, "--no-deps", "--no-index", str(wheel)], check=True,
                    capture_output=True, timeout=600)
-    # Flower's commands (flwr, flower-superlink, ...) belong in the venv's bin/, where the launchers look for them
-    flwr = f"flwr=={importlib.metadata.version('flwr')}"
-    subprocess.run([str(python), "-m", "pip", "install", *PIP_QUIET, "--no-deps", "--ignore-installed", flwr],
-                   check=True, capture_output=True, timeout=600)
+    # Flower's commands (flwr, flower-superlink, ...) in the venv's bin/, where the launchers look for them: written as
+    # pip writes a console script, from Flower's entry points, since Flower comes from this environment (pip would
+    # fetch its wheel from the package index, and the suite keeps to loopback)
+    for command in importlib.metadata.distribution("flwr").entry_points.select(group="console_scripts"):
+        script = venv / "bin" / command.name
+        script.write_text(f"#!{python}\nimport sys\nfrom {command.module} import {command.attr}\n"
+                          f"sys.exit({command.attr}())\n")
+        script.chmod(0o755)
     return venv
 
 
