@@ -59,8 +59,11 @@ class Flights(dict[int, Flight]):
         return [f for f in self.in_order() if f.due_round <= rnd]
 
     def arrived(self) -> list[Flight]:
-        """Flights whose reply is in (or given up)."""
-        return [f for f in self.in_order() if f.message_id in self.replies]
+        """Flights whose reply is in, then those given up, each in dispatch order: a round that closes on this poll
+        counts the replies in hand before the deadlines that passed beside them (``max-failed-fraction`` is checked
+        at a round's close)."""
+        ended = [f for f in self.in_order() if f.message_id in self.replies]
+        return sorted(ended, key=lambda f: self.replies[f.message_id] is None)
 
     def first_to_end(self) -> Flight:
         """The device clock's next event: the flight that completes (or vanishes) first, ties in dispatch order."""
@@ -74,11 +77,13 @@ class Flights(dict[int, Flight]):
         waiting = [f.message_id for f in flights if f.message_id not in self.replies]
         if not waiting:
             return False
+        # late: past its deadline when this pull asked for it. A pull that takes long (a loaded server, large
+        # replies) is the server's time, not the device's: its reply may be in the next one
+        asked = time.perf_counter()
         got = puller.pull(waiting)
         for m in got:
             self.replies[m.metadata.reply_to_message_id] = m
-        now = time.perf_counter()
-        late = [f for f in flights if f.message_id not in self.replies and now - f.sent_at > timeout_s]
+        late = [f for f in flights if f.message_id not in self.replies and asked - f.sent_at > timeout_s]
         for f in late:
             self.replies[f.message_id] = None
             puller.discard(f.message_id)

@@ -217,3 +217,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
                                   f"{' and '.join(sorted(_cpu_measures))})")
     for nodeid, seconds in slowest:
         terminalreporter.write_line(f"{seconds:8.1f}s cpu  {nodeid}")
+    by_file: dict[str, list[float]] = {}
+    for nodeid, seconds in _cpu_seen.items():
+        by_file.setdefault(nodeid.split("::")[0], []).append(seconds)
+    terminalreporter.write_sep("-", "by file")
+    for path, seconds in sorted(by_file.items(), key=lambda kv: -sum(kv[1]))[:15]:
+        terminalreporter.write_line(f"{sum(seconds):8.1f}s cpu  {path} ({len(seconds)} tests)")

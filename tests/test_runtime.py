@@ -456,3 +456,40 @@ def test_a_node_without_a_usable_answer_is_asked_again_once_its_query_s_time_is_
     never = NodeDirectory(ForgetfulGrid(client_app, num_nodes=2), 2, ask_again_s=math.inf)
     with pytest.raises(RuntimeError, match=r"only 0 of 2 clients connected within 1s \(partitions \[\]\)"):
         never.wait_for(2, timeout=1.0, poll=0.05)
+
+
+def test_a_poll_counts_the_replies_in_hand_before_a_deadline_and_not_the_servers_own_pull_time(monkeypatch):
+    """The wall clock's table of flights, on a fake clock: a flight is given up only when its deadline passed before
+    the pull that asked for it (a pull that takes long is the server's time), and the flights of one poll arrive
+    replies first, so a round closing on them counts the replies in hand (CI saw 5 given up close a round, and fail
+    the run on max-failed-fraction, beside 10 replies pulled in the same poll)."""
+    from types import SimpleNamespace
+
+    from server_app import flights as F
+
+    clock = [0.0]
+    monkeypatch.setattr(F.time, "perf_counter", lambda: clock[0])
+
+    class Puller:
+        def __init__(self) -> None:
+            self.answers: list[list[str]] = []
+            self.discarded: list[str] = []
+
+        def pull(self, ids: list[str]) -> list:
+            clock[0] += 100.0  # a slow pull: past every deadline by its end
+            return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id=i)) for i in self.answers.pop(0)]
+
+        def discard(self, message_id: str) -> None:
+            self.discarded.append(message_id)
+
+    table = F.Flights(F.Flight(seq=i, client=i, version=0, dispatch_round=1, due_round=-1, payload=None,
+                               train_seed=0, message_id=m, sent_at=0.0) for i, m in enumerate("abc"))
+    puller = Puller()
+    puller.answers = [["c"], []]
+    clock[0] = 10.0  # asked within the 60 s: nothing late, though the pull ends at 110 s
+    assert table.poll(puller, 60.0) and [f.message_id for f in table.arrived()] == ["c"]
+    assert puller.discarded == []
+    assert table.poll(puller, 60.0)  # asked at 110 s: a and b are late now
+    assert [f.message_id for f in table.arrived()] == ["c", "a", "b"]  # the reply first, then dispatch order
+    assert puller.discarded == ["a", "b"] and table.replies["a"] is None and table.replies["c"] is not None
+    assert not table.poll(puller, 60.0)  # nothing left to wait for
