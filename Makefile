@@ -3,14 +3,20 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
+UV     := $(VENV)/bin/uv
 
 .PHONY: install data demo test lint docs browser nginx simulate deploy compose-demo compose-twin compose-test compose-tools device-check arm64-device clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.[test]'
+	# uv installs the packages pip would (benchmarks/install_time.py checks), downloading in parallel and linking its
+	# cache's files: 1.9x faster than pip with nothing cached, 3.9x once it is. Bytecode compiled, since processes here
+	# may not write it (PYTHONDONTWRITEBYTECODE): each would compile what it imports. uv does not read pip's config:
+	# a package mirror is UV_DEFAULT_INDEX.
+	$(PY) -m pip install --quiet uv==0.13.9
+	$(UV) pip install --quiet --python $(PY) --compile-bytecode -e '.[test]'
 	# Animal-MNIST's data ships in its wheel; its declared deps (tensorflow, ...) are not needed to read it.
-	$(PY) -m pip install --quiet --no-deps animal-mnist==0.4
+	$(UV) pip install --quiet --python $(PY) --no-deps animal-mnist==0.4
 	touch $(STAMP)
 
 install: $(STAMP)
