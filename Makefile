@@ -10,9 +10,9 @@ UV     := $(VENV)/bin/uv
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# uv installs the packages pip would (benchmarks/install_time.py checks), downloading in parallel and linking its
-	# cache's files: 1.9x faster than pip with nothing cached, 3.9x once it is. Bytecode compiled, since processes here
-	# may not write it (PYTHONDONTWRITEBYTECODE): each would compile what it imports. uv does not read pip's config:
-	# a package mirror is UV_DEFAULT_INDEX.
+	# cache's files: 1.9x faster than pip with nothing cached, 3.9x once it is (CI's setup 56 s against 161 s with pip,
+	# BENCHMARKS "CI's time"). Bytecode compiled, since processes here may not write it (PYTHONDONTWRITEBYTECODE): each
+	# would compile what it imports. uv does not read pip's config: a package mirror is UV_DEFAULT_INDEX.
 	$(PY) -m pip install --quiet uv==0.13.9
 	$(UV) pip install --quiet --python $(PY) --compile-bytecode -e '.[test]'
 	# Animal-MNIST's data ships in its wheel; its declared deps (tensorflow, ...) are not needed to read it.
