@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(not loopback_only(), reason="the suite runs outs
 
 
 def test_the_suite_has_loopback_only_and_no_route_elsewhere() -> None:
+    """One interface, lo, up; any other address fails at once with no route, so nothing leaves the machine."""
     assert [name for _, name in socket.if_nameindex()] == ["lo"]
     with pytest.raises(OSError) as refused:  # the documentation range: no route, not a timeout
         socket.create_connection(("192.0.2.1", 9), timeout=5)
