@@ -144,11 +144,14 @@ def test_bad_config_exits_2_before_starting_anything(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 def test_async_deployment_survives_a_slow_and_a_lost_supernode(tmp_path: Path) -> None:
-    """Wall clock on 3 real SuperNodes: node 2 is slowed by 10 s per update, node 1 is killed after the
-    first step. The run finishes; the fast node contributes more updates than the slow one. (The 60 s reply
-    timeout leaves the slow node room on a loaded 2-core machine, where 30 s timed all its updates out.)"""
-    overrides = {"num-clients": 3, "clients-per-round": 3, "num-rounds": 5, "dataset": "digits",
-                 "strategy": "fedasync", "clock": "wall", "concurrency": 3, "reply-timeout-s": 60.0,
+    """Wall clock on 3 real SuperNodes for 30 s of steps: node 2 is slowed by 10 s per update, node 1 is killed
+    after the first step. The run finishes; the fast node contributes more updates than the slow one, which
+    contributes. A time budget, not a count of steps: 5 steps took 8 s on a quiet machine, before the slow node's
+    first reply (the 60 s reply timeout leaves it room on a loaded 2-core machine, where 30 s timed all its updates
+    out)."""
+    overrides = {"num-clients": 3, "clients-per-round": 3, "num-rounds": 10_000, "time-budget-s": 30.0,
+                 "dataset": "digits", "strategy": "fedasync", "clock": "wall", "concurrency": 3,
+                 "reply-timeout-s": 60.0,
                  "local-epochs": 1, "cnn-width": 8,  # light work: the nodes' speeds differ by the 10 s alone
                  "output-dir": str(tmp_path / "out"), "run-name": "async"}
     killed_at: list[float] = []
@@ -176,7 +179,6 @@ def test_async_deployment_survives_a_slow_and_a_lost_supernode(tmp_path: Path) -
     accepted = Counter(e["client"] for e in events if e["outcome"] == "accepted")
     assert accepted[0] > accepted[2] >= 1
     assert summary["final-version"] == sum(accepted.values())  # FedAsync: one version per update
-    assert len(events) >= 15  # 5 steps of 3 arrivals (lost ones count as arrivals)
     # each arrival refilled its slot at once (the runtime records a reply -> dispatch interval only then), but the
     # last ones of the run; how long that took is the machine's (a median of 0.75 s on CI's starved CPU share)
     assert summary["reply-to-dispatch-s"]["count"] >= len(events) - overrides["concurrency"]
