@@ -5,6 +5,7 @@ end (each service's exact command as a local process). The files on a real Docke
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -372,12 +373,17 @@ def test_the_plain_http_compose_twin_runs_the_demo_job_as_in_process(tmp_path: P
 
 
 class FakeLink:
-    """`run_status` answers from a script of replies (a status, or None for "unreachable"), on a fake clock."""
+    """`run_status` answers from a script of replies (a status, or None for "unreachable"), on a fake clock;
+    `flwr log --stream` lasts `stream_s` (0: it fails at once), and never past `ends_at`, the run's end."""
 
-    def __init__(self, replies: list[str | None]) -> None:
-        self.replies, self.now = replies, 0.0
+    def __init__(self, replies: list[str | None], stream_s: float = 0.0, ends_at: float = math.inf) -> None:
+        self.replies, self.now, self.stream_s, self.ends_at, self.asked, self.followed = (
+            replies, 0.0, stream_s, ends_at, 0, 0)
 
     def status(self, env, connection, run_id, flwr=None) -> str:
+        self.asked += 1
+        if self.now >= self.ends_at:
+            return "finished:completed"
         reply = self.replies.pop(0) if len(self.replies) > 1 else self.replies[0]
         if reply is None:
             raise RuntimeError("cannot read the status: Connection to the SuperLink is unavailable")
@@ -385,6 +391,19 @@ class FakeLink:
 
     def sleep(self, seconds: float) -> None:
         self.now += seconds
+
+    def follow(self, env, connection, run_id, timeout, flwr=None) -> float:
+        self.followed += 1
+        took = min(self.stream_s, self.ends_at - self.now, timeout)
+        self.now += took
+        return took
+
+    def installed(self, monkeypatch) -> FakeLink:
+        monkeypatch.setattr(flwr_cli, "run_status", self.status)
+        monkeypatch.setattr(flwr_cli, "follow_log", self.follow)
+        monkeypatch.setattr(flwr_cli.time, "sleep", self.sleep)
+        monkeypatch.setattr(flwr_cli.time, "monotonic", lambda: self.now)
+        return self
 
 
 @pytest.mark.parametrize("replies, expected", [
@@ -394,11 +413,24 @@ class FakeLink:
     (["running"] * 3000 + ["finished:completed"], "finished:completed"),  # a user's run of 100 minutes: no cap
 ])
 def test_the_final_status_outlives_a_superlink_restart_but_not_its_end(monkeypatch, replies, expected) -> None:
-    link = FakeLink(replies)
-    monkeypatch.setattr(flwr_cli, "run_status", link.status)
-    monkeypatch.setattr(flwr_cli.time, "sleep", link.sleep)
-    monkeypatch.setattr(flwr_cli.time, "monotonic", lambda: link.now)
+    """(Here the log stream fails at once, as it does while the SuperLink restarts: a status every 2 s.)"""
+    FakeLink(replies).installed(monkeypatch)
     assert flwr_cli.final_status({}, "c", 1) == expected
+
+
+def test_the_final_status_waits_on_the_runs_log_stream_not_a_status_every_two_seconds(monkeypatch) -> None:
+    """A run that ends 600 s after its stream dropped: one `flwr log --stream` until its end and two asks, where a
+    stream that fails at once leaves a status every 2 s; a stream cut early (a restart) is followed again, and a
+    check's timeout bounds it."""
+    whole = FakeLink(["running"], stream_s=math.inf, ends_at=600.0).installed(monkeypatch)
+    assert flwr_cli.final_status({}, "c", 1) == "finished:completed"
+    assert (whole.asked, whole.followed, whole.now) == (2, 1, 600.0)
+    cut = FakeLink(["running"], stream_s=100.0, ends_at=600.0).installed(monkeypatch)
+    assert flwr_cli.final_status({}, "c", 1) == "finished:completed" and (cut.asked, cut.followed) == (7, 6)
+    failing = FakeLink(["running"], ends_at=600.0).installed(monkeypatch)
+    assert flwr_cli.final_status({}, "c", 1) == "finished:completed" and failing.asked == 301
+    bounded = FakeLink(["running"], stream_s=math.inf).installed(monkeypatch)
+    assert flwr_cli.final_status({}, "c", 1, timeout=50) == "running" and 50 <= bounded.now <= 50 + flwr_cli.POLL_S
 
 
 def test_flwr_run_gives_a_run_up_only_where_a_timeout_is_given(tmp_path) -> None:
