@@ -254,9 +254,8 @@ def register(home: Path, certs: Path, n: int) -> float:
 
 
 def serverapp_pid(superexec_pid: Callable[[], int], link_port: int) -> int:
-    """The run's ServerApp process (``flwr-serverapp`` on this SuperLink), else its SuperExec: a SuperExec that died
-    leaves its ServerApp running on its own (Flower 1.42's SuperExec exits on a 500 from its task poll: the SQLite
-    soak), and that is the process to measure."""
+    """The run's ServerApp process (``flwr-serverapp`` on this SuperLink), else its SuperExec: the ServerApp is the
+    process to measure, and it outlives a SuperExec that died until that one is reaped (its parent monitor)."""
     for proc in psutil.process_iter(["cmdline"]):
         cmd = proc.info["cmdline"] or []
         if any(a.endswith("flwr-serverapp") for a in cmd[:2]) and any(str(link_port) in a for a in cmd):

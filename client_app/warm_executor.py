@@ -33,12 +33,12 @@ flower_internals/ (superexec.py, fork_server.py), with the internals they rely o
 
 from __future__ import annotations
 
-from flower_internals.superexec import run_superexec
+from flower_internals.superexec import WarmExecutor, run_superexec
 
 
 def main() -> None:
     """``flower-superexec`` with the warm executor in place of its subprocess executor."""
-    run_superexec()
+    run_superexec(WarmExecutor())
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Flower's SuperExec with its ClientApp tasks forked from a warm process: :class:`WarmExecutor` in place of its
-subprocess executor (client_app/warm_executor.py is the command, and says why).
+"""Flower's SuperExec with its task poll patient with a Runtime API's server errors (:func:`patient_task_poll`;
+server_app/superexec.py is the ServerApp's command), and with its ClientApp tasks forked from a warm process:
+:class:`WarmExecutor` in place of its subprocess executor (client_app/warm_executor.py is the command, and says why).
 
 Other task types (none on a SuperNode), and tasks whose app's dependencies Flower installs per run, go to Flower's
 subprocess executor.
@@ -14,11 +15,14 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 from flwr.supercore.constant import TaskType
+from flwr.supercore.runtime.runtime_http_client import RuntimeHttpClient
 from flwr.supercore.superexec.executor.subprocess_executor import SubprocessExecutor
 from flwr.supercore.superexec.executor.types import ExecutionSpec, LaunchResult
 
@@ -30,6 +34,7 @@ RELIES_ON = ("flwr.supercore.constant:TaskType.CLIENT_APP",
              "flwr.supercore.superexec.executor.types:LaunchResult.accepted",
              "flwr.supercore.superexec.run_superexec:get_executor",
              "flwr.supercore.cli.flower_superexec:flower_superexec",
+             "flwr.supercore.runtime.runtime_http_client:RuntimeHttpClient.AcquireTask",
              "flwr.supernode.runtime.run_clientapp:run_clientapp")
 LOOP = "flwr.supercore.superexec.run_superexec"
 
@@ -146,11 +151,44 @@ def check() -> list[str]:
     return moved
 
 
-def run_superexec() -> None:
-    """``flower-superexec`` (its command line, loop and authentication) with a :class:`WarmExecutor`."""
-    loop = importlib.import_module(LOOP)
-    executor = WarmExecutor()
-    loop.get_executor = lambda *args, **kwargs: executor
+# How long a task poll answered with server errors is asked again before the SuperExec exits as Flower's does
+PATIENCE_S = 120.0
+
+
+def patient_task_poll(patience_s: float = PATIENCE_S) -> None:
+    """Flower 1.42's SuperExec exits on one 5xx answer to its task poll (``AcquireTask``), and the app it started,
+    which watches its parent's pid (``--parent-pid``), exits with it: a SQLite SuperLink starved of CPU answered 500
+    ("database is locked") for a moment, and its run failed ("Task failed with unknown error", in CI's fleet-load
+    test). Here a poll answered 5xx is asked again, after 0.5 s, then twice as long each time up to 8 s, for up to
+    `patience_s` seconds, and then raises as before."""
+    asked = RuntimeHttpClient.AcquireTask
+    if getattr(asked, "patient", False):
+        return
+
+    def acquire(self: RuntimeHttpClient, request: Any) -> Any:
+        waited, wait = 0.0, 0.5
+        while True:
+            try:
+                return asked(self, request)
+            except httpx.HTTPStatusError as err:
+                if err.response.status_code < 500 or waited >= patience_s:
+                    raise
+                print(f"superexec: the task poll was answered {err.response.status_code}; asking again in {wait:g} s",
+                      file=sys.stderr, flush=True)
+                time.sleep(wait)
+                waited, wait = waited + wait, min(2 * wait, 8.0)
+
+    acquire.patient = True  # type: ignore[attr-defined]
+    RuntimeHttpClient.AcquireTask = acquire  # type: ignore[method-assign]
+
+
+def run_superexec(executor: SubprocessExecutor | None = None) -> None:
+    """``flower-superexec`` (its command line, loop and authentication) with its task poll patient, and `executor`
+    (a :class:`WarmExecutor`) in place of its own where given."""
+    patient_task_poll()
+    if executor is not None:
+        loop = importlib.import_module(LOOP)
+        loop.get_executor = lambda *args, **kwargs: executor
     from flwr.supercore.cli.flower_superexec import flower_superexec
 
     flower_superexec()

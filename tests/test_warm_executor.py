@@ -482,3 +482,42 @@ def test_a_warm_deployment_runs_as_in_process_and_survives_its_fork_server_s_dea
     assert len(trains) >= 5  # both runs' messages: the logs are the nodes'
     assert all(d["torch-preloaded"] for d in trains), trains  # torch came imported, from the fork server
     assert "starting another" in "".join(p.read_text() for p in logs)
+
+
+def test_a_superexec_asks_a_task_poll_answered_5xx_again_and_raises_a_4xx_or_a_lasting_error(monkeypatch) -> None:
+    """flower_internals.superexec.patient_task_poll: Flower's `AcquireTask` answered 500 twice, then a task: the task,
+    after waits of 0.5 and 1 s; a 401 is raised at once; 500s past the patience are raised; installed twice, it wraps
+    once."""
+    import httpx
+    from flwr.supercore.runtime.runtime_http_client import RuntimeHttpClient
+
+    from flower_internals import superexec as module
+
+    def answered(code: int) -> httpx.HTTPStatusError:
+        request = httpx.Request("POST", "https://127.0.0.1/v1/runtime/acquire-task")
+        return httpx.HTTPStatusError("no", request=request, response=httpx.Response(code, request=request))
+
+    script: list = []
+
+    def acquire(self, request):
+        reply = script.pop(0)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+    waits: list[float] = []
+    monkeypatch.setattr(RuntimeHttpClient, "AcquireTask", acquire)  # restored after the test, wrapper and all
+    monkeypatch.setattr(module.time, "sleep", waits.append)
+    module.patient_task_poll(patience_s=5.0)
+    module.patient_task_poll(patience_s=5.0)
+    client = object.__new__(RuntimeHttpClient)
+    script[:] = [answered(500), answered(503), "task"]
+    assert client.AcquireTask("req") == "task" and waits == [0.5, 1.0]
+    script[:], waits[:] = [answered(401)], []
+    with pytest.raises(httpx.HTTPStatusError):
+        client.AcquireTask("req")
+    assert waits == []
+    script[:] = [answered(500)] * 10
+    with pytest.raises(httpx.HTTPStatusError):
+        client.AcquireTask("req")
+    assert waits == [0.5, 1.0, 2.0, 4.0] and len(script) == 5  # 7.5 s waited >= 5: the fifth 500 is raised

@@ -48,6 +48,8 @@ _WARM_EXECUTOR = (sys.executable, "-P", "-m", "client_app.warm_executor")
 EXECUTORS = {"flower": (("flower-supernode",), ("flower-superexec",)),
              "warm": ((sys.executable, "-P", "-m", "client_app.supernode"), _WARM_EXECUTOR),
              "warm-executor": (("flower-supernode",), _WARM_EXECUTOR)}
+# The ServerApp's SuperExec: Flower's, its task poll patient with server errors (server_app/superexec.py)
+SERVERAPP_EXECUTOR = (sys.executable, "-P", "-m", "server_app.superexec")
 
 
 def deploy(overrides: dict[str, Any], flwr_home: Path, supernodes: int | None = None,
@@ -185,7 +187,7 @@ def runtime_api(secret: Path) -> list[str]:
     return ["--isolation", "process", "--superexec-auth-secret-file", str(secret)]
 
 
-def superexec(security: list[str], address: str, secret: Path, command: tuple[str, ...] = EXECUTORS["flower"][1]
+def superexec(security: list[str], address: str, secret: Path, command: tuple[str, ...] = SERVERAPP_EXECUTOR
               ) -> list[str]:
     """A SuperExec serving the Runtime API at `address` with its `secret` (the ServerApp's or a node's ClientApp)."""
     return [*command, *security, "--runtime-api-address", address, "--superexec-auth-secret-file", str(secret)]
