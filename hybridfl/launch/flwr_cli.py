@@ -80,6 +80,7 @@ def register_supernode(env: dict[str, str], connection: str, public_key: Path, f
 
 
 UNREACHABLE_S = 30.0  # a SuperLink silent this long is gone, not restarting (a saturated one can be slower)
+POLL_S = 2.0  # between a run's status asks where its log stream cannot be followed
 
 
 def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
@@ -176,8 +177,6 @@ def final_status(env: dict[str, str], connection: str, run_id: int, timeout: flo
             continue  # the stream ended after a while: the run finished, or the connection dropped
         time.sleep(POLL_S)
 
-
-POLL_S = 2.0
 
 
 def follow_log(env: dict[str, str], connection: str, run_id: int, timeout: float, flwr: Flwr = local_flwr
