@@ -484,11 +484,14 @@ def test_a_warm_deployment_runs_as_in_process_and_survives_its_fork_server_s_dea
     assert "starting another" in "".join(p.read_text() for p in logs)
 
 
-def test_a_superexec_asks_a_task_poll_answered_5xx_again_and_raises_a_4xx_or_a_lasting_error(monkeypatch) -> None:
-    """flower_internals.superexec.patient_task_poll: Flower's `AcquireTask` answered 500 twice, then a task: the task,
-    after waits of 0.5 and 1 s; a 401 is raised at once; 500s past the patience are raised; installed twice, it wraps
-    once."""
+def test_a_superexecs_task_poll_asks_a_5xx_again_and_slows_down_once_idle(monkeypatch) -> None:
+    """flower_internals.superexec.task_poll. Patient: Flower's `AcquireTask` answered 500 twice, then a task: the
+    task, after waits of 0.5 and 1 s; a 401 is raised at once; 500s past the patience are raised. Paced (Flower's
+    interval 0.2 s, on a fake clock): no wait of its own within `idle_after_s` of the last task, then 0.8 s more
+    before each ask (a 1 s period), until a task comes. Installed twice, it wraps once."""
     import httpx
+    from flwr.proto.runtime_pb2 import AcquireTaskResponse
+    from flwr.proto.task_pb2 import Task
     from flwr.supercore.runtime.runtime_http_client import RuntimeHttpClient
 
     from flower_internals import superexec as module
@@ -497,7 +500,9 @@ def test_a_superexec_asks_a_task_poll_answered_5xx_again_and_raises_a_4xx_or_a_l
         request = httpx.Request("POST", "https://127.0.0.1/v1/runtime/acquire-task")
         return httpx.HTTPStatusError("no", request=request, response=httpx.Response(code, request=request))
 
+    task, none = AcquireTaskResponse(task=Task(task_id=7), token="t"), AcquireTaskResponse()
     script: list = []
+    now = [0.0]
 
     def acquire(self, request):
         reply = script.pop(0)
@@ -505,14 +510,20 @@ def test_a_superexec_asks_a_task_poll_answered_5xx_again_and_raises_a_4xx_or_a_l
             raise reply
         return reply
 
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        now[0] += seconds
+
     waits: list[float] = []
     monkeypatch.setattr(RuntimeHttpClient, "AcquireTask", acquire)  # restored after the test, wrapper and all
-    monkeypatch.setattr(module.time, "sleep", waits.append)
-    module.patient_task_poll(patience_s=5.0)
-    module.patient_task_poll(patience_s=5.0)
+    monkeypatch.setattr(module.time, "sleep", sleep)
+    monkeypatch.setattr(module.time, "monotonic", lambda: now[0])
+    monkeypatch.setenv("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.2")
+    module.task_poll(patience_s=5.0, idle_after_s=10.0, idle_poll_s=1.0)
+    module.task_poll(patience_s=5.0, idle_after_s=10.0, idle_poll_s=1.0)
     client = object.__new__(RuntimeHttpClient)
-    script[:] = [answered(500), answered(503), "task"]
-    assert client.AcquireTask("req") == "task" and waits == [0.5, 1.0]
+    script[:] = [answered(500), answered(503), task]
+    assert client.AcquireTask("req") is task and waits == [0.5, 1.0]
     script[:], waits[:] = [answered(401)], []
     with pytest.raises(httpx.HTTPStatusError):
         client.AcquireTask("req")
@@ -521,3 +532,12 @@ def test_a_superexec_asks_a_task_poll_answered_5xx_again_and_raises_a_4xx_or_a_l
     with pytest.raises(httpx.HTTPStatusError):
         client.AcquireTask("req")
     assert waits == [0.5, 1.0, 2.0, 4.0] and len(script) == 5  # 7.5 s waited >= 5: the fifth 500 is raised
+
+    now[0], waits[:] = 100.0, []
+    script[:] = [task, none, none, none, task, none]
+    for seconds in (0, 9.9, 0.2, 0.2, 0, 0):  # Flower's loop sleeping between asks, the idle time passing
+        now[0] += seconds
+        client.AcquireTask("req")
+    # idle since the last task (at 1.5 s): 0.8 s more, the task; 9.9 s after it no wait; 10.1, 11.1 and 12.1 s after
+    # it 0.8 s more each, the last bringing a task; the next ask, busy again, none
+    assert waits == pytest.approx([0.8] * 4)
