@@ -248,9 +248,41 @@ def check_wheelhouse(version: str) -> None:
         raise RuntimeError(f"the wheelhouse {WHEELS} has {names}, but this venv's flwr is {version}")
 
 
-def debian_base(engine: Engine) -> None:
+# The label an image built or imported here carries: a digest of what it was made from. An image whose label matches
+# is not built again: BuildKit would find every layer in its cache, but only after hashing the build context (3.2 GB
+# of wheels, for each image: 40 CPU s of the engine test's 480).
+INPUTS_LABEL = "org.hybridfl.inputs"
+
+
+def inputs_key(*inputs: Any) -> str:
+    return hashlib.sha256(json.dumps(inputs, default=str).encode()).hexdigest()[:16]
+
+
+def built_from(engine: Engine, image: str) -> str | None:
+    """The inputs label of `image`, None where it has none or does not exist."""
+    done = engine.docker("image", "inspect", "-f", f'{{{{index .Config.Labels "{INPUTS_LABEL}"}}}}', image,
+                         check=False, quiet=True)
+    label = done.stdout.strip() if done.returncode == 0 else ""
+    return label if label and label != "<no value>" else None
+
+
+def build(engine: Engine, tag: str, dockerfile: str, args: Sequence[str], inputs: Sequence[Any],
+          timeout: float) -> tuple[str, bool]:
+    """`docker build --network none -f dockerfile args -t tag .`, unless `tag` was built from the same Dockerfile,
+    arguments and `inputs` (the files its build reads besides the Dockerfile, the keys of the images it starts
+    from); returns its key and whether it was built."""
+    key = inputs_key(dockerfile, (PROJECT_DIR / dockerfile).read_text(), list(args), list(inputs))
+    if built_from(engine, tag) == key:
+        log(f"image {tag}: built from the same inputs before, kept")
+        return key, False
+    engine.docker("build", "--network", "none", "-f", dockerfile, *args, "--label", f"{INPUTS_LABEL}={key}",
+                  "-t", tag, ".", timeout=timeout)
+    return key, True
+
+
+def debian_base(engine: Engine) -> str:
     """local/debian:bookworm-python: debootstrap's minbase with python3, venv, nginx and its stream module (the edge's
-    and the link's stand-in), imported (tarball cached)."""
+    and the link's stand-in), imported (tarball cached) unless it was from the same tarball; returns its key."""
     tarball = CACHE / "debian-bookworm-python-nginx-stream.tar"
     if not tarball.exists():
         with tempfile.TemporaryDirectory(dir=CACHE) as rootfs:
@@ -259,7 +291,12 @@ def debian_base(engine: Engine) -> None:
                 "http://deb.debian.org/debian"], timeout=1200)
             sh(["tar", "-C", rootfs, "-cf", f"{tarball}.part", "."])
         Path(f"{tarball}.part").rename(tarball)
-    engine.docker("import", str(tarball), BASE_IMAGE)
+    key = inputs_key(tarball.name, tarball.stat().st_size, tarball.stat().st_mtime_ns)
+    if built_from(engine, BASE_IMAGE) == key:
+        log(f"image {BASE_IMAGE}: imported from the same tarball before, kept")
+        return key
+    engine.docker("import", "--change", f"LABEL {INPUTS_LABEL}={key}", str(tarball), BASE_IMAGE)
+    return key
 
 
 def build_images(engine: Engine, version: str, edge: str, wheels_ready: Callable[[], Any]) -> dict[str, str]:
@@ -271,29 +308,37 @@ def build_images(engine: Engine, version: str, edge: str, wheels_ready: Callable
         for image in (*(f"flwr/{role}:{version}" for role in roles[1:]), edge):
             engine.docker("pull", image, timeout=900)
         used = {f"flwr/{role}:{version}": "Docker Hub (official)" for role in roles} | {edge: "Docker Hub (official)"}
+        base = engine.docker("image", "inspect", "-f", "{{.Id}}", f"flwr/superexec:{version}", quiet=True).stdout
     else:
         log("Docker Hub cannot be reached: building stand-ins for Flower's images (docker/Dockerfile.flower)")
-        debian_base(engine)
+        base = debian_base(engine)
         used = {}
     wheels_ready()
     check_wheelhouse(version)
+    wheels = sorted((w.name, w.stat().st_size) for w in WHEELS.glob("*.whl"))  # a wheel's name fixes its content
+    built = []
     if not pulled:
+        keys = {}
         for role in roles:
-            engine.docker("build", "--network", "none", "-f", "docker/Dockerfile.flower", "--target", role,
-                          "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "--build-arg", f"FLWR_VERSION={version}",
-                          "-t", f"flwr/{role}:{version}", ".", timeout=1200)
+            keys[role], fresh = build(engine, f"flwr/{role}:{version}", "docker/Dockerfile.flower",
+                                      ["--target", role, "--build-arg", f"BASE_IMAGE={BASE_IMAGE}",
+                                       "--build-arg", f"FLWR_VERSION={version}"], [base, wheels], timeout=1200)
             used[f"flwr/{role}:{version}"] = f"stand-in: Debian bookworm (debootstrap) + flwr {version} wheel"
-        engine.docker("build", "--network", "none", "-f", "docker/Dockerfile.flower", "--target", "edge",
-                      "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "-t", edge, ".", timeout=600)
+            built.append(fresh)
+        built.append(build(engine, edge, "docker/Dockerfile.flower",
+                           ["--target", "edge", "--build-arg", f"BASE_IMAGE={BASE_IMAGE}"], [base], timeout=600)[1])
         used[edge] = "stand-in: Debian bookworm's nginx (debootstrap)"
-    engine.docker("build", "--network", "none", "-f", "docker/Dockerfile", "--build-arg", f"FLWR_VERSION={version}",
-                  "--build-arg", "PIP_OPTIONS=--no-index --find-links /wheels", "-t", f"hybridfl/app:{version}",
-                  ".", timeout=1800)
+        base = keys["superexec"]  # the app image's base
+    built.append(build(engine, f"hybridfl/app:{version}", "docker/Dockerfile",
+                       ["--build-arg", f"FLWR_VERSION={version}",
+                        "--build-arg", "PIP_OPTIONS=--no-index --find-links /wheels"],
+                       [base, wheels, (PROJECT_DIR / "pyproject.toml").read_text()], timeout=1800)[1])
     used[f"hybridfl/app:{version}"] = "docker/Dockerfile, offline from docker/wheels"
-    engine.docker("image", "prune", "--force", quiet=True)  # the earlier builds these tags replaced
-    # BuildKit keeps a snapshot of every build's context (3.4 GB with docker/wheels) as build cache: 40 GB after a
-    # dozen runs filled the disk the suite then ran on. The layers stay cached; only the context snapshots go.
-    engine.docker("builder", "prune", "--force", "--filter", "type=source.local", quiet=True)
+    if any(built):
+        engine.docker("image", "prune", "--force", quiet=True)  # the earlier builds these tags replaced
+        # BuildKit keeps a snapshot of every build's context (3.4 GB with docker/wheels) as build cache: 40 GB after
+        # a dozen runs filled the disk the suite then ran on. The layers stay cached; only the context snapshots go.
+        engine.docker("builder", "prune", "--force", "--filter", "type=source.local", quiet=True)
     return used
 
 
