@@ -454,7 +454,7 @@ def failed_tasks(db: Path) -> list[str]:
 
 
 KILL_AFTER_STEPS = 5  # the main job's steps before the SuperLink may be killed
-MAIN_JOB_S = 90  # the main job's seconds of training: the kill, ~40 s in at most, and the restart (7-15 s) fit
+MAIN_JOB_S = 70  # the main job's seconds of training: the kill, ~40 s in at most, and the restart (7-15 s) fit
 REPLY_TIMEOUT_S = 30.0  # the main job's wait for a reply: a train message takes 2-7 s here, under the arm64 device
 
 
