@@ -60,8 +60,9 @@ from typing import Any
 import psutil
 
 from common.errors import ConfigError
+from flower_internals.control import register_keys
 from hybridfl.launch.deploy_local import CONNECTION, runtime_api, superexec
-from hybridfl.launch.flwr_cli import check_completed, flwr_run, register_supernode, write_connection
+from hybridfl.launch.flwr_cli import check_completed, flwr_run, write_connection
 from hybridfl.launch.job import app_run_config, parse_overrides, prepare
 from hybridfl.launch.pki import make_pki, make_secrets
 from hybridfl.launch.processes import ProcessGroup, flower_env, free_port, process_home, wait_healthy
@@ -393,9 +394,9 @@ def run_model(name: str, root: Path, x86: Path, work: Path, rounds: int,
             "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation"])
         wait_healthy(port, link, ca=ca)
         write_connection(home, CONNECTION, port, ca)
+        register_keys(home, CONNECTION, [pki / f"supernode-{i}.pub" for i in range(len(node_ports))])
         procs.start("superexec-serverapp", superexec(to_link, f"127.0.0.1:{port}", secret["superlink"]))
         for i, (device, node_port) in enumerate(zip(("arm64", "x86_64"), node_ports)):
-            register_supernode(env, CONNECTION, pki / f"supernode-{i}.pub")
             node_secret = secret[f"supernode-{i}"]
             node = [*to_link, "--auth-supernode-private-key", str(pki / f"supernode-{i}"),
                     "--superlink", f"127.0.0.1:{port}", *runtime_api(node_secret), "--host", "127.0.0.1",

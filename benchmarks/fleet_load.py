@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -49,10 +48,6 @@ import numpy as np
 import psutil
 from cryptography.hazmat.primitives import serialization
 from flwr.app import Context, RecordDict
-from flwr.cli.flower_config import read_superlink_connection
-from flwr.cli.supernode.register import try_load_public_key
-from flwr.cli.utils import init_http_client_from_connection
-from flwr.proto.control_pb2 import RegisterNodeRequest  # pylint: disable=E0611
 from flwr.supercore.inflatable.inflatable_object import (
     get_all_nested_objects,
     get_object_tree,
@@ -71,6 +66,7 @@ from client_app.app import app
 from common.config import ConfigError
 from common.splits import check_partitions, data_spec
 from flower_internals import supernode
+from flower_internals.control import register_keys
 from hybridfl.launch import edge
 from hybridfl.launch.deploy_local import superexec
 from hybridfl.launch.flwr_cli import check_completed, flwr_run, run_status, write_connection
@@ -237,19 +233,10 @@ def worker(first: int, count: int, n: int, address: str, certs: Path, until: flo
 # -- the server side --------------------------------------------------------------------------------------------
 
 def register(home: Path, certs: Path, n: int) -> float:
-    """Register the public keys of devices 0 .. n-1 through the Control API (Flower's own client, one connection:
+    """Register the public keys of devices 0 .. n-1 through the Control API (one connection, in this process:
     ``flwr supernode register`` is a process per key); returns the seconds it took."""
     started = time.monotonic()
-    os.environ["FLWR_HOME"] = str(home)
-    client = init_http_client_from_connection(read_superlink_connection(CONNECTION))
-    try:
-        for i in range(n):
-            reply = client.RegisterNode(RegisterNodeRequest(public_key=try_load_public_key(certs /
-                                                                                          f"supernode-{i}.pub")))
-            if not reply.node_id:
-                raise RuntimeError(f"the SuperLink did not register device {i}'s key")
-    finally:
-        client.close()
+    register_keys(home, CONNECTION, [certs / f"supernode-{i}.pub" for i in range(n)])
     return time.monotonic() - started
 
 

@@ -6,6 +6,8 @@ one place what a new Flower may break.
   ServerApp's SuperExec (``python -m server_app.superexec``) ask a task poll answered 5xx again rather than exit;
 - ``supernode``: Flower's SuperNode loop with its fixed waits paced and its heartbeat spaced (the command:
   ``python -m client_app.supernode``);
+- ``control``: SuperNode keys registered through the Control API in one process (``flwr supernode register`` is a
+  process per key);
 - ``replies``: a deployment's replies pulled through the ServerAppIo API one download per reply, and pushes retried;
 - ``engine``: the in-process engine's ``Run`` record and the ServerApp's message identity;
 - ``wire``: a record's bytes as Flower's transport pushes them.
@@ -19,4 +21,4 @@ Nothing of hybridfl is imported by this package: it is the bottom of the import 
 run in a device container that has Flower but not hybridfl.
 """
 
-MODULES = ("engine", "fork_server", "replies", "superexec", "supernode", "wire")
+MODULES = ("control", "engine", "fork_server", "replies", "superexec", "supernode", "wire")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import os
 from pathlib import Path
 
 import flwr
@@ -96,3 +97,24 @@ def test_a_flower_that_moved_an_internal_is_named() -> None:
         "flwr.supercore.superexec.run_superexec has no no_such_thing")
     assert missing("flwr.no_such_module:x").startswith("no module flwr.no_such_module")
     assert not public("flwr.supercore.run:Run") and public("flwr.common.constant:ErrorCode")
+
+
+def test_a_key_that_cannot_be_registered_is_named_before_anything_is_sent(tmp_path: Path, monkeypatch) -> None:
+    """flower_internals.control.register_keys reads every key first: a missing file, an RSA key and a file that is
+    no key are each named, with why, before a connection is read (there is none here), and FLWR_HOME is left as it
+    was."""
+    from flower_internals.control import register_keys
+
+    monkeypatch.setenv("FLWR_HOME", "/before")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    not_ec, broken = tmp_path / "rsa.pub", tmp_path / "broken.pub"
+    not_ec.write_bytes(rsa.generate_private_key(65537, 1024).public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
+    broken.write_text("ecdsa-sha2-nistp384 AAAA-not-base64\n")
+    for key, why in ((tmp_path / "absent.pub", "No such file"), (not_ec, "not an EC public key on a NIST curve"),
+                     (broken, "")):
+        with pytest.raises(RuntimeError, match=f"cannot register {key}: .*{why}"):
+            register_keys(tmp_path / "home", "nowhere", [key])
+    assert os.environ["FLWR_HOME"] == "/before"

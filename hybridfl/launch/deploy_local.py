@@ -11,8 +11,9 @@ num-clients; a different --supernodes sets num-clients=N), each with its own ``f
 process isolation): the SuperLink's Runtime API and each SuperNode's accept only the SuperExec that holds its
 shared secret (``<flwr-home>/pki/superlink.secret``, ``supernode-I.secret``; hybridfl/launch/pki.py). Every SuperLink
 API is served over HTTPS with a private CA (kept in <flwr-home>/pki), and only SuperNodes whose keys were registered
-(``flwr supernode register``) before they start are admitted: the loopback ports are open to every user of the
-machine, not only this one's processes (docs/security.md). ``--plain-http`` drops both, and warns.
+(as ``flwr supernode register`` does, all over one Control API connection) before they start are admitted: the
+loopback ports are open to every user of the machine, not only this one's processes (docs/security.md).
+``--plain-http`` drops both, and warns.
 It runs ``flwr run . --stream`` against them, checks that the run *finished:completed* and wrote
 ``summary.json``, and stops exactly the processes it started (logs in <run>/flower-logs/). The ServerApp's SuperExec
 is started again whenever it exits (:meth:`ProcessGroup.keep`), so that the deployment's next run still finds one.
@@ -31,8 +32,9 @@ from typing import Any
 
 from common.config import ConfigError
 from common.fleet import load_fleet
+from flower_internals.control import register_keys
 from hybridfl.launch.compose import PLAIN_HTTP_WARNING
-from hybridfl.launch.flwr_cli import check_completed, flwr_run, register_supernode, write_connection
+from hybridfl.launch.flwr_cli import check_completed, flwr_run, write_connection
 from hybridfl.launch.job import app_run_config, prepare
 from hybridfl.launch.linkdb import private_file
 from hybridfl.launch.pki import make_pki, make_secrets
@@ -125,6 +127,8 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
                                              "--disable-runtime-dependency-installation"])
             wait_healthy(port, link, ca=ca)
             write_connection(flwr_home, CONNECTION, port, ca)
+            if pki:  # every node's key, in this process: `flwr supernode register` is a process per key
+                register_keys(flwr_home, CONNECTION, [pki / f"supernode-{i}.pub" for i in range(n)])
             procs.keep("superexec-serverapp", superexec(to_link, f"127.0.0.1:{port}", secret["superlink"]))
             starts = [0] * n
 
@@ -137,8 +141,6 @@ def deploy_runs(runs: list[dict[str, Any]], flwr_home: Path, supernodes: int | N
                 node_config_i += f" {node_config}" if node_config else ""
                 security = list(to_link)
                 if pki:
-                    if not starts[i]:
-                        register_supernode(env, CONNECTION, pki / f"supernode-{i}.pub")
                     security += ["--auth-supernode-private-key", str(pki / f"supernode-{i}")]
                 node_secret = secret[f"supernode-{i}"]
                 again = f".{starts[i]}" if starts[i] else ""
