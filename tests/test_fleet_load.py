@@ -21,7 +21,7 @@ REPO = PROJECT_DIR
 
 @pytest.mark.e2e
 def test_thirty_devices_through_a_superlink_restart_have_every_reply_reconciled(tmp_path):
-    """30 devices (Flower's Fleet client through the edge, registered keys) answer FedBuff for 90 s on a SuperLink
+    """30 devices (Flower's Fleet client through the edge, registered keys) answer FedBuff for 60 s on a SuperLink
     with SQLite state, killed (SIGKILL) 10 s after the run's first accepted update and started again: the run
     completes, accepts updates after the restart (the events written once it is back), and resumes from its
     checkpoint for 2 more steps (a message lost in the restart waits 60 s for its reply, not the default 120, before
@@ -29,7 +29,7 @@ def test_thirty_devices_through_a_superlink_restart_have_every_reply_reconciled(
     part (an event, or in flight at the end), and no accepted update lacks a device's reply."""
     needs_nginx()
     work = tmp_path / "load"
-    done = subprocess.run([sys.executable, "-m", "benchmarks.fleet_load", "--devices", "30", "--minutes", "1.5",
+    done = subprocess.run([sys.executable, "-m", "benchmarks.fleet_load", "--devices", "30", "--minutes", "1.0",
                            "--processes", "2", "--concurrency", "10", "--database",
                            "--fault", "restart-superlink@10", "--resume-steps", "2", "--reply-timeout-s", "60",
                            "--workdir", str(work)],
