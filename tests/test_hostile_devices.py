@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -117,8 +118,11 @@ def test_a_registered_rogue_device_neither_crashes_nor_takes_over_a_deployed_run
         register_supernode(flower_env(home), CONNECTION, Path(f"{key}.pub"))
         link = next(p for name, p in procs.procs if name == "superlink")
         port = link.args[link.args.index("--port") + 1]
-        victim = re.search(r"SuperNode ID: (\d+)", (procs.log_dir / "supernode-0.log").read_text())
-        assert victim is not None
+        # the node to forge a message to, once it has said its id (it registered before it started: no wait for it)
+        node_log, deadline = procs.log_dir / "supernode-0.log", time.monotonic() + 120
+        while not (victim := re.search(r"SuperNode ID: (\d+)", node_log.read_text())) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert victim is not None, node_log.read_text()[-2000:]
         procs.start("rogue", [sys.executable, "-m", "tools.rogue_device", "--superlink", f"127.0.0.1:{port}",
                               "--root-certificates", str(home / "pki" / "ca.crt"), "--auth-key", str(key),
                               "--partition-id", str(ROGUE), "--num-partitions", "3", "--log", str(sent_log),
