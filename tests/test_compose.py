@@ -458,6 +458,36 @@ def test_the_engine_test_skips_where_no_engine_can_start_and_fails_so_under_requ
     assert not (tmp_path / "ct").exists()  # nothing was started or written
 
 
+def test_an_image_is_built_again_only_when_one_of_its_inputs_changed() -> None:
+    """tools/compose_engine.py `build`: the first build labels the image with its inputs' digest; the same
+    Dockerfile, arguments and inputs keep it (no `docker build`, which would hash the whole context); another
+    argument, another input (a wheel, a base's key) or another Dockerfile builds it again."""
+    labels: dict[str, str] = {}
+    builds: list[tuple[str, ...]] = []
+
+    class Engine:
+        def docker(self, *args: str, **kw) -> subprocess.CompletedProcess:
+            if args[:2] == ("image", "inspect"):
+                known = args[-1] in labels
+                return subprocess.CompletedProcess(args, 0 if known else 1, labels.get(args[-1], "") + "\n", "")
+            builds.append(args)
+            labels[args[args.index("-t") + 1]] = args[args.index("--label") + 1].split("=", 1)[1]
+            return subprocess.CompletedProcess(args, 0, "", "")
+
+    engine, args, inputs = Engine(), ["--build-arg", "FLWR_VERSION=1.42.0"], ["base-key", [("flwr.whl", 10)]]
+    key, built = compose_engine.build(engine, "app:1", "docker/Dockerfile", args, inputs, timeout=1)
+    assert built and len(builds) == 1 and labels["app:1"] == key
+    assert compose_engine.build(engine, "app:1", "docker/Dockerfile", args, inputs, timeout=1) == (key, False)
+    assert len(builds) == 1
+    for changed in ((args + ["--target", "x"], inputs), (args, ["base-key", [("flwr.whl", 11)]]),
+                    (args, ["another-base", [("flwr.whl", 11)]])):
+        assert compose_engine.build(engine, "app:1", "docker/Dockerfile", *changed, timeout=1)[1]
+    assert len(builds) == 4
+    assert compose_engine.build(engine, "app:1", "docker/Dockerfile.flower", args,
+                                ["another-base", [("flwr.whl", 11)]], timeout=1)[1]  # the last inputs, another file
+    assert len(builds) == 5 and builds[-1][builds[-1].index("-f") + 1] == "docker/Dockerfile.flower"
+
+
 def test_a_dockerd_that_dies_fails_the_engine_test_even_without_require(tmp_path, monkeypatch) -> None:
     """Only a machine where no engine can run skips; a dockerd that exits where it could run is a failure."""
     (tmp_path / "bin").mkdir()

@@ -14,7 +14,8 @@
 3. Images, with no image registry and no network inside the builds (``docker build --network none``): Flower's
    official ``flwr/*`` and ``nginx`` images when Docker Hub answers, otherwise stand-ins (docker/Dockerfile.flower)
    on a Debian base made by debootstrap with python3 and nginx baked in; the app image from docker/Dockerfile. Python
-   wheels come from a wheelhouse made on the host (docker/wheels/, from pip's own sources). The log says which images
+   wheels come from a wheelhouse made on the host (docker/wheels/, from pip's own sources). An image whose inputs
+   (Dockerfile, arguments, wheels, base) are those it was built from, by its label, is kept. The log says which images
    it used.
 4. Through ``docker compose`` itself, on the files' secure default (TLS, SuperNode authentication, a SuperExec secret
    per Runtime API): (a) the main job end to end, its summary.json copied out, (b) with the SuperLink container
