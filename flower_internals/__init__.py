@@ -3,7 +3,8 @@ one place what a new Flower may break.
 
 - ``superexec`` and ``fork_server``: the warm executor, Flower's SuperExec with each ClientApp task forked from a
   process that imported torch once (the command: ``python -m client_app.warm_executor``); both it and the
-  ServerApp's SuperExec (``python -m server_app.superexec``) ask a task poll answered 5xx again rather than exit;
+  ServerApp's SuperExec (``python -m server_app.superexec``) ask a task poll answered 5xx again rather than exit,
+  and poll every 1 s rather than 0.2 once idle;
 - ``supernode``: Flower's SuperNode loop with its fixed waits paced and its heartbeat spaced (the command:
   ``python -m client_app.supernode``);
 - ``control``: SuperNode keys registered through the Control API in one process (``flwr supernode register`` is a

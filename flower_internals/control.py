@@ -66,15 +66,16 @@ def register_keys(flwr_home: Path, connection: str, public_keys: Sequence[Path])
     `flwr_home`'s configuration, over one Control API client; returns their node ids. Raises RuntimeError naming the
     key that could not be read or that the SuperLink did not register."""
     keys = [public_key(path) for path in public_keys]
-    with _flwr_home(flwr_home):
-        client = init_http_client_from_connection(read_superlink_connection(connection))
-    try:
-        with flwr_cli_exc_handler():  # Flower's own words for a transport or an API error, as its command says them
-            ids = [client.RegisterNode(RegisterNodeRequest(public_key=key)).node_id for key in keys]
+    try:  # Flower's own words for a missing connection, a transport or an API error, as its command says them
+        with _flwr_home(flwr_home):
+            client = init_http_client_from_connection(read_superlink_connection(connection))
+        try:
+            with flwr_cli_exc_handler():
+                ids = [client.RegisterNode(RegisterNodeRequest(public_key=key)).node_id for key in keys]
+        finally:
+            client.close()
     except click.ClickException as err:
         raise RuntimeError(f"cannot register {', '.join(map(str, public_keys))}: {err.format_message()}") from err
-    finally:
-        client.close()
     if unregistered := [str(path) for path, node_id in zip(public_keys, ids) if not node_id]:
         raise RuntimeError(f"the SuperLink did not register {', '.join(unregistered)}")
     return ids

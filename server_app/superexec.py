@@ -1,6 +1,6 @@
 """The ServerApp's SuperExec: Flower's ``flower-superexec`` (its command line, loop and SuperExec authentication) whose
 task poll waits out a SuperLink's server errors, where Flower's exits on the first and takes the running ServerApp
-with it (flower_internals/superexec.py ``task_poll`` says when that happened).
+with it, and slows to Flower's 1 s while no run comes (flower_internals/superexec.py ``task_poll`` says why).
 
     python -m server_app.superexec [flower-superexec's flags: --insecure | --root-certificates F,
                                     --runtime-api-address HOST:PORT, --superexec-auth-secret-file F, ...]
@@ -12,7 +12,7 @@ from flower_internals.superexec import run_superexec
 
 
 def main() -> None:
-    """``flower-superexec``, its task poll patient."""
+    """``flower-superexec``, its task poll patient and paced."""
     run_superexec()
 
 

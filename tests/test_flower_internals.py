@@ -118,3 +118,9 @@ def test_a_key_that_cannot_be_registered_is_named_before_anything_is_sent(tmp_pa
         with pytest.raises(RuntimeError, match=f"cannot register {key}: .*{why}"):
             register_keys(tmp_path / "home", "nowhere", [key])
     assert os.environ["FLWR_HOME"] == "/before"
+    from hybridfl.launch.pki import node_key  # a good key: a home without the connection is named too
+
+    good = Path(f"{node_key(tmp_path, 'good')}.pub")
+    with pytest.raises(RuntimeError, match=f"cannot register {good}: .*nowhere"):
+        register_keys(tmp_path / "home", "nowhere", [good])
+    assert os.environ["FLWR_HOME"] == "/before"

@@ -50,7 +50,8 @@ _WARM_EXECUTOR = (sys.executable, "-P", "-m", "client_app.warm_executor")
 EXECUTORS = {"flower": (("flower-supernode",), ("flower-superexec",)),
              "warm": ((sys.executable, "-P", "-m", "client_app.supernode"), _WARM_EXECUTOR),
              "warm-executor": (("flower-supernode",), _WARM_EXECUTOR)}
-# The ServerApp's SuperExec: Flower's, its task poll patient with server errors (server_app/superexec.py)
+# The ServerApp's SuperExec: Flower's, its task poll patient with server errors and paced when idle
+# (server_app/superexec.py)
 SERVERAPP_EXECUTOR = (sys.executable, "-P", "-m", "server_app.superexec")
 
 
