@@ -21,7 +21,8 @@ from hybridfl.launch.processes import ProcessGroup, flower_env, free_port, wait_
 from tools import intruder
 
 TUTORIAL = PROJECT_DIR / "docs" / "tutorials" / "deployment.md"
-LONG_RUNNING = ("flower-superlink", "flower-superexec", "flower-supernode", "nginx")
+LONG_RUNNING = ("flower-superlink", "nginx", "server_app.superexec", "client_app.supernode",
+                "client_app.warm_executor")  # a command, or a module run with `python -m`
 SPEAKS = r"INFO .*run \S+: \S+ on \S+ \("  # the ServerApp's first line: "run NAME: METHOD on DATASET (..."
 
 
@@ -59,8 +60,9 @@ def test_the_tutorials_secured_deployment_runs_and_keeps_an_intruder_on_the_devi
     with ProcessGroup(tmp_path / "logs", env) as procs:
         for i, line in enumerate(lines):
             argv = shlex.split(line)
-            if argv[0] in LONG_RUNNING:
-                name = f"{i}-{argv[0]}"
+            command = argv[2] if argv[:2] == ["python", "-m"] else argv[0]
+            if command in LONG_RUNNING:
+                name = f"{i}-{command}"
                 procs.start(name, argv, {**env, "FLWR_HOME": str(tmp_path / "home" / name)}, cwd=tmp_path)
                 if argv[0] == "flower-superlink":
                     wait_healthy(ports[9093], dict(procs.procs)[name], 90, tmp_path / "certs" / "ca.crt")
