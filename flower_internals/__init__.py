@@ -7,8 +7,8 @@ one place what a new Flower may break.
   and poll every 1 s rather than 0.2 once idle;
 - ``supernode``: Flower's SuperNode loop with its fixed waits paced and its heartbeat spaced (the command:
   ``python -m client_app.supernode``);
-- ``control``: SuperNode keys registered through the Control API in one process (``flwr supernode register`` is a
-  process per key);
+- ``control``: SuperNode keys registered, and a run's status read, through the Control API from the launcher's
+  process (``flwr supernode register`` and ``flwr ls`` are a process each);
 - ``replies``: a deployment's replies pulled through the ServerAppIo API one download per reply, and pushes retried;
 - ``engine``: the in-process engine's ``Run`` record and the ServerApp's message identity;
 - ``wire``: a record's bytes as Flower's transport pushes them.

@@ -124,3 +124,42 @@ def test_a_key_that_cannot_be_registered_is_named_before_anything_is_sent(tmp_pa
     with pytest.raises(RuntimeError, match=f"cannot register {good}: .*nowhere"):
         register_keys(tmp_path / "home", "nowhere", [good])
     assert os.environ["FLWR_HOME"] == "/before"
+
+
+def test_a_runs_status_is_flwr_ls_s_text_read_from_the_control_api(tmp_path: Path, monkeypatch) -> None:
+    """flower_internals.control.run_status: Flower's ListRuns answer as `flwr ls --format json` words it (status and
+    sub-status joined, details or N/A), from the connection of the given home; a missing connection and a run the
+    SuperLink does not know are RuntimeErrors naming the run, and FLWR_HOME is left as it was."""
+    from flwr.proto.control_pb2 import ListRunsResponse  # pylint: disable=E0611
+    from flwr.proto.run_pb2 import Run, RunStatus  # pylint: disable=E0611
+
+    from flower_internals import control
+
+    monkeypatch.setenv("FLWR_HOME", "/before")
+    with pytest.raises(RuntimeError, match="cannot read the status of run 7: .*nowhere"):
+        control.run_status(tmp_path / "home", "nowhere", 7)
+    assert os.environ["FLWR_HOME"] == "/before"
+
+    at = "2026-12-06T10:00:0{}.000000+00:00"
+    runs = {7: Run(run_id=7, pending_at=at.format(0), running_at=at.format(1), finished_at=at.format(5),
+                   status=RunStatus(status="finished", sub_status="failed", details="ServerApp exited"))}
+    asked: list[tuple[str | None, int]] = []
+
+    class Client:
+        def ListRuns(self, request):  # Flower's name
+            asked.append((os.environ.get("FLWR_HOME"), request.run_id))
+            return ListRunsResponse(run_dict={k: v for k, v in runs.items() if k == request.run_id},
+                                    now=at.format(6))
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(control, "read_superlink_connection", lambda name: name)
+    monkeypatch.setattr(control, "init_http_client_from_connection",
+                        lambda connection: asked.append((os.environ["FLWR_HOME"], connection)) or Client())
+    assert control.run_status(tmp_path / "home", "mine", 7) == ("finished:failed", "ServerApp exited")
+    assert asked == [(str(tmp_path / "home"), "mine"), ("/before", 7)]  # the home for the connection only
+    runs[7].status.CopyFrom(RunStatus(status="running"))
+    assert control.run_status(None, "mine", 7) == ("running", "N/A")
+    with pytest.raises(RuntimeError, match="cannot read the status of run 8: the SuperLink knows no such run"):
+        control.run_status(None, "mine", 8)

@@ -23,6 +23,7 @@ from typing import Any
 import tomli_w
 
 from common.config import ConfigError
+from flower_internals import control
 from hybridfl.launch.bundle import app_config, flower_app, toml_value
 from hybridfl.launch.processes import interrupts_held
 
@@ -143,8 +144,14 @@ def flwr_run(env: dict[str, str], connection: str, overrides: Mapping[str, Any],
 
 def run_status(env: dict[str, str], connection: str, run_id: int, flwr: Flwr = local_flwr, field: str = "status"
                ) -> str:
-    """A run's status text, e.g. ``finished:completed`` (from ``flwr ls --format json``); with `field`
-    ``status-details``, Flower's reason for it (e.g. "Task failed because the run expired": no heartbeat)."""
+    """A run's status text, e.g. ``finished:completed`` (as ``flwr ls --format json`` says it); with `field`
+    ``status-details``, Flower's reason for it (e.g. "Task failed because the run expired": no heartbeat). The local
+    `flwr` is asked from this process (flower_internals/control.py: no process per ask); another (compose's operator)
+    runs ``flwr ls``."""
+    if flwr is local_flwr:
+        home = env.get("FLWR_HOME")
+        status, details = control.run_status(Path(home) if home else None, connection, run_id)
+        return {"status": status, "status-details": details}[field]
     out = subprocess.run([*flwr(None), "ls", connection, "--run-id", str(run_id),
                           "--format", "json"], env=env, capture_output=True, text=True, timeout=120)
     try:
