@@ -86,10 +86,10 @@ def public_key(path: Path) -> bytes:
     return public_key_to_bytes(key)
 
 
-def register_keys(flwr_home: Path, connection: str, public_keys: Sequence[Path]) -> list[int]:
+def register_keys(flwr_home: Path | None, connection: str, public_keys: Sequence[Path]) -> list[int]:
     """``flwr supernode register KEY CONNECTION`` for each of `public_keys` (every key read first), with
-    `flwr_home`'s configuration, over one Control API client; returns their node ids. Raises RuntimeError naming the
-    key that could not be read or that the SuperLink did not register."""
+    `flwr_home`'s configuration (None: this process's home), over one Control API client; returns their node ids.
+    Raises RuntimeError naming the key that could not be read or that the SuperLink did not register."""
     keys = [public_key(path) for path in public_keys]
     with _control(flwr_home, connection, f"cannot register {', '.join(map(str, public_keys))}") as client:
         ids = [client.RegisterNode(RegisterNodeRequest(public_key=key)).node_id for key in keys]

@@ -433,13 +433,14 @@ def test_the_final_status_waits_on_the_runs_log_stream_not_a_status_every_two_se
     assert flwr_cli.final_status({}, "c", 1, timeout=50) == "running" and 50 <= bounded.now <= 50 + flwr_cli.POLL_S
 
 
-def test_flwr_run_gives_a_run_up_only_where_a_timeout_is_given(tmp_path) -> None:
+def test_flwr_run_gives_a_run_up_only_where_a_timeout_is_given(tmp_path, monkeypatch) -> None:
     """A check's bound ends a run that outlasts it; a user's run (no timeout) is waited for to its end."""
     (tmp_path / "bin").mkdir()
-    flwr = tmp_path / "bin" / "flwr"  # `flwr run` starts run 7 and streams for 3 s; `flwr ls` says it completed
-    flwr.write_text('#!/bin/sh\nif [ "$1" = run ]; then echo "Successfully started run 7"; exec sleep 3; fi\n'
-                    'echo \'{"runs": [{"status": "finished:completed"}]}\'\n')
+    flwr = tmp_path / "bin" / "flwr"  # `flwr run` starts run 7 and streams for 3 s; the Control API says it completed
+    flwr.write_text('#!/bin/sh\nif [ "$1" = run ]; then echo "Successfully started run 7"; exec sleep 3; fi\nexit 1\n')
     flwr.chmod(0o755)
+    monkeypatch.setattr(flwr_cli.control, "run_status", lambda home, connection, run_id: (
+        ("finished:completed", "N/A") if (connection, run_id) == ("c", 7) else ("unknown", "N/A")))
     env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
     with pytest.raises(RuntimeError, match="flwr run did not finish within 1s"):
         flwr_cli.flwr_run(env, "c", {}, timeout=1, app_dir=tmp_path)

@@ -65,9 +65,18 @@ def local_flwr(folder: Path | None) -> list[str]:
     return ["flwr"]
 
 
+def _home(env: Mapping[str, str]) -> Path | None:
+    """The FLWR_HOME that `env` gives Flower's CLI (None: Flower's default)."""
+    return Path(env["FLWR_HOME"]) if env.get("FLWR_HOME") else None
+
+
 def register_supernode(env: dict[str, str], connection: str, public_key: Path, flwr: Flwr = local_flwr) -> int:
     """``flwr supernode register``: allow the SuperNode holding `public_key`'s private key (a path as `flwr` sees it)
-    on a SuperLink started with ``--enable-supernode-auth``; returns its node id (fixed by the key, across restarts)."""
+    on a SuperLink started with ``--enable-supernode-auth``; returns its node id (fixed by the key, across restarts).
+    The local `flwr`'s registration is made from this process (flower_internals/control.py); another (compose's
+    operator) runs the command."""
+    if flwr is local_flwr:
+        return control.register_keys(_home(env), connection, [public_key])[0]
     out = subprocess.run([*flwr(None), "supernode", "register", str(public_key),
                           connection, "--format", "json"], env=env, capture_output=True,
                          text=True, timeout=120)
@@ -149,8 +158,7 @@ def run_status(env: dict[str, str], connection: str, run_id: int, flwr: Flwr = l
     `flwr` is asked from this process (flower_internals/control.py: no process per ask); another (compose's operator)
     runs ``flwr ls``."""
     if flwr is local_flwr:
-        home = env.get("FLWR_HOME")
-        status, details = control.run_status(Path(home) if home else None, connection, run_id)
+        status, details = control.run_status(_home(env), connection, run_id)
         return {"status": status, "status-details": details}[field]
     out = subprocess.run([*flwr(None), "ls", connection, "--run-id", str(run_id),
                           "--format", "json"], env=env, capture_output=True, text=True, timeout=120)
