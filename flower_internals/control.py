@@ -21,6 +21,7 @@ import click
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from flwr.cli import utils as cli_utils
 from flwr.cli.flower_config import read_superlink_connection
 from flwr.cli.run_utils import format_runs
 from flwr.cli.utils import flwr_cli_exc_handler, init_http_client_from_connection
@@ -32,6 +33,7 @@ from flwr.supercore.primitives.asymmetric import public_key_to_bytes, uses_nist_
 RELIES_ON = ("flwr.cli.flower_config:read_superlink_connection",
              "flwr.cli.utils:init_http_client_from_connection",
              "flwr.cli.utils:flwr_cli_exc_handler",
+             "flwr.cli.utils:log_superlink_connection",
              "flwr.proto.control_pb2:RegisterNodeRequest",
              "flwr.proto.control_pb2:ListRunsRequest",
              "flwr.common.serde:run_from_proto",
@@ -40,19 +42,24 @@ RELIES_ON = ("flwr.cli.flower_config:read_superlink_connection",
              "flwr.supercore.primitives.asymmetric:public_key_to_bytes",
              "flwr.supercore.primitives.asymmetric:uses_nist_ec_curve")
 
-_HOME = threading.Lock()  # Flower's CLI reads its home from the environment: one home at a time in this process
+_CLI = threading.Lock()  # Flower's CLI reads its home from the environment: one client made at a time here
 
 
 @contextlib.contextmanager
-def _flwr_home(home: Path) -> Iterator[None]:
-    with _HOME:
-        before = os.environ.get("FLWR_HOME")
-        os.environ["FLWR_HOME"] = str(home)
+def _flwr_cli(home: Path | None) -> Iterator[None]:
+    """Flower's CLI set up to make one client: `home` as its FLWR_HOME (None: as it is), and its "Using SuperLink"
+    line unsaid (a command prints it once; a launcher that asks for its run's status again would repeat it)."""
+    with _CLI:
+        before, said = os.environ.get("FLWR_HOME"), cli_utils.log_superlink_connection
+        if home is not None:
+            os.environ["FLWR_HOME"] = str(home)
+        cli_utils.log_superlink_connection = lambda connection: None
         try:
             yield
         finally:
+            cli_utils.log_superlink_connection = said
             if before is None:
-                del os.environ["FLWR_HOME"]
+                os.environ.pop("FLWR_HOME", None)
             else:
                 os.environ["FLWR_HOME"] = before
 
@@ -63,7 +70,7 @@ def _control(flwr_home: Path | None, connection: str, failing: str) -> Iterator[
     commands make one, closed after; Flower's own words for a missing connection, a transport or an API error, as its
     commands say them, in a RuntimeError that starts with `failing`."""
     try:
-        with _flwr_home(flwr_home) if flwr_home is not None else contextlib.nullcontext():
+        with _flwr_cli(flwr_home):
             client = init_http_client_from_connection(read_superlink_connection(connection))
         try:
             with flwr_cli_exc_handler():

@@ -126,18 +126,27 @@ def test_a_key_that_cannot_be_registered_is_named_before_anything_is_sent(tmp_pa
     assert os.environ["FLWR_HOME"] == "/before"
 
 
-def test_a_runs_status_is_flwr_ls_s_text_read_from_the_control_api(tmp_path: Path, monkeypatch) -> None:
+def test_a_runs_status_is_flwr_ls_s_text_read_from_the_control_api(tmp_path: Path, monkeypatch, capsys) -> None:
     """flower_internals.control.run_status: Flower's ListRuns answer as `flwr ls --format json` words it (status and
-    sub-status joined, details or N/A), from the connection of the given home; a missing connection and a run the
-    SuperLink does not know are RuntimeErrors naming the run, and FLWR_HOME is left as it was."""
+    sub-status joined, details or N/A), from the connection of the given home; a missing connection, a SuperLink
+    that does not answer and a run it does not know are RuntimeErrors naming the run; FLWR_HOME is left as it was,
+    and Flower's "Using SuperLink" line is not printed (a launcher may ask more than once)."""
+    from flwr.cli import utils as cli_utils
     from flwr.proto.control_pb2 import ListRunsResponse  # pylint: disable=E0611
     from flwr.proto.run_pb2 import Run, RunStatus  # pylint: disable=E0611
 
     from flower_internals import control
+    from hybridfl.launch.flwr_cli import write_connection
+    from hybridfl.launch.processes import free_port
 
     monkeypatch.setenv("FLWR_HOME", "/before")
     with pytest.raises(RuntimeError, match="cannot read the status of run 7: .*nowhere"):
         control.run_status(tmp_path / "home", "nowhere", 7)
+    write_connection(tmp_path / "home", "closed", free_port())  # nothing listens there
+    said = cli_utils.log_superlink_connection
+    with pytest.raises(RuntimeError, match="cannot read the status of run 7: Connection to the SuperLink is unavail"):
+        control.run_status(tmp_path / "home", "closed", 7)
+    assert "Using SuperLink" not in capsys.readouterr().out and cli_utils.log_superlink_connection is said
     assert os.environ["FLWR_HOME"] == "/before"
 
     at = "2026-12-06T10:00:0{}.000000+00:00"
