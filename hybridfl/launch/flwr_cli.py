@@ -1,6 +1,7 @@
 """The operator's ``flwr`` command, driven from Python: a SuperLink connection written, a SuperNode registered, a run
 started and followed to its real final status (``flwr run`` exits 0 even when the run failed), a launcher's outcome
-reported as an exit code."""
+reported as an exit code. With the local ``flwr``, the registration and the status asks go through the Control API
+from this process (flower_internals/control.py); ``flwr run`` stays Flower's command."""
 
 from __future__ import annotations
 
