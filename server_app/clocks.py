@@ -106,8 +106,7 @@ class VirtualClock(Clock):
             sampled = set(chosen)  # a client is sampled at most once per round
             while due := r.flights.due(rnd):
                 while any(f.message_id not in r.flights.replies for f in due):
-                    if not r.poll(due):
-                        time.sleep(r.runtime.poll_interval_s)
+                    r.pace.after(r.poll(due))
                 for f in due:
                     barrier = max(barrier, f.ends)
                     if not r.hand_over(f, r.flights.take(f), rnd, entry, accepted):
@@ -139,8 +138,9 @@ class WallClock(Clock):
                 r.dispatch(fresh, rnd, virtual=False)
                 entry.sampled += len(fresh)
             if not r.poll():
-                time.sleep(r.runtime.poll_interval_s)
+                r.pace.wait()
                 continue
+            r.pace.reset()
             for f in r.flights.arrived():
                 got_at = time.perf_counter()
                 r.hand_over(f, r.flights.take(f), rnd, entry, accepted)
@@ -186,8 +186,7 @@ class DeviceClock(Clock):
                     continue
                 r.device_t = before
             while nxt.message_id not in r.flights.replies:
-                if not r.poll([nxt]):
-                    time.sleep(r.runtime.poll_interval_s)
+                r.pace.after(r.poll([nxt]))
             r.device_t = max(r.device_t, end)
             r.hand_over(nxt, r.flights.take(nxt), rnd, entry, accepted)
             if entry.ended() >= r.runtime.clients_per_round:

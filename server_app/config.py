@@ -136,8 +136,9 @@ def client_config(cfg: RunConfig) -> dict[str, Any]:
 # Keys a resumed run may change: they do not touch what is computed (or, `device` and `cohort-training`, where and
 # how, to float rounding).
 MAY_CHANGE_ON_RESUME = frozenset({"num-rounds", "checkpoint-every", "eval-every", "max-failed-fraction",
-                                  "reply-timeout-s", "poll-interval-s", "wait-nodes-s", "data-root", "device",
-                                  "cohort-training", "cohort-size", "resume", "output-dir", "run-name",
+                                  "reply-timeout-s", "poll-interval-s", "poll-max-interval-s", "wait-nodes-s",
+                                  "data-root", "device", "cohort-training", "cohort-size", "resume", "output-dir",
+                                  "run-name",
                                   *specs_of(TrackingConfig)})
 
 

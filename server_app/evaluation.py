@@ -54,7 +54,7 @@ def client_evaluate(grid: Grid, directory: NodeDirectory, dispatcher: Dispatcher
         ids = push(grid, lambda: [dispatcher.message(node, strategy.model_for(client), strategy.version,
                                                      MessageType.EVALUATE) for client, node in wave_targets])
         asked = dict(zip(ids, (client for client, _ in wave_targets)))
-        for reply in collect(directory.replies, list(asked), timeout):
+        for reply in collect(directory.replies, list(asked), timeout, directory.pace):
             try:
                 client, metrics = parse_metrics(reply)
                 target = asked[reply.metadata.reply_to_message_id]

@@ -164,8 +164,7 @@ class TrainingRun:
             f" (resumed after round {self.first_round - 1})" if self.first_round > 1 else "", cfg.clock,
             cfg.delay_sigma, cfg.loop, self.out)
         # a resumed run goes on without devices gone for good, as a running one does (a new one needs them all)
-        self.runner.directory.wait_for(cfg.num_clients, cfg.wait_nodes_s, cfg.poll_interval_s,
-                                       least=1 if self.first_round > 1 else None)
+        self.runner.directory.wait_for(cfg.num_clients, cfg.wait_nodes_s, least=1 if self.first_round > 1 else None)
         if self.first_round == 1:
             self.recorder.round(self.evaluate(RoundLog(0, 0)).to_dict())
         t_train = self.started = time.perf_counter()

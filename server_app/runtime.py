@@ -44,7 +44,7 @@ from server_app.clocks import CLOCKS
 from server_app.evaluation import weighted_mean
 from server_app.flights import Flight, Flights
 from server_app.rounds import RoundLog
-from server_app.wire import MAX_COUNT, Dispatcher, NodeDirectory, RejectedReply, read_update, unavailable
+from server_app.wire import MAX_COUNT, Dispatcher, NodeDirectory, Pace, RejectedReply, read_update, unavailable
 from strategies.base import Strategy, Unusable, Update
 
 
@@ -63,7 +63,11 @@ class RuntimeConfig:
                                 "(0 = synchronous)")
     concurrency: int = option(10, COUNT, "clients kept busy by the wall clock")
     reply_timeout_s: float = option(600.0, POSITIVE, "seconds a dispatched update may take before it is given up")
-    poll_interval_s: float = option(0.05, Range(0, 1, low_open=True), "seconds between pulls for replies")
+    poll_interval_s: float = option(0.05, Range(0, 1, low_open=True), "seconds between pulls for replies while "
+                                    "they come")
+    poll_max_interval_s: float = option(0.25, Range(0, 10, low_open=True), "the longest wait between pulls: each "
+                                        "pull that brings nothing doubles the wait, up to this (at least "
+                                        "`poll-interval-s`); a reply brings it back to `poll-interval-s`")
     wait_nodes_s: float = option(120.0, POSITIVE,
                                  "seconds to wait for `num-clients` nodes at start (a resumed run then goes on with "
                                  "those connected), or for any node later")
@@ -109,7 +113,8 @@ class Runner:
         check_options(self.runtime)
         self.grid, self.strategy = grid, strategy
         self.replies = ReplyPuller(grid)
-        self.directory = NodeDirectory(grid, strategy.num_clients or MAX_COUNT, replies=self.replies)
+        self.pace = Pace(self.runtime.poll_interval_s, self.runtime.poll_max_interval_s)
+        self.directory = NodeDirectory(grid, strategy.num_clients or MAX_COUNT, replies=self.replies, pace=self.pace)
         self.client_sizes = dict(client_sizes or {})
         self.fleet = None if fleet is None or fleet.ideal else fleet
         if self.runtime.clock == "device" and self.fleet is None:
@@ -420,8 +425,7 @@ class Runner:
     # -- the public API: a run (below), or one round at a time from another loop (clocks.OuterLoop) ----
     def wait_for_nodes(self, count: int, timeout: float | None = None) -> None:
         """Wait until `count` clients have a node (default: ``wait-nodes-s``), or fail."""
-        self.directory.wait_for(count, self.runtime.wait_nodes_s if timeout is None else timeout,
-                                self.runtime.poll_interval_s)
+        self.directory.wait_for(count, self.runtime.wait_nodes_s if timeout is None else timeout)
 
     def evaluate_messages(self, count: int, rng: random.Random, config: dict[str, Any]) -> list[Message]:
         """Evaluation messages to `count` connected clients drawn with `rng`, each with its ``model_for``

@@ -153,7 +153,7 @@ def test_the_directory_takes_each_answer_as_it_comes_and_waits_for_one_on_its_wa
     devices' update bytes."""
     from flwr.supercore.task_identity import TaskIdentity
 
-    from server_app.wire import NodeDirectory
+    from server_app.wire import NodeDirectory, Pace
 
     for name, value in (("_task_id", 1), ("_run_id", 7), ("_node_id", 0)):  # a ServerApp's task, run, node
         monkeypatch.setattr(TaskIdentity, name, value)
@@ -171,11 +171,11 @@ def test_the_directory_takes_each_answer_as_it_comes_and_waits_for_one_on_its_wa
 
     grid = Grid.__new__(Grid)
     grid._client, grid.node, grid._run = link, Node(node_id=SUPERLINK_NODE_ID), type("Run", (), {"run_id": 7})()
-    directory = NodeDirectory(grid, 2, ask_again_s=0.0)
+    directory = NodeDirectory(grid, 2, ask_again_s=0.0, pace=Pace(0.01, 0.01))
     deadline = time.monotonic() + 10
     while directory.clients != [1] and time.monotonic() < deadline:
         directory.poll()
     assert directory.clients == [1] and directory.replies.downloading("q11")
-    directory.wait_for(2, timeout=10, poll=0.01)
+    directory.wait_for(2, timeout=10)
     assert directory.node_of == {0: 11, 1: 12} and sorted(asked) == [11, 12] and link.left == 0
     assert directory.replies.pulled_replies == 0

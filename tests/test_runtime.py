@@ -450,12 +450,46 @@ def test_a_node_without_a_usable_answer_is_asked_again_once_its_query_s_time_is_
     for _ in range(5):
         directory.poll()
     assert directory.clients == [] and sorted(grid.queries) == sorted([grid.first, grid.second])
-    directory.wait_for(2, timeout=10.0, poll=0.05)
+    directory.wait_for(2, timeout=10.0)
     assert time.monotonic() - started >= 2.0 and directory.clients == [0, 1]
     assert sorted(grid.queries) == sorted([grid.first, grid.second] * 2)
     never = NodeDirectory(ForgetfulGrid(client_app, num_nodes=2), 2, ask_again_s=math.inf)
     with pytest.raises(RuntimeError, match=r"only 0 of 2 clients connected within 1s \(partitions \[\]\)"):
-        never.wait_for(2, timeout=1.0, poll=0.05)
+        never.wait_for(2, timeout=1.0)
+
+
+def test_a_pull_that_brings_nothing_doubles_the_wait_up_to_the_longest_and_one_that_brings_a_reply_restores_it(
+        monkeypatch):
+    """The pace of pulls for replies: 0.05, 0.1, 0.2, then the longest (0.25) after pulls that bring nothing; the
+    first wait again after one that brings something; a longest under the first is the first."""
+    from server_app import wire
+
+    slept: list[float] = []
+    monkeypatch.setattr(wire.time, "sleep", slept.append)
+    pace = wire.Pace(0.05, 0.25)
+    for brought in (False, False, False, False, False, True, False, True, True, False):
+        pace.after(brought)
+    assert slept == [0.05, 0.1, 0.2, 0.25, 0.25, 0.05, 0.05]
+    slept.clear()
+    short = wire.Pace(0.5, 0.1)
+    short.after(False)
+    short.after(False)
+    assert slept == [0.5, 0.5]
+
+
+def test_a_directory_waiting_for_a_node_that_never_comes_asks_a_few_times_a_second_not_twenty():
+    """Paced, a second's wait for a node that never answers is at most 7 pulls (waits of 0.05, 0.1, 0.2, 0.25, ...
+    s: 1.1 s after six), where a steady 0.05 s made about 20, each a request the SuperLink answers."""
+    from server_app.wire import NodeDirectory
+
+    grid = ForgetfulGrid(client_app, num_nodes=2)
+    pulls = []
+    pull = grid.pull_messages
+    grid.pull_messages = lambda ids: (pulls.append(1), pull(ids))[1]
+    never = NodeDirectory(grid, 2, ask_again_s=math.inf)
+    with pytest.raises(RuntimeError, match="only 0 of 2 clients connected within 1s"):
+        never.wait_for(2, timeout=1.0)
+    assert 2 <= len(pulls) <= 7
 
 
 def test_a_poll_counts_the_replies_in_hand_before_a_deadline_and_not_the_servers_own_pull_time(monkeypatch):
