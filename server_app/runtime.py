@@ -44,7 +44,17 @@ from server_app.clocks import CLOCKS
 from server_app.evaluation import weighted_mean
 from server_app.flights import Flight, Flights
 from server_app.rounds import RoundLog
-from server_app.wire import MAX_COUNT, Dispatcher, NodeDirectory, Pace, RejectedReply, read_update, unavailable
+from server_app.wire import (
+    MAX_COUNT,
+    POLL_INTERVAL_S,
+    POLL_MAX_INTERVAL_S,
+    Dispatcher,
+    NodeDirectory,
+    Pace,
+    RejectedReply,
+    read_update,
+    unavailable,
+)
 from strategies.base import Strategy, Unusable, Update
 
 
@@ -63,11 +73,12 @@ class RuntimeConfig:
                                 "(0 = synchronous)")
     concurrency: int = option(10, COUNT, "clients kept busy by the wall clock")
     reply_timeout_s: float = option(600.0, POSITIVE, "seconds a dispatched update may take before it is given up")
-    poll_interval_s: float = option(0.05, Range(0, 1, low_open=True), "seconds between pulls for replies while "
-                                    "they come")
-    poll_max_interval_s: float = option(0.25, Range(0, 10, low_open=True), "the longest wait between pulls: each "
-                                        "pull that brings nothing doubles the wait, up to this (at least "
-                                        "`poll-interval-s`); a reply brings it back to `poll-interval-s`")
+    poll_interval_s: float = option(POLL_INTERVAL_S, Range(0, 1, low_open=True),
+                                    "seconds between pulls for replies while they come")
+    poll_max_interval_s: float = option(POLL_MAX_INTERVAL_S, Range(0, 10, low_open=True),
+                                        "the longest wait between pulls: each pull that brings nothing doubles the "
+                                        "wait, up to this (at least `poll-interval-s`); a reply brings it back to "
+                                        "`poll-interval-s`")
     wait_nodes_s: float = option(120.0, POSITIVE,
                                  "seconds to wait for `num-clients` nodes at start (a resumed run then goes on with "
                                  "those connected), or for any node later")
