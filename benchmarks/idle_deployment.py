@@ -82,9 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     columns = {}
     with tempfile.TemporaryDirectory(prefix="idle-deployment-") as tmp:
-        for name, extra in (("steady 0.05 s", [STEADY]), ("paced (default)", [])):
-            (Path(tmp) / name[:6]).mkdir()
-            columns[name] = measure(extra, args.window_s, args.latency_s, Path(tmp) / name[:6])
+        for folder, name, extra in (("steady", "steady 0.05 s", [STEADY]), ("paced", "paced (default)", [])):
+            (Path(tmp) / folder).mkdir()
+            columns[name] = measure(extra, args.window_s, args.latency_s, Path(tmp) / folder)
     roles = sorted({r for c in columns.values() for r in c}, key=lambda r: -max(c[r] for c in columns.values()))
     print(f"| process (share of a core over {args.window_s:g} s, waiting) | " + " | ".join(columns) + " |")
     print("|---|" + "---:|" * len(columns))

@@ -179,9 +179,9 @@ class Pace:
     """The wait between pulls for replies: `first` seconds after a pull that brought something, twice as long after
     each one that brought nothing, up to `most` (at least `first`). Every pull is a request the SuperLink answers
     (about 6 ms of its CPU each, measured on a 2-core machine): a ServerApp waiting for a slow device at a steady
-    20 pulls a second kept the SuperLink at 8 % of a core and itself at 3 %, doing nothing; paced, it asks 4 times a
-    second once a second has passed without a reply, and a reply that ends a quiet spell waits at most `most` for
-    its pull. Replies that keep coming keep the short wait."""
+    20 pulls a second kept the SuperLink at 9 % of a core and itself at 3 %, doing nothing (benchmarks/
+    idle_deployment.py); at the defaults it asks 4 times a second after three pulls that brought nothing, and a reply
+    that ends a quiet spell waits at most `most` for its pull. Replies that keep coming keep the short wait."""
 
     def __init__(self, first: float = POLL_INTERVAL_S, most: float = POLL_MAX_INTERVAL_S) -> None:
         self.first, self.most = first, max(first, most)

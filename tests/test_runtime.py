@@ -492,6 +492,28 @@ def test_a_directory_waiting_for_a_node_that_never_comes_asks_a_few_times_a_seco
     assert 2 <= len(pulls) <= 7
 
 
+def test_collecting_replies_that_do_not_come_goes_at_the_pace_given_and_gives_them_up_at_the_timeout():
+    """The evaluation's wait for replies (`collect`) pulls at the pace it is given (the run's): a second's wait for
+    replies that never come is at most 7 pulls at the default pace (about 20 at the steady 0.05 s it had before); the
+    replies not in by then are discarded."""
+    from server_app.wire import Pace, collect
+
+    class Silent:  # a ReplyPuller whose replies never arrive
+        def __init__(self) -> None:
+            self.pulls, self.discarded = 0, []
+
+        def pull(self, pending):
+            self.pulls += 1
+            return []
+
+        def discard(self, message_id):
+            self.discarded.append(message_id)
+
+    paced = Silent()
+    assert collect(paced, ["a", "b"], 1.0, Pace()) == [] and sorted(paced.discarded) == ["a", "b"]
+    assert 2 <= paced.pulls <= 7
+
+
 def test_a_poll_counts_the_replies_in_hand_before_a_deadline_and_not_the_servers_own_pull_time(monkeypatch):
     """The wall clock's table of flights, on a fake clock: a flight is given up only when its deadline passed before
     the pull that asked for it (a pull that takes long is the server's time), and the flights of one poll arrive
