@@ -68,13 +68,14 @@ def test_the_reference_is_generated_from_the_code(site):
 
 
 def test_a_broken_link_fails_the_build(tmp_path):
+    """A copy of the site with one link to a page that does not exist fails `mkdocs build --strict`, naming the link
+    (the copy as it is builds: the `site` fixture's build of the same files)."""
     project = tmp_path / "project"
     project.mkdir()
     shutil.copytree(PROJECT_DIR / "docs", project / "docs")
     shutil.copy(PROJECT_DIR / "mkdocs.yml", project)
     shutil.copy(PROJECT_DIR / "BENCHMARKS.md", project)
     (project / "benchmarks").symlink_to(PROJECT_DIR / "benchmarks")
-    assert build(project, tmp_path / "ok").returncode == 0
     page = project / "docs" / "how-to" / "resume.md"
     page.write_text(page.read_text() + "\nSee [the old page](../no-such-page.md).\n")
     done = build(project, tmp_path / "broken")
