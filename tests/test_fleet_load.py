@@ -20,6 +20,7 @@ REPO = PROJECT_DIR
 
 
 @pytest.mark.e2e
+@pytest.mark.late
 def test_thirty_devices_through_a_superlink_restart_have_every_reply_reconciled(tmp_path):
     """30 devices (Flower's Fleet client through the edge, registered keys) answer FedBuff for 60 s on a SuperLink
     with SQLite state, killed (SIGKILL) 10 s after the run's first accepted update and started again: the run
