@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from flwr.app import Message
 
 from flower_internals.replies import ReplyPuller
-from strategies.base import Payload
+from server_app.wire import RejectedReply, unavailable
+from strategies.base import Payload, Unusable, Update
 
 
 @dataclass
@@ -93,3 +94,22 @@ class Flights(dict[int, Flight]):
         """`flight`'s reply (None: timed out), out of the table with it."""
         self.pop(flight.client, None)
         return self.replies.pop(flight.message_id)
+
+
+def fate(flight: Flight, reply: Message | None, timeout_s: float,
+         read: Callable[[Message], Update]) -> tuple[Update | None, str, str]:
+    """What `flight` brought back: ``(update, "accepted", "")``, or ``(None, outcome, why)`` for an update lost:
+    ``vanished`` (its device went offline before the message completed, in device time), ``timeout`` (no reply
+    within `timeout_s`), ``unavailable`` (the SuperLink no longer held the message or its reply), ``failure`` (an
+    error reply) or ``rejected`` (a reply that `read` refuses with :class:`RejectedReply` or :class:`Unusable`)."""
+    if flight.device_off < flight.device_done:
+        return None, "vanished", (f"its device went offline at device time {flight.device_off:.1f}s, before the "
+                                  f"message completed at {flight.device_done:.1f}s")
+    if reply is None:
+        return None, "timeout", f"no reply within {timeout_s:.0f}s"
+    if unavailable(reply):
+        return None, "unavailable", f"the SuperLink: {reply.error.reason}"
+    try:
+        return read(reply), "accepted", ""
+    except (RejectedReply, Unusable) as err:
+        return None, ("failure" if reply.has_error() else "rejected"), str(err)

@@ -40,6 +40,12 @@ class RoundLog:
     steps: list[dict[str, float]] = field(default_factory=list)  # what each strategy step of the round measured
     seconds: float = 0.0
 
+    def lost(self, outcome: str) -> None:
+        """Count an update lost as `outcome` (:func:`server_app.flights.fate`'s)."""
+        counter = {"failure": "failures", "rejected": "rejected", "timeout": "timeouts", "vanished": "vanished",
+                   "unavailable": "unavailable"}[outcome]
+        setattr(self, counter, getattr(self, counter) + 1)
+
     def ended(self) -> int:
         """The round's dispatches that have ended, whatever their outcome."""
         return self.accepted + self.failures + self.rejected + self.timeouts + self.vanished + self.unavailable

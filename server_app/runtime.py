@@ -42,7 +42,7 @@ from common.protocol import STRATEGY, UPDATES_BEFORE
 from flower_internals.replies import ReplyPuller, push
 from server_app.clocks import CLOCKS
 from server_app.evaluation import weighted_mean
-from server_app.flights import Flight, Flights
+from server_app.flights import Flight, Flights, fate
 from server_app.rounds import RoundLog
 from server_app.wire import (
     MAX_COUNT,
@@ -51,11 +51,9 @@ from server_app.wire import (
     Dispatcher,
     NodeDirectory,
     Pace,
-    RejectedReply,
     read_update,
-    unavailable,
 )
-from strategies.base import Strategy, Unusable, Update
+from strategies.base import Strategy, Update
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -302,37 +300,22 @@ class Runner:
         self.flights.pop(flight.client, None)
         self.dispatcher.settle(flight.client, reply)
         event = {"round": rnd, "client": flight.client, "node": flight.node, "message": flight.message_id,
-                 "base-version": flight.version,
-                 "dispatch-round": flight.dispatch_round, "t": round(time.perf_counter() - self._t0, 4),
-                 "device-start": round(flight.device_start, 4),
-                 "device-t": round(self._device_now() if self.runtime.clock == "wall"
-                                   else flight.ends, 4)}
-        update, outcome, reason = None, "accepted", ""
-        if flight.device_off < flight.device_done:
-            outcome, reason = "vanished", (f"its device went offline at device time {flight.device_off:.1f}s, "
-                                           f"before the message completed at {flight.device_done:.1f}s")
-            entry.vanished += 1
-        elif reply is None:
-            outcome, reason = "timeout", f"no reply within {self.runtime.reply_timeout_s:.0f}s"
-            entry.timeouts += 1
-        elif unavailable(reply):
-            outcome, reason = "unavailable", f"the SuperLink: {reply.error.reason}"
-            entry.unavailable += 1
-        else:
-            try:
-                update = read_update(reply, flight.client, flight.version, flight.payload, self.dispatcher.spec,
-                                     self._max_examples(flight.client), self.dispatcher.codecs,
-                                     self.runtime.max_update_ratio)
-                self.strategy.check(update)
-            except (RejectedReply, Unusable) as err:
-                outcome, reason = ("failure" if reply.has_error() else "rejected"), str(err)
-                if reply.has_error():
-                    entry.failures += 1
-                    if reply.error.code == ErrorCode.NODE_UNAVAILABLE:
-                        self._gone[flight.client] = time.perf_counter()
-                else:
-                    entry.rejected += 1
-        if update is None or outcome != "accepted":
+                 "base-version": flight.version, "dispatch-round": flight.dispatch_round,
+                 "t": round(time.perf_counter() - self._t0, 4), "device-start": round(flight.device_start, 4),
+                 "device-t": round(self._device_now() if self.runtime.clock == "wall" else flight.ends, 4)}
+
+        def read(reply: Message) -> Update:
+            update = read_update(reply, flight.client, flight.version, flight.payload, self.dispatcher.spec,
+                                 self._max_examples(flight.client), self.dispatcher.codecs,
+                                 self.runtime.max_update_ratio)
+            self.strategy.check(update)
+            return update
+
+        update, outcome, reason = fate(flight, reply, self.runtime.reply_timeout_s, read)
+        if update is None:
+            entry.lost(outcome)
+            if outcome == "failure" and reply.error.code == ErrorCode.NODE_UNAVAILABLE:
+                self._gone[flight.client] = time.perf_counter()
             log(WARNING, "round %d: update of client %d (node %d) lost: %s", rnd, flight.client, flight.node, reason)
             if not self.first_loss and outcome not in ("vanished", "unavailable"):
                 self.first_loss = f"round {rnd}, client {flight.client}: {reason}"

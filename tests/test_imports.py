@@ -92,6 +92,17 @@ def test_no_import_cycle_among_the_packages():
     assert cycles(g) == []
 
 
+MAX_MODULE_LINES = 450  # issue 71: a module past it holds more than one job
+
+
+def test_no_module_of_the_installed_packages_is_over_450_lines():
+    """A module that grows past MAX_MODULE_LINES is split by its jobs (docs/design/layout.md), not let grow."""
+    lines = {module_name(p): len(p.read_text().splitlines())
+             for pkg in PACKAGES for p in (PROJECT_DIR / pkg).rglob("*.py")}
+    assert len(lines) > 50 and lines["server_app.runtime"] > 300  # the walk sees the real modules
+    assert {m: n for m, n in lines.items() if n > MAX_MODULE_LINES} == {}
+
+
 def test_the_installed_packages_are_the_layers_and_none_has_a_generic_name():
     """What the wheel installs at the top of site-packages: the four layers and the command's own package, which
     carries the project's name (a top-level `scripts` would collide with other projects' in a user's environment)."""
