@@ -1,5 +1,5 @@
-"""The suite's CPU figure per test (tests/conftest.py): where a cgroup can be made, it counts a process the test
-started and orphaned, which os.times never sees."""
+"""The suite's own machinery (tests/conftest.py): the CPU figure per test (where a cgroup can be made, it counts a
+process the test started and orphaned, which os.times never sees), and the order the workers take tests in."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 
 import psutil
 import pytest
-from conftest import _GROUP, _own_cgroup, _TestCPU, pytest_sessionstart
+from conftest import _GROUP, _own_cgroup, _TestCPU, pytest_collection_modifyitems, pytest_sessionstart
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5:\n    pass\n"
 
@@ -53,3 +53,19 @@ def test_a_session_removes_the_groups_of_ended_sessions_and_keeps_a_live_ones() 
         for group in (inner, gone, live):
             if group.exists():
                 group.rmdir()
+
+
+def test_end_to_end_tests_go_first_and_the_late_ones_last_among_them() -> None:
+    """A stable sort: end-to-end tests in their collected order, then those marked `late`, then the rest."""
+
+    class Item:
+        def __init__(self, name: str, *marks: str) -> None:
+            self.name, self.marks = name, marks
+
+        def get_closest_marker(self, mark: str) -> object | None:
+            return mark if mark in self.marks else None
+
+    items = [Item("unit-1"), Item("load", "e2e", "late"), Item("deploy", "e2e"), Item("unit-2"),
+             Item("sim", "e2e")]
+    pytest_collection_modifyitems(items)
+    assert [i.name for i in items] == ["deploy", "sim", "load", "unit-1", "unit-2"]
