@@ -179,3 +179,45 @@ def test_the_directory_takes_each_answer_as_it_comes_and_waits_for_one_on_its_wa
     directory.wait_for(2, timeout=10)
     assert directory.node_of == {0: 11, 1: 12} and sorted(asked) == [11, 12] and link.left == 0
     assert directory.replies.pulled_replies == 0
+
+
+def test_a_flights_fate_is_checked_device_first_and_names_how_each_lost_update_was_lost() -> None:
+    """`flights.fate`, each outcome alone and in the order it is decided: a device that went offline before its
+    message completed loses the update whatever came back; no reply is a timeout; the SuperLink's own word that it
+    lost the message is `unavailable`, the same code from a device is the device's `failure`; a reply `read` refuses
+    is `rejected` (an update the strategy cannot use too), and only a clean one is accepted, as `read` made it."""
+    from flwr.app import Error
+
+    from server_app.flights import Flight, fate
+    from server_app.wire import RejectedReply
+    from strategies.base import Unusable
+
+    def error_from(node: int, code: int) -> Message:
+        metadata = Metadata(run_id=7, message_id="", src_node_id=node, dst_node_id=SUPERLINK_NODE_ID,
+                            reply_to_message_id="m", group_id="", ttl=3600.0, message_type="train",
+                            created_at=time.time())
+        return make_message(metadata=metadata, error=Error(code=code, reason="gone"))
+
+    def read(msg: Message) -> float:  # as the runner's parse: an error reply or a bad value raises RejectedReply
+        if msg.has_error():
+            raise RejectedReply(f"error reply (code {msg.error.code})")
+        value = float(msg.content["arrays"].to_numpy_ndarrays()[0][0])
+        if value < 0:
+            raise RejectedReply("negative")
+        if value > 10:
+            raise Unusable("too large for this strategy")
+        return value
+
+    flight = Flight(seq=0, client=3, version=1, dispatch_round=0, due_round=-1, payload=None, train_seed=0,
+                    device_done=5.0)
+    offline = Flight(**{**flight.state(), "device_off": 4.0})
+    assert fate(offline, reply("m", 1.0), 30, read)[:2] == (None, "vanished")
+    assert "offline at device time 4.0s" in fate(offline, None, 30, read)[2]
+    assert fate(flight, None, 30, read) == (None, "timeout", "no reply within 30s")
+    lost = fate(flight, error_from(SUPERLINK_NODE_ID, ErrorCode.REPLY_MESSAGE_UNAVAILABLE), 30, read)
+    assert lost == (None, "unavailable", "the SuperLink: gone")
+    assert fate(flight, error_from(DEVICE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE), 30, read)[:2] == (None, "failure")
+    assert fate(flight, error_from(DEVICE, ErrorCode.CLIENT_APP_RAISED_EXCEPTION), 30, read)[:2] == (None, "failure")
+    assert fate(flight, reply("m", -1.0), 30, read) == (None, "rejected", "negative")
+    assert fate(flight, reply("m", 11.0), 30, read) == (None, "rejected", "too large for this strategy")
+    assert fate(flight, reply("m", 2.0), 30, read) == (2.0, "accepted", "")
