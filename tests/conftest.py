@@ -7,6 +7,7 @@ import itertools
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -79,13 +80,25 @@ def small_run(tmp_path: Path):
     return run
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's, which gives a grouped test's id its group
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """End-to-end tests first (a stable sort): they are the suite's long ones, and `make test`'s workers
     (pytest-xdist) take tests in this order, so one started near the end would keep the whole suite waiting on it.
     Those marked `late` last among them: in CI the suite starts beside the engine test's Docker fleet, at an eighth
     of the CPU (.ci/run), where a test bound by the wall clock gets too little of it (the fleet-load test's first
     update 80 s into its 60 s run, once)."""
     items.sort(key=lambda item: (item.get_closest_marker("e2e") is None, item.get_closest_marker("late") is not None))
+    # A worker of `--dist loadgroup` (`make test`): the tests of one `xdist_group` must reach one worker, or each
+    # worker that gets one builds the module's fixture again (the Ray cluster, the site, the wheel). pytest 9.2 with
+    # pytest-xdist 3.8 drops the groups silently (pytest-dev/pytest-xdist#1386): said here instead
+    if getattr(config.option, "loadgroup", False):
+        lost = [item.nodeid for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+        if lost:
+            why = (f"pytest-xdist lost the `xdist_group` of {len(lost)} tests (e.g. {lost[0]}), so each worker would "
+                   "make their module's fixture again: this pytest and pytest-xdist do not keep a group on one worker "
+                   "(pytest-dev/pytest-xdist#1386); install the versions of pyproject.toml's `test` extra")
+            print(f"ERROR: {why}", file=sys.stderr, flush=True)  # the worker's error alone ends as an INTERNALERROR
+            raise pytest.UsageError(why)
 
 
 # CPU seconds per test: on 2 cores the suite is CPU-bound, so pytest's wall-clock --durations rank a test by the load
