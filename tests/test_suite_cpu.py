@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -55,17 +56,36 @@ def test_a_session_removes_the_groups_of_ended_sessions_and_keeps_a_live_ones() 
                 group.rmdir()
 
 
+class _Item:
+    """What the collection hook reads of a test: its id and its marks."""
+
+    def __init__(self, nodeid: str, *marks: str) -> None:
+        self.nodeid, self.marks = nodeid, marks
+
+    def get_closest_marker(self, mark: str) -> object | None:
+        return mark if mark in self.marks else None
+
+
+def _config(loadgroup: bool) -> SimpleNamespace:
+    return SimpleNamespace(option=SimpleNamespace(loadgroup=loadgroup) if loadgroup else SimpleNamespace())
+
+
 def test_end_to_end_tests_go_first_and_the_late_ones_last_among_them() -> None:
     """A stable sort: end-to-end tests in their collected order, then those marked `late`, then the rest."""
+    items = [_Item("unit-1"), _Item("load", "e2e", "late"), _Item("deploy", "e2e"), _Item("unit-2"),
+             _Item("sim", "e2e")]
+    pytest_collection_modifyitems(_config(False), items)
+    assert [i.nodeid for i in items] == ["deploy", "sim", "load", "unit-1", "unit-2"]
 
-    class Item:
-        def __init__(self, name: str, *marks: str) -> None:
-            self.name, self.marks = name, marks
 
-        def get_closest_marker(self, mark: str) -> object | None:
-            return mark if mark in self.marks else None
-
-    items = [Item("unit-1"), Item("load", "e2e", "late"), Item("deploy", "e2e"), Item("unit-2"),
-             Item("sim", "e2e")]
-    pytest_collection_modifyitems(items)
-    assert [i.name for i in items] == ["deploy", "sim", "load", "unit-1", "unit-2"]
+def test_a_worker_of_loadgroup_that_finds_a_grouped_test_without_its_group_stops_the_suite(capsys) -> None:
+    """pytest-xdist gives a grouped test's id its group (``@name``) on each worker; where it did not (pytest 9.2 with
+    xdist 3.8), each worker would make the group's module fixture again: the worker stops, naming a test. Outside a
+    `--dist loadgroup` worker nothing is checked."""
+    kept = [_Item("t.py::a@ray-cluster", "xdist_group"), _Item("t.py::b")]
+    pytest_collection_modifyitems(_config(True), kept)
+    lost = [_Item("t.py::b"), _Item("t.py::a", "xdist_group")]
+    pytest_collection_modifyitems(_config(False), list(lost))
+    with pytest.raises(pytest.UsageError, match=r"lost the `xdist_group` of 1 tests \(e.g. t.py::a\)"):
+        pytest_collection_modifyitems(_config(True), lost)
+    assert "pytest-dev/pytest-xdist#1386" in capsys.readouterr().err
