@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -122,17 +122,22 @@ class Nodes:
 START_TRIES = 3
 
 
+def _started(make: Callable[[], Nodes], tries: int = START_TRIES) -> Nodes:
+    """`make()`'s cluster, made again, up to `tries` times in all, while Ray's node startup times out."""
+    for _ in range(tries - 1):
+        try:
+            return make()
+        except AssertionError as err:  # Nodes stopped what it had started; its error holds tests/ray_nodes.py's log
+            if "timed out during startup" not in str(err):
+                raise
+    return make()
+
+
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
     """One cluster for the module's tests (one worker runs them all: ONE_CLUSTER), started once: each start is a
     dozen Ray processes' worth of CPU on CI's two cores. The test that kills its worker node comes last in the file."""
-    for attempt in range(1, START_TRIES + 1):
-        try:
-            nodes = Nodes(tmp_path_factory.mktemp("ray-nodes"))
-            break
-        except AssertionError as err:  # Nodes stopped what it had started; its error holds tests/ray_nodes.py's log
-            if attempt == START_TRIES or "timed out during startup" not in str(err):
-                raise
+    nodes = _started(lambda: Nodes(tmp_path_factory.mktemp("ray-nodes")))
     try:
         yield nodes
     finally:
@@ -258,7 +263,7 @@ def test_a_sweep_driver_stopped_then_started_again_survives_the_worker_node_and_
     (Ray's driver exits 15 unless the command's handler is put back), its tasks are cancelled. A driver started again
     goes on; the worker node is killed once both nodes' runs have a checkpoint of this driver's: the worker's run is run
     again on the head, resumed from that checkpoint, and the head's is not interrupted; every run is recorded once,
-    and the report is the local sweep's. (One sweep for both claims: each is four runs' CPU on CI's two cores.)"""
+    and the report is the local sweep's."""
     with _driver(tmp_path, two_nodes, checkpoints=1) as (driver, _):
         driver.send_signal(signal.SIGTERM)
         out, _ = driver.communicate(timeout=60)
@@ -310,3 +315,26 @@ def test_the_sweeps_cluster_flags_are_checked_before_anything_runs(tmp_path: Pat
     assert cli(["sweep", str(spec), *flags]) == 2
     assert key in capsys.readouterr().err
     assert not (tmp_path / "flags").exists()
+
+
+def test_a_cluster_whose_node_startup_timed_out_is_started_again_and_any_other_failure_is_not() -> None:
+    made: list[int] = []
+
+    def make(failures: list[str]):  # fails with each of `failures` in turn, then makes a cluster
+        def once():
+            made.append(1)
+            if failures:
+                raise AssertionError(failures.pop(0))
+            return "cluster"
+        return once
+
+    timeout = "Exception: The current node timed out during startup."
+    assert _started(make([timeout, timeout]), tries=3) == "cluster" and len(made) == 3
+    made.clear()
+    with pytest.raises(AssertionError, match="timed out"):
+        _started(make([timeout] * 3), tries=3)
+    assert len(made) == 3
+    made.clear()
+    with pytest.raises(AssertionError, match="gave no"):
+        _started(make(["tests/ray_nodes.py gave no the cluster's address in 300 s", timeout]), tries=3)
+    assert len(made) == 1

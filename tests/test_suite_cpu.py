@@ -66,15 +66,16 @@ class _Item:
         return mark if mark in self.marks else None
 
 
-def _config(loadgroup: bool) -> SimpleNamespace:
-    return SimpleNamespace(option=SimpleNamespace(loadgroup=loadgroup) if loadgroup else SimpleNamespace())
+def _config(**option: bool) -> SimpleNamespace:
+    """A pytest config as the hook reads it: its options (``loadgroup`` set only on a `--dist loadgroup` worker)."""
+    return SimpleNamespace(option=SimpleNamespace(**option))
 
 
 def test_end_to_end_tests_go_first_and_the_late_ones_last_among_them() -> None:
     """A stable sort: end-to-end tests in their collected order, then those marked `late`, then the rest."""
     items = [_Item("unit-1"), _Item("load", "e2e", "late"), _Item("deploy", "e2e"), _Item("unit-2"),
              _Item("sim", "e2e")]
-    pytest_collection_modifyitems(_config(False), items)
+    pytest_collection_modifyitems(_config(), items)
     assert [i.nodeid for i in items] == ["deploy", "sim", "load", "unit-1", "unit-2"]
 
 
@@ -83,9 +84,9 @@ def test_a_worker_of_loadgroup_that_finds_a_grouped_test_without_its_group_stops
     xdist 3.8), each worker would make the group's module fixture again: the worker stops, naming a test. Outside a
     `--dist loadgroup` worker nothing is checked."""
     kept = [_Item("t.py::a@ray-cluster", "xdist_group"), _Item("t.py::b")]
-    pytest_collection_modifyitems(_config(True), kept)
+    pytest_collection_modifyitems(_config(loadgroup=True), kept)
     lost = [_Item("t.py::b"), _Item("t.py::a", "xdist_group")]
-    pytest_collection_modifyitems(_config(False), list(lost))
+    pytest_collection_modifyitems(_config(), list(lost))
     with pytest.raises(pytest.UsageError, match=r"lost the `xdist_group` of 1 tests \(e.g. t.py::a\)"):
-        pytest_collection_modifyitems(_config(True), lost)
+        pytest_collection_modifyitems(_config(loadgroup=True), lost)
     assert "pytest-dev/pytest-xdist#1386" in capsys.readouterr().err
